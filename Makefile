@@ -1,0 +1,27 @@
+# Two set-up commands a fresh machine needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned: on CPU machines 2.13.0 resolves to a local CPU wheel; an unpinned
+# torch pulls gigabytes of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test serve bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/stoker serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache
