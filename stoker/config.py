@@ -1,0 +1,99 @@
+"""Frozen, layered engine configuration. [no torch]
+
+Validation lives in `__post_init__`; derived values are properties; copies are made with
+`dataclasses.replace`. Measured values (the number of KV blocks) are returned by the
+runner's memory profiler and never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cpu", "cuda")
+# A sensible CPU default: 1 GiB of KV. A float32 model with hidden 512 and 8 layers
+# stores 32 KiB per token, so this holds ~32k tokens.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # tests: force a tiny cache
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: derived from max_model_len
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may process. With chunked prefill the default is vLLM's 2048-ish
+        budget (long prompts are split); without it a whole max-length prompt must fit."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return max(2048, self.max_num_seqs)
+        return max(max_model_len, self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
+        if self.parallel_config.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported yet by the engine; use 1 "
+                "(`stoker plan` can still size tensor-parallel deployments)"
+            )

@@ -1,0 +1,94 @@
+"""SamplingParams: what to generate and when to stop, validated up front. [no torch]
+
+Names and defaults follow vLLM's `SamplingParams` so existing scripts port; valid ranges
+follow the OpenAI API as vLLM serves it (../shared/reference/facts.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Greedy below this temperature: dividing logits by ~0 overflows, and users mean "argmax".
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top log-probabilities per output token
+    prompt_logprobs: int | None = None  # accepted for API parity; not computed
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled by the engine from generation_config.json; not a user knob.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, valid: str) -> ValueError:
+            return ValueError(f"{name} must be {valid}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.temperature < 0 or self.temperature > 2:
+            raise bad("temperature", self.temperature, "in [0, 2]")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "-1 or 0 (off) or an integer >= 1")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None for up to the context limit)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", self.stop, "a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)
