@@ -50,6 +50,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=11008, vocab_size=32000,
         published_params=6.74e9, source="huggingface.co/meta-llama/Llama-2-7b-hf config.json; 6.74B",
     ),
+    "llama-2-13b": dict(
+        hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+        intermediate_size=13824, vocab_size=32000,
+        published_params=13.02e9, source="huggingface.co/meta-llama/Llama-2-13b-hf config.json; 13.0B",
+    ),
     "llama-2-70b": dict(
         hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         intermediate_size=28672, vocab_size=32000,
@@ -62,5 +67,5 @@ ALIASES: dict[str, str] = {
     "meta-llama-3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b",
     "meta-llama-3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b", "meta-llama-3.1-70b": "llama-3-70b",
     "llama-3.3-70b": "llama-3-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
-    "mixtral-8x7b-v0.1": "mixtral-8x7b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
 }

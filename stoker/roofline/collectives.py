@@ -1,0 +1,112 @@
+"""Collective times by the alpha-beta model, with NCCL's published per-protocol latencies.
+
+    T = base_latency + steps x hop_latency + bus_factor x S / (link_bw x protocol_bw_share)
+
+Latencies come from NCCL's tuning model (src/graph/tuning.cc, via facts.md): base latency 6.6 us
+for LL and 8.4 us for Simple; per-hop hardware latency 0.6 / 1.9 / 3.4 us (LL / LL128 / Simple) on
+NVLink, 1.0 / 2.5 / 5.7 on PCIe, 2.7 / 4.0 / 14 on the network. facts.md gives no LL128 base
+latency, so LL128 borrows Simple's (it is never the small-message winner anyway).
+
+Bandwidth share per protocol: LL sends 4 bytes of flag with every 4 bytes of data (50%); LL128
+uses 120 of every 128 bytes (~94%); Simple uses the whole line (NCCL docs, "NCCL_PROTO").
+
+busbw = algbw x factor, as nccl-tests defines it (doc/PERFORMANCE.md): all-reduce 2(n-1)/n;
+reduce-scatter, all-gather, all-to-all (n-1)/n; broadcast, reduce, send/recv 1.
+Ring moves data in n-1 (reduce-scatter, all-gather) or 2(n-1) (all-reduce) hops; tree in
+ceil(log2 n) hops each way. NCCL implements all-gather/reduce-scatter only as rings; the tree
+figures for them model recursive doubling and are an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from stoker.roofline.hardware import Interconnect
+
+BASE_LATENCY_US = {"LL": 6.6, "LL128": 8.4, "Simple": 8.4}
+HOP_LATENCY_US = {
+    "nvlink": {"LL": 0.6, "LL128": 1.9, "Simple": 3.4},
+    "pcie": {"LL": 1.0, "LL128": 2.5, "Simple": 5.7},
+    "network": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
+}
+PROTOCOL_BW_SHARE = {"LL": 0.5, "LL128": 120 / 128, "Simple": 1.0}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
+ALGORITHMS = ("ring", "tree")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for `n` ranks."""
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "send_recv"):
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    collective: str
+    algorithm: str
+    protocol: str
+    n: int
+    size_bytes: float
+    time_s: float
+
+    @property
+    def algbw_gb_per_s(self) -> float:
+        return self.size_bytes / self.time_s / 1e9 if self.time_s > 0 else math.inf
+
+    @property
+    def busbw_gb_per_s(self) -> float:
+        return self.algbw_gb_per_s * bus_factor(self.collective, self.n)
+
+
+def _hops(collective: str, algorithm: str, n: int) -> int:
+    if algorithm == "ring":
+        return 2 * (n - 1) if collective == "all_reduce" else n - 1
+    if algorithm == "tree":
+        depth = math.ceil(math.log2(n))
+        return 2 * depth if collective == "all_reduce" else depth
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
+
+
+def collective_time(
+    collective: str,
+    size_bytes: float,
+    n: int,
+    link: Interconnect,
+    *,
+    algorithm: str = "ring",
+    protocol: str | None = None,
+    efficiency: float = 1.0,
+) -> CollectiveTime:
+    """Time for one collective on `n` ranks; `protocol=None` picks the fastest of LL/LL128/Simple,
+    as NCCL's tuner does. `efficiency` scales the link bandwidth (achievable share of line rate)."""
+    if n < 1:
+        raise ValueError("n (number of ranks) must be >= 1")
+    if n == 1 or size_bytes <= 0:
+        return CollectiveTime(collective, algorithm, protocol or "Simple", n, size_bytes, 0.0)
+    if link.kind == "none" or link.gb_per_s <= 0:
+        raise ValueError(f"link {link.name!r} cannot carry collectives; use nvlink4, pcie5, ib-ndr, ...")
+    protocols = (protocol,) if protocol else tuple(BASE_LATENCY_US)
+    best: CollectiveTime | None = None
+    for proto in protocols:
+        if proto not in BASE_LATENCY_US:
+            raise ValueError(f"unknown protocol {proto!r}; choose LL, LL128 or Simple")
+        latency = (BASE_LATENCY_US[proto] + _hops(collective, algorithm, n) * HOP_LATENCY_US[link.kind][proto]) * 1e-6
+        bw = link.gb_per_s * 1e9 * PROTOCOL_BW_SHARE[proto] * efficiency
+        t = latency + bus_factor(collective, n) * size_bytes / bw
+        if best is None or t < best.time_s:
+            best = CollectiveTime(collective, algorithm, proto, n, size_bytes, t)
+    assert best is not None
+    return best
+
+
+def all_reduce_time(size_bytes: float, n: int, link: Interconnect, *, efficiency: float = 1.0) -> CollectiveTime:
+    """Fastest of ring and tree all-reduce (what NCCL picks), protocol auto-selected."""
+    ring = collective_time("all_reduce", size_bytes, n, link, algorithm="ring", efficiency=efficiency)
+    tree = collective_time("all_reduce", size_bytes, n, link, algorithm="tree", efficiency=efficiency)
+    return min(ring, tree, key=lambda c: c.time_s)

@@ -1,0 +1,260 @@
+"""Roofline cost of one forward step, per operation, on one GPU of a tensor-parallel group.
+
+Each op's time is max(FLOPs / (peak FLOP/s x eff), bytes / (HBM B/s x eff)) (Williams et al.
+2009, "Roofline"); collectives follow `collectives.py`; launch gaps are their own op. A decode
+step (the JAX scaling book's inference chapter, via facts.md) obeys
+    T >= (batch x KV_bytes_per_seq + weight_bytes) / HBM_BW  and  T >= 2 x batch x params / FLOPs.
+
+    step_cost(model, gpu, phase="decode", batch=8, context_len=1024)    -> StepCost (ops, times)
+    decode_tokens_per_s(model, gpu, batch=..., context_len=..., tp=...) -> float (predicted)
+    ttft_s(model, gpu, prompt_len)                                      -> prefill seconds
+    crossover_batch(model, gpu, context_len=...)                        -> batch where GEMMs turn compute-bound
+
+Precision: fp8 weights run FP8 matmuls where the GPU has FP8 cores (else weight-only, bf16
+math, as Marlin kernels do on A100); int8 is W8A8 on int8 cores; int4 is weight-only (W4A16).
+KV dtype defaults to bf16 whatever the weights (vLLM's kv_cache_dtype="auto").
+Not modelled: pipeline/expert parallelism, the logits gather, speculative decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stoker.roofline.collectives import all_reduce_time
+from stoker.roofline.efficiency import Efficiencies
+from stoker.roofline.hardware import GPUSpec, Interconnect, get_gpu, get_link
+from stoker.roofline.modelspec import ModelSpec, dtype_bytes, get_model_spec
+
+ACT_BYTES = 2.0  # activations stay bf16
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    op_class: str  # "gemm" | "attention" | "comm" | "overhead"
+    flops: float
+    bytes: float  # HBM traffic (for comm: bytes on the wire per GPU)
+    time_s: float
+    bound: str  # "memory" | "compute" | "communication" | "overhead"
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "op_class": self.op_class, "flops": self.flops, "bytes": self.bytes,
+                "arithmetic_intensity": self.arithmetic_intensity, "time_s": self.time_s, "bound": self.bound}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    phase: str
+    batch: int
+    context_len: int
+    tp: int
+    weight_dtype: str
+    kv_dtype: str
+    gpu: str
+    ops: tuple[OpCost, ...]
+    floor_ops: tuple[OpCost, ...]  # the same step at 100% of every peak, no gaps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch if self.phase == "decode" else self.batch * self.context_len
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(op.time_s for op in self.ops)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def latency_floor_s(self) -> float:
+        """The wall: this step's time at datasheet peaks (decode: per output token per sequence)."""
+        return sum(op.time_s for op in self.floor_ops)
+
+    @property
+    def ceiling_tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.latency_floor_s
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops if op.op_class in ("gemm", "attention"))
+
+    @property
+    def bytes(self) -> float:
+        return sum(op.bytes for op in self.ops if op.op_class in ("gemm", "attention"))
+
+    @property
+    def weight_bytes(self) -> float:
+        return sum(op.weight_bytes for op in self.ops)
+
+    @property
+    def kv_bytes(self) -> float:
+        return sum(op.kv_bytes for op in self.ops)
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    def time_by_bound(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for op in self.ops:
+            out[op.bound] = out.get(op.bound, 0.0) + op.time_s
+        return out
+
+    @property
+    def bound(self) -> str:
+        """The wall taking the largest share of step time."""
+        shares = self.time_by_bound()
+        return max(shares, key=shares.__getitem__)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "batch": self.batch, "phase": self.phase, "context_len": self.context_len, "tp": self.tp,
+            "gpu": self.gpu, "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s / self.tp, "ceiling_tokens_per_s": self.ceiling_tokens_per_s,
+            "bound": self.bound, "latency_floor_s": self.latency_floor_s,
+            "arithmetic_intensity": self.arithmetic_intensity, "flops_per_gpu": self.flops,
+            "bytes_per_gpu": self.bytes, "ops": [op.as_dict() for op in self.ops],
+        }
+
+
+def compute_dtype(weight_dtype: str, gpu: GPUSpec) -> str:
+    """Which tensor cores the matmuls use for a weight dtype on this GPU."""
+    if weight_dtype == "fp8" and gpu.fp8_tflops:
+        return "fp8"
+    if weight_dtype == "int8" and gpu.int8_tops:
+        return "int8"
+    return "bf16"
+
+
+def _resolve(model: ModelSpec | str, gpu: GPUSpec | str) -> tuple[ModelSpec, GPUSpec]:
+    return (get_model_spec(model) if isinstance(model, str) else model,
+            get_gpu(gpu) if isinstance(gpu, str) else gpu)
+
+
+def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: float,
+        eff_c: float, eff_m: float, w: float = 0.0, kv: float = 0.0) -> OpCost:
+    t_c, t_m = flops / (peak * eff_c), nbytes / (bw * eff_m)
+    return OpCost(name, op_class, flops, nbytes, max(t_c, t_m), "compute" if t_c > t_m else "memory", w, kv)
+
+
+def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
+         link: Interconnect, eff: Efficiencies) -> tuple[OpCost, ...]:
+    tokens = batch if phase == "decode" else batch * ctx
+    # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
+    attn_ctx = ctx if phase == "decode" else ctx / 2
+    fpt = m.flops_per_token(attn_ctx)
+    lp, L = m.layer_params, m.num_layers
+    wb, peak, bw = dtype_bytes(wd), g.peak_flops(compute_dtype(wd, g)), g.hbm_bytes_per_s
+    # MoE: experts some token in the step picked, in expectation, E x (1 - (1 - k/E)^tokens).
+    frac = 1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens if m.is_moe else 1.0
+
+    def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float) -> OpCost:
+        w = params * bytes_per_param / tp
+        act = tokens * (d_in + d_out) * ACT_BYTES / tp
+        return _op(name, "gemm", tokens * fpt[name] / tp, w + act, peak if bytes_per_param != 2.0 else g.peak_flops(),
+                   bw, eff.gemm_compute, eff.memory, w=w)
+
+    h, i_active = m.hidden_size, m.intermediate_size * (m.num_experts_per_tok if m.is_moe else 1)
+    ops = [
+        gemm("qkv_proj", L * lp["qkv_proj"], h, m.q_dim + 2 * m.kv_dim, wb),
+        gemm("o_proj", L * lp["o_proj"], m.q_dim, h, wb),
+    ]
+    if m.is_moe:
+        ops.append(gemm("router", L * lp["router"], h, m.num_experts, 2.0))
+    ops += [
+        gemm("mlp_gate_up", L * lp["mlp_gate_up"] * frac, h, 2 * i_active, wb),
+        gemm("mlp_down", L * lp["mlp_down"] * frac, i_active, h, wb),
+        gemm("lm_head", m.vocab_size * h, h, m.vocab_size, 2.0),
+    ]
+    # Attention: decode reads every sequence's whole KV; prefill writes it (flash-attention
+    # keeps scores on chip). KV heads split over TP ranks (replicated when tp > kv heads).
+    kv_tok = m.kv_bytes_per_token(kvd, tp)
+    kv = (batch * ctx if phase == "decode" else tokens) * kv_tok
+    q_io = 2 * tokens * m.q_dim * ACT_BYTES * L / tp
+    ops.append(_op("attention", "attention", tokens * fpt["attention"] / tp, kv + q_io, g.peak_flops(), bw,
+                   eff.attention_compute, eff.memory, kv=kv))
+    if tp > 1:
+        # Megatron TP: two all-reduces per layer (after o_proj and after mlp_down), each
+        # tokens x hidden x 2 bytes (Shoeybi et al. 2019, via facts.md).
+        ar = all_reduce_time(tokens * h * ACT_BYTES, tp, link, efficiency=eff.comm)
+        ops.append(OpCost("all_reduce", "comm", 0.0, 2 * L * ar.size_bytes, 2 * L * ar.time_s, "communication"))
+    gaps = L * eff.layer_overhead_s + eff.step_overhead_s
+    if gaps > 0:
+        ops.append(OpCost("launch_gaps", "overhead", 0.0, 0.0, gaps, "overhead"))
+    return tuple(ops)
+
+
+def step_cost(
+    model: ModelSpec | str,
+    gpu: GPUSpec | str,
+    *,
+    phase: str = "decode",
+    batch: int = 1,
+    context_len: int = 1024,
+    weight_dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    tp: int = 1,
+    link: Interconnect | str | None = None,
+    eff: Efficiencies | None = None,
+) -> StepCost:
+    """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
+    (`batch` prompts of `context_len` tokens)."""
+    m, g = _resolve(model, gpu)
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"phase must be decode or prefill, not {phase!r}")
+    if batch < 1 or context_len < 1 or tp < 1:
+        raise ValueError("batch, context_len and tp must be >= 1")
+    if m.num_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide {m.name}'s {m.num_heads} attention heads")
+    dtype_bytes(weight_dtype)
+    kvd = kv_dtype or "bf16"
+    dtype_bytes(kvd)
+    lnk = get_link(link) if isinstance(link, str) else (link or g.link)
+    if tp > 1 and lnk.kind == "none":
+        raise ValueError(f"{g.name} has no GPU-GPU link for --tp {tp}; pass --link (e.g. pcie4) or use tp 1")
+    args = (m, g, phase, batch, context_len, weight_dtype, kvd, tp, lnk)
+    return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
+                    _ops(*args, eff or Efficiencies()), _ops(*args, Efficiencies.ideal()))
+
+
+def decode_tokens_per_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, context_len: int,
+                        weight_dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1,
+                        link: Interconnect | str | None = None, eff: Efficiencies | None = None) -> float:
+    """Predicted output tokens/s of one TP group decoding `batch` sequences at `context_len`."""
+    return step_cost(model, gpu, phase="decode", batch=batch, context_len=context_len, weight_dtype=weight_dtype,
+                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff).tokens_per_s
+
+
+def ttft_s(model: ModelSpec | str, gpu: GPUSpec | str, prompt_len: int, *, weight_dtype: str = "bf16",
+           kv_dtype: str | None = None, tp: int = 1, link: Interconnect | str | None = None,
+           eff: Efficiencies | None = None) -> float:
+    """Prefill time of one prompt alone on the group: the floor of time to first token."""
+    return step_cost(model, gpu, phase="prefill", batch=1, context_len=prompt_len, weight_dtype=weight_dtype,
+                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff).step_time_s
+
+
+def crossover_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, context_len: int = 1024,
+                    weight_dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1,
+                    link: Interconnect | str | None = None, limit: int = 1 << 16) -> int | None:
+    """Smallest decode batch at which the weight matmuls become compute-bound (cross the ridge),
+    at datasheet peaks; None if not by `limit`. Attention never crosses: its FLOPs grow with KV."""
+    def crossed(b: int) -> bool:
+        s = step_cost(model, gpu, batch=b, context_len=context_len, weight_dtype=weight_dtype,
+                      kv_dtype=kv_dtype, tp=tp, link=link, eff=Efficiencies.ideal())
+        gemms = [op for op in s.ops if op.op_class == "gemm"]
+        return sum(op.time_s for op in gemms if op.bound == "compute") > sum(op.time_s for op in gemms) / 2
+    if not crossed(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if crossed(mid) else (mid + 1, hi)
+    return lo

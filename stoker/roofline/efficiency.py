@@ -1,0 +1,52 @@
+"""Achievable share of peak, per op class: the knobs between the roofline wall and a real run.
+
+The cost model's *ceiling* uses `Efficiencies.ideal()` (every share 1, no overhead); its
+*prediction* uses the defaults below. `calibrate.calibrate(bench_json)` fits them to measured
+decode runs, so every default here is a starting point with a source, not a promise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    # Matmuls (qkv/o/mlp/lm_head): share of dense peak FLOP/s. facts.md: a bf16 8192^3 matmul
+    # runs at ~770-790 of 989 TFLOP/s on the H200 lent to this project (~0.79).
+    gemm_compute: float = 0.78
+    # Attention math: FlashAttention-2 reaches 50-73% of A100 peak in the forward pass
+    # (Dao 2023, arXiv:2307.08691, fig. 4); decode attention is rarely compute-bound anyway.
+    attention_compute: float = 0.5
+    # Weight and KV streaming: share of datasheet HBM bandwidth. facts.md: device-to-device copy
+    # ~4.3 of 4.8 TB/s on H200 (0.90); gpt-fast's README: "empirically peak bandwidth is about
+    # 1700 GB/s" on a 2039 GB/s A100 (0.83). Small decode GEMVs stream a little below a copy.
+    memory: float = 0.82
+    # Collectives: share of per-direction link bandwidth. NCCL gets ~370 of NVLink4's 450 GB/s
+    # (sjeaugey, github.com/NVIDIA/nccl-tests/issues/212): 0.82.
+    comm: float = 0.82
+    # Launch gaps: seconds lost per decoder layer per step between kernels (CUDA-graph replay
+    # still leaves ~1-2 us per kernel and a layer runs ~6-8 kernels). An assumption; calibrate it.
+    layer_overhead_s: float = 8e-6
+    # Per-step host work not overlapped with the GPU (scheduling, sampling). Assumption; calibrate.
+    step_overhead_s: float = 100e-6
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_compute", "attention_compute", "memory", "comm"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
+        if self.layer_overhead_s < 0 or self.step_overhead_s < 0:
+            raise ValueError("overheads must be >= 0")
+
+    @classmethod
+    def ideal(cls) -> Efficiencies:
+        """The roofline itself: every resource at its datasheet peak, no gaps."""
+        return cls(1.0, 1.0, 1.0, 1.0, 0.0, 0.0)
+
+    def replace(self, **changes: float) -> Efficiencies:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,208 @@
+"""Model architecture -> parameters by component, weight bytes, KV bytes per token, FLOPs per token.
+
+Entry points (the fleet planner sizes memory with the first two):
+    spec = get_model_spec("llama-3-70b")          # preset, HF repo id, checkpoint dir or config.json
+    spec.weight_bytes("fp8")                       # bytes of all weights stored in that dtype
+    spec.kv_bytes_per_token("bf16")                # 2 x layers x kv_heads x head_dim x bytes
+    spec.flops_per_token(context_len)              # forward FLOPs per token, by operation
+Throughput for a deployment is `costmodel.decode_tokens_per_s(...)`.
+
+Dtypes: bf16/fp16 2 bytes; fp8/int8 1 byte; int4 0.5 byte + one 16-bit scale per group of 128
+(GPTQ/AWQ's common group size). Quantized checkpoints keep embeddings and lm_head in 16 bits
+(vLLM's FP8 and GPTQ/AWQ checkpoints leave them unquantized), so `weight_bytes` does too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from stoker.roofline.presets import ALIASES, PRESETS
+
+INT4_GROUP_SIZE = 128
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
+    "int4": 0.5 + 2.0 / INT4_GROUP_SIZE,
+}
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp8")
+
+
+def dtype_bytes(dtype: str) -> float:
+    key = dtype.strip().lower().replace("float16", "fp16").replace("bfloat16", "bf16")
+    key = {"auto": "bf16", "half": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Decoder-only transformer shape (Llama/Qwen/Mixtral family: GQA attention, gated MLP)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # per expert for MoE
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    num_experts: int = 1  # 1 = dense
+    num_experts_per_tok: int = 1
+    attention_bias: bool = False
+    qk_norm: bool = False
+    published_params: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads {self.num_heads} not a multiple of kv heads {self.num_kv_heads}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"{self.name}: num_experts_per_tok must be in [1, num_experts]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # ---- parameters, per layer and by component -------------------------------------------
+    @property
+    def layer_params(self) -> dict[str, int]:
+        """Parameters of one decoder layer by matmul (+ norms), all experts counted."""
+        h, i = self.hidden_size, self.intermediate_size
+        qkv = h * (self.q_dim + 2 * self.kv_dim) + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
+        return {
+            "qkv_proj": qkv,
+            "o_proj": self.q_dim * h,
+            "router": h * self.num_experts if self.is_moe else 0,
+            "mlp_gate_up": 2 * h * i * self.num_experts,
+            "mlp_down": i * h * self.num_experts,
+            "norms": 2 * h + (2 * self.head_dim if self.qk_norm else 0),
+        }
+
+    def param_counts(self) -> dict[str, int]:
+        """Whole-model parameters by component: embedding, attention, mlp, router, norms, lm_head."""
+        lp = self.layer_params
+        emb = self.vocab_size * self.hidden_size
+        return {
+            "embedding": emb,
+            "attention": self.num_layers * (lp["qkv_proj"] + lp["o_proj"]),
+            "mlp": self.num_layers * (lp["mlp_gate_up"] + lp["mlp_down"]),
+            "router": self.num_layers * lp["router"],
+            "norms": self.num_layers * lp["norms"] + self.hidden_size,
+            "lm_head": 0 if self.tie_word_embeddings else emb,
+        }
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token touches (MoE: only its top-k experts)."""
+        # Counted as Mistral counts Mixtral's "12.9B active": everything but the idle experts.
+        c = self.param_counts()
+        idle_experts = c["mlp"] * (self.num_experts - self.num_experts_per_tok) // self.num_experts
+        return self.num_params - idle_experts
+
+    # ---- bytes ---------------------------------------------------------------------------
+    def weight_bytes(self, dtype: str = "bf16") -> float:
+        """Bytes of all weights: transformer-block matmuls in `dtype`, embeddings/norms in 16 bits."""
+        c = self.param_counts()
+        quantized = c["attention"] + c["mlp"]
+        rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
+        return quantized * dtype_bytes(dtype) + rest * 2.0
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16", tp: int = 1) -> float:
+        """K and V of every layer for one token; per GPU when tp > 1 (KV heads split, or replicated
+        when tp > kv heads, as vLLM does). facts.md: Llama-3-8B bf16 131072 B, 70B 327680 B."""
+        kv_heads_per_gpu = math.ceil(self.num_kv_heads / tp)
+        return 2 * self.num_layers * kv_heads_per_gpu * self.head_dim * dtype_bytes(kv_dtype)
+
+    # ---- FLOPs ---------------------------------------------------------------------------
+    def flops_per_token(self, context_len: float) -> dict[str, float]:
+        """Forward FLOPs for one token attending to `context_len` positions, by operation.
+
+        2 FLOPs per multiply-accumulate on active weights, plus attention 4 x layers x heads x
+        head_dim x context (QK^T and PV), the formula in facts.md (Kaplan et al. 2020, sec. 2.1).
+        """
+        lp, L, k = self.layer_params, self.num_layers, self.num_experts_per_tok
+        per_expert = lambda n: n * k / self.num_experts  # noqa: E731
+        return {
+            "qkv_proj": 2.0 * L * lp["qkv_proj"],
+            "attention": 4.0 * L * self.q_dim * context_len,
+            "o_proj": 2.0 * L * lp["o_proj"],
+            "router": 2.0 * L * lp["router"],
+            "mlp_gate_up": 2.0 * L * per_expert(lp["mlp_gate_up"]),
+            "mlp_down": 2.0 * L * per_expert(lp["mlp_down"]),
+            "lm_head": 2.0 * self.vocab_size * self.hidden_size,
+        }
+
+
+def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
+    """Build a ModelSpec from HF config.json fields (Llama, Mistral, Mixtral, Qwen2/3 names)."""
+    try:
+        h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return ModelSpec(
+            name=name,
+            hidden_size=h,
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or h // heads),
+            intermediate_size=int(config.get("moe_intermediate_size") if config.get("num_experts") else config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 1),
+            num_experts_per_tok=int(config.get("num_experts_per_tok") or 1),
+            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            qk_norm=bool(config.get("qk_norm", config.get("model_type") in ("qwen3", "qwen3_moe"))),
+            published_params=config.get("published_params"),
+            source=str(config.get("source", name)),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+
+
+def list_models() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_model_spec(name_or_path: str) -> ModelSpec:
+    """A preset name, an HF repo id of a preset ("meta-llama/Meta-Llama-3-70B-Instruct"), a
+    checkpoint directory holding config.json, or a config.json path."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        return spec_from_config(config, name=path.parent.name or path.stem)
+    key = _preset_key(name_or_path)
+    if key is None:
+        raise ValueError(f"unknown model {name_or_path!r}; give a checkpoint dir/config.json or one of: "
+                         f"{', '.join(list_models())}")
+    return spec_from_config(PRESETS[key], name=key)
+
+
+def _preset_key(name: str) -> str | None:
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    for suffix in ("-instruct", "-chat-hf", "-chat", "-hf", "-base"):
+        key = key.removesuffix(suffix)
+    key = ALIASES.get(key, key)
+    if key.startswith("meta-") and key[5:] in PRESETS:
+        key = key[5:]
+    return key if key in PRESETS else None
