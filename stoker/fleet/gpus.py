@@ -1,6 +1,7 @@
 """GPU models a fleet can hold: memory size, MIG capability, and the roofline table's name.
 
-Memory sizes are the datasheet figures in shared/reference/facts.md (decimal GB). A MIG
+Memory sizes are the datasheet figures in shared/reference/facts.md, counted in GiB as
+stoker.roofline.hardware does (nvidia-smi reports 81559 MiB for an "80 GB" H100). A MIG
 instance's capacity is counted as mem_slices / 8 of that; the usable figure `nvidia-smi
 mig -lgip` prints is a little lower (9.75 GiB for 1g.10gb), which sizing covers through
 its `gpu_memory_utilization` headroom.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from stoker.fleet import mig
 
-GB = 10**9
+GiB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,12 @@ class GpuModel:
 GPU_MODELS: dict[str, GpuModel] = {
     m.name: m
     for m in (
-        GpuModel("A100-40GB", 40 * GB, True, "A100 40GB SXM"),
-        GpuModel("A100-80GB", 80 * GB, True, "A100 80GB SXM"),
-        GpuModel("H100-80GB", 80 * GB, True, "H100 SXM"),
-        GpuModel("H200-141GB", 141 * GB, True, "H200 SXM"),
-        GpuModel("L40S", 48 * GB, False, "L40S"),
-        GpuModel("L4", 24 * GB, False, "L4"),
+        GpuModel("A100-40GB", 40 * GiB, True, "A100-40GB"),
+        GpuModel("A100-80GB", 80 * GiB, True, "A100-80GB"),
+        GpuModel("H100-80GB", 80 * GiB, True, "H100-SXM"),
+        GpuModel("H200-141GB", 141 * GiB, True, "H200"),
+        GpuModel("L40S", 48 * GiB, False, "L40S"),
+        GpuModel("L4", 24 * GiB, False, "L4"),
     )
 }
 

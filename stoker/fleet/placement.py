@@ -149,12 +149,19 @@ class _Search:
         """Every distinct way to place `r` now: into an open GPU, or onto fresh GPUs."""
         out: list[tuple[SliceOption, tuple[int, ...]]] = []
         seen: set[object] = set()
+        free_on_node: dict[tuple[str, str], int] = {}
+        for s in self.states:
+            k = (s.gpu.node, s.gpu.gpu_model)
+            free_on_node[k] = free_on_node.get(k, 0) + (not s.is_open)
         for opt in r.options:
             if opt.profile is not None:
                 for i, s in enumerate(self.states):
                     if s.gpu.gpu_model != opt.gpu_model or not s.can_add(opt.profile):
                         continue
-                    sig = (opt, s.gpu.gpu_model, s.gpu.hourly_price, tuple(sorted(s.profiles)))
+                    # A fresh GPU also changes its node's free count, which tensor-parallel
+                    # replicas care about; open GPUs in the same state are interchangeable.
+                    node_free = None if s.is_open else free_on_node[(s.gpu.node, s.gpu.gpu_model)]
+                    sig = (opt, s.gpu.hourly_price, tuple(sorted(s.profiles)), node_free)
                     if dedupe and sig in seen:
                         continue
                     seen.add(sig)
