@@ -1,0 +1,178 @@
+"""Deployment planner: the cheapest way to serve a target rate under latency budgets.
+
+Search space: weight dtype x KV dtype x TP degree x max batch x replicas. A candidate is
+feasible when one GPU's weights + KV (max_batch x (prompt + output) tokens) + activations +
+overhead fit in gpu_memory_utilization of its memory, and the cost model's TTFT and TPOT meet
+the budgets. Replicas = ceil(target / one replica's rate).
+
+Serving model of one replica at max_batch b (steady state, continuous batching): every step
+decodes b tokens at mean context prompt + output/2, and b/output new requests arrive per step,
+each needing a prefill of `prompt_len` tokens (chunked prefill spreads it over steps), so
+    effective step = decode step + (b / output_len) x prefill(prompt_len)
+    rate = b / effective step;  TPOT = effective step;  TTFT p50 ~ prefill(prompt) + one step.
+Cost per million tokens = GPUs x $/GPU-hour / (target tokens/s x 3600) x 1e6: you pay for every
+GPU to serve the target, so the cheapest plan is the one with fewest GPUs (ties: most headroom).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from stoker.roofline.costmodel import step_cost
+from stoker.roofline.efficiency import Efficiencies
+from stoker.roofline.hardware import GiB, GPUSpec, Interconnect, get_gpu, get_link
+from stoker.roofline.memory import vram
+from stoker.roofline.modelspec import KV_DTYPES, WEIGHT_DTYPES, ModelSpec, get_model_spec
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TP_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PlanTargets:
+    target_tokens_per_s: float
+    ttft_p50_ms: float | None = None
+    tpot_ms: float | None = None
+    prompt_len: int = 1024
+    output_len: int = 256
+    max_gpus: int = 8
+    gpu_hour_price: float = 1.0  # USD; at 1.0 the cost column reads as GPU-hours per million tokens
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.target_tokens_per_s <= 0:
+            raise ValueError("--target-tokens-per-s must be > 0")
+        if self.prompt_len < 1 or self.output_len < 1 or self.max_gpus < 1:
+            raise ValueError("--prompt-len, --output-len and --max-gpus must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu memory utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    gpus: int
+    tp: int
+    replicas: int
+    weight_dtype: str
+    kv_dtype: str
+    max_batch: int
+    tokens_per_s: float  # capacity of all replicas
+    ttft_ms: float
+    tpot_ms: float
+    memory_per_gpu_gb: float  # GiB
+    cost_per_million_tokens: float
+    bound: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    family: str
+    tp: int
+    weight_dtype: str
+    kv_dtype: str
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    feasible: tuple[Candidate, ...]  # best max_batch per family, cheapest first
+    rejected: tuple[Rejection, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"feasible": [c.as_dict() for c in self.feasible], "rejected": [r.as_dict() for r in self.rejected]}
+
+
+def family_name(tp: int, weight_dtype: str, kv_dtype: str) -> str:
+    return f"TP{tp} {weight_dtype} weights, {kv_dtype} KV"
+
+
+def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype: str, kv_dtype: str,
+             max_batch: int, link: Interconnect, eff: Efficiencies | None = None) -> Candidate | str:
+    """One (family, max_batch) point, replicas chosen to meet the target; a reason string if not."""
+    budget = g.memory_bytes * t.gpu_memory_utilization
+    mem = vram(m, batch=max_batch, context_len=t.prompt_len + t.output_len, weight_dtype=weight_dtype,
+               kv_dtype=kv_dtype, tp=tp)
+    if mem.weights_bytes > budget:
+        return (f"weights {mem.weights_bytes * tp / GiB:.0f} GiB > {tp} x {g.memory_gb:.0f} GiB"
+                f" x {t.gpu_memory_utilization:.2f} usable")
+    if mem.total_bytes > budget:
+        return (f"batch {max_batch}: weights + KV + activations {mem.total_bytes / GiB:.1f} GiB/GPU"
+                f" > {budget / GiB:.1f} GiB usable")
+    kw = dict(weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp, link=link, eff=eff)
+    decode = step_cost(m, g, batch=max_batch, context_len=t.prompt_len + t.output_len // 2, **kw)  # type: ignore[arg-type]
+    prefill = step_cost(m, g, phase="prefill", batch=1, context_len=t.prompt_len, **kw)  # type: ignore[arg-type]
+    step = decode.step_time_s + max_batch / t.output_len * prefill.step_time_s
+    ttft_ms, tpot_ms = (prefill.step_time_s + step) * 1e3, step * 1e3
+    if t.tpot_ms is not None and tpot_ms > t.tpot_ms:
+        return f"batch {max_batch}: TPOT {tpot_ms:.1f} ms > budget {t.tpot_ms:g} ms"
+    if t.ttft_p50_ms is not None and ttft_ms > t.ttft_p50_ms:
+        return f"batch {max_batch}: TTFT {ttft_ms:.0f} ms > budget {t.ttft_p50_ms:g} ms"
+    rate = max_batch / step
+    replicas = math.ceil(t.target_tokens_per_s / rate)
+    gpus = replicas * tp
+    if gpus > t.max_gpus:
+        return f"needs {gpus} GPUs ({replicas} replicas x TP{tp} at {rate:.0f} tokens/s each) > --max-gpus {t.max_gpus}"
+    cost = gpus * t.gpu_hour_price / (t.target_tokens_per_s * 3600) * 1e6
+    return Candidate(gpus, tp, replicas, weight_dtype, kv_dtype, max_batch, replicas * rate, ttft_ms, tpot_ms,
+                     mem.total_bytes / GiB, cost, decode.bound)
+
+
+def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
+         link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES,
+         kv_dtypes: tuple[str, ...] = KV_DTYPES, tp_degrees: tuple[int, ...] = TP_DEGREES,
+         batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None) -> Plan:
+    m = get_model_spec(model) if isinstance(model, str) else model
+    g = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    lnk = get_link(link) if isinstance(link, str) else (link or g.link)
+    feasible: list[Candidate] = []
+    rejected: list[Rejection] = []
+    for tp in tp_degrees:
+        for wd in weight_dtypes:
+            for kvd in kv_dtypes:
+                reason = _family_block(m, g, lnk, targets, tp)
+                best: Candidate | None = None
+                reasons: list[str] = []
+                if reason is None:
+                    for b in batches:
+                        c = evaluate(m, g, targets, tp=tp, weight_dtype=wd, kv_dtype=kvd, max_batch=b, link=lnk, eff=eff)
+                        if isinstance(c, str):
+                            reasons.append(c)
+                        elif best is None or (c.gpus, -c.tokens_per_s) < (best.gpus, -best.tokens_per_s):
+                            best = c
+                    reason = _pick_reason(reasons)
+                if best is not None:
+                    feasible.append(best)
+                else:
+                    rejected.append(Rejection(family_name(tp, wd, kvd), tp, wd, kvd, reason or "no batch size fits"))
+    feasible.sort(key=lambda c: (c.cost_per_million_tokens, -c.tokens_per_s))
+    return Plan(tuple(feasible), tuple(rejected))
+
+
+def _family_block(m: ModelSpec, g: GPUSpec, link: Interconnect, t: PlanTargets, tp: int) -> str | None:
+    if tp > t.max_gpus:
+        return f"TP{tp} > --max-gpus {t.max_gpus}"
+    if m.num_heads % tp:
+        return f"TP{tp} does not divide {m.num_heads} attention heads"
+    if tp > 1 and link.kind == "none":
+        return f"{g.name} has no GPU-GPU link for TP{tp}"
+    return None
+
+
+def _pick_reason(reasons: list[str]) -> str | None:
+    """The most telling failure: the fewest GPUs some batch would need beats latency, latency
+    beats memory (those mean some batch got close); among equals, the smallest batch's."""
+    needs = [r for r in reasons if r.startswith("needs ")]
+    if needs:
+        return min(needs, key=lambda r: int(r.split()[1]))
+    for marker in ("TTFT", "TPOT", "weights +", "weights"):
+        for r in reasons:
+            if marker in r:
+                return r
+    return reasons[0] if reasons else None
