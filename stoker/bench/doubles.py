@@ -62,6 +62,7 @@ class DoubleServer:
     port: int = 0
     hang_s: float = 60.0
     token_delay_s: float = 0.0  # > 0: sleep between chunks (a slow-decoding server)
+    max_running: int = 0  # > 0: at most this many streams at once, others queue (a batch cap)
     stats: Counter[str] = field(default_factory=Counter)
     _cache: dict[tuple[bool, int, bool], bytes] = field(default_factory=dict)
     _n: int = 0
@@ -72,6 +73,7 @@ class DoubleServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._slots: asyncio.Semaphore | None = None
 
     @property
     def base_url(self) -> str:
@@ -79,6 +81,8 @@ class DoubleServer:
 
     # -- lifecycle --------------------------------------------------------------------
     async def start_async(self) -> None:
+        if self.max_running > 0:
+            self._slots = asyncio.Semaphore(self.max_running)
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, backlog=1024)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -166,13 +170,19 @@ class DoubleServer:
             await writer.drain()
             return True
         writer.write(_OK_HEAD)
-        if mode in ("instant", "nousage") and self.token_delay_s <= 0:
+        if mode in ("instant", "nousage") and self.token_delay_s <= 0 and self._slots is None:
             writer.write(self._instant_body(chat, n, mode == "instant", req))
         elif mode in ("instant", "nousage"):
-            for i in range(n):
-                writer.write(_chunk(_content_event(chat, i)))
-                await writer.drain()
-                await asyncio.sleep(self.token_delay_s)
+            if self._slots is not None:
+                await self._slots.acquire()  # queued: the wait shows up as TTFT, as in a real server
+            try:
+                for i in range(n):
+                    writer.write(_chunk(_content_event(chat, i)))
+                    await writer.drain()
+                    await asyncio.sleep(self.token_delay_s)
+            finally:
+                if self._slots is not None:
+                    self._slots.release()
             if mode == "instant":
                 writer.write(_chunk(self._usage_event(chat, n, req)))
             writer.write(_DONE)
@@ -216,10 +226,13 @@ def main() -> None:
     parser.add_argument("--mode", default="instant", choices=MODES + ("mixed",))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--model", default="double-model")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="sleep between streamed tokens")
+    parser.add_argument("--max-running", type=int, default=0, help="streams served at once (0 = no cap)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        server = DoubleServer(mode=args.mode, port=args.port, model=args.model)
+        server = DoubleServer(mode=args.mode, port=args.port, model=args.model,
+                              token_delay_s=args.token_delay_ms / 1000.0, max_running=args.max_running)
         await server.start_async()
         print(f"READY {server.port}", flush=True)
         await asyncio.Event().wait()
