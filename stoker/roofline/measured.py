@@ -85,14 +85,17 @@ def _read(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 def load_measured(path_or_dict: str | Path | dict[str, Any], *, batch: float | None = None,
                   context_len: float | None = None) -> MeasuredRun:
-    """Read either result shape; flags win over the file; every guess is listed in `assumptions`."""
+    """Read either result shape. `batch`/`context_len` (the CLI's flags) fill in what the file
+    does not say; every value not read from the file is listed in `assumptions`."""
     d = _read(path_or_dict)
+    flag_batch, flag_context = batch, context_len
+    batch = context_len = None
     if "output_throughput" not in d:
         raise ValueError("result has no 'output_throughput' (output tokens/s); is it a stoker bench result?")
     out_tps = float(d["output_throughput"])
     notes: list[str] = []
     kind = "offline" if "elapsed_s" in d or "input_len" in d else "serve"
-    if context_len is None:
+    if True:  # context: file first, then the flag, then a stated default
         completed = d.get("completed") or d.get("num_prompts")
         if kind == "offline" and d.get("input_len") is not None and d.get("output_len") is not None:
             context_len = float(d["input_len"]) + float(d["output_len"]) / 2
@@ -100,10 +103,13 @@ def load_measured(path_or_dict: str | Path | dict[str, Any], *, batch: float | N
         elif completed and d.get("total_input_tokens") is not None and d.get("total_output_tokens") is not None:
             context_len = (float(d["total_input_tokens"]) + float(d["total_output_tokens"]) / 2) / float(completed)
             notes.append(f"context {context_len:.0f} = mean prompt + half the mean output, from the result's token totals")
+        elif flag_context is not None:
+            context_len = float(flag_context)
+            notes.append(f"context {context_len:.0f} from --context (not in the file)")
         else:
             context_len = 1024.0
             notes.append("context 1024 assumed (not in the file; pass --context)")
-    if batch is None:
+    if True:  # batch: file first, then the flag, then a stated default
         if d.get("max_concurrency"):
             batch = float(d["max_concurrency"])
             notes.append(f"batch {batch:.0f} = max_concurrency from the file")
@@ -111,9 +117,15 @@ def load_measured(path_or_dict: str | Path | dict[str, Any], *, batch: float | N
             # Little's law over decode: each running sequence emits one token per TPOT.
             batch = out_tps * float(d["mean_tpot_ms"]) / 1000
             notes.append(f"batch {batch:.1f} = output_throughput x mean_tpot (Little's law; pass --batch to override)")
+        elif kind == "offline" and flag_batch is not None:
+            batch = float(flag_batch)
+            notes.append(f"batch {batch:.0f} from --batch (the offline result does not record it)")
         elif kind == "offline" and d.get("num_prompts"):
             batch = float(min(int(d["num_prompts"]), DEFAULT_OFFLINE_MAX_NUM_SEQS))
             notes.append(f"batch {batch:.0f} = min(num_prompts, max_num_seqs {DEFAULT_OFFLINE_MAX_NUM_SEQS}) assumed")
+        elif flag_batch is not None:
+            batch = float(flag_batch)
+            notes.append(f"batch {batch:.0f} from --batch (not in the file)")
         else:
             batch = 1.0
             notes.append("batch 1 assumed (not in the file; pass --batch)")

@@ -1,0 +1,157 @@
+"""`stoker roofline` and `stoker plan`. Registration is light; the work imports lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    r = subparsers.add_parser(
+        "roofline", help="which wall a model is against on a GPU (predicted, or a measured run placed)",
+        description="Per-op roofline of a decode or prefill step: FLOPs, bytes, bound, time; tokens/s per batch; "
+                    "a verdict; optionally a PNG and a measured run's MBU/MFU.")
+    r.add_argument("--model", help="preset (e.g. llama-3-70b), HF repo id of one, or a checkpoint dir/config.json")
+    r.add_argument("--gpu", help="device, e.g. H100, h100-pcie, A100-80GB, L40S, H100:3g.40gb")
+    r.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None, help="tensor-parallel degree (default 1)")
+    r.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp8, int8, int4 (default bf16)")
+    r.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16 or fp8 (default bf16)")
+    r.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes (default 1,8,64,256)")
+    r.add_argument("--context", type=int, default=1024, help="context length per sequence (default 1024)")
+    r.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    r.add_argument("--link", default=None, help="GPU-GPU link override: nvlink4, nvlink-bridge, pcie4, pcie5, ib-ndr, ...")
+    r.add_argument("--plot", metavar="FILE.png", help="write a log-log roofline PNG")
+    r.add_argument("--json", action="store_true", help="print one JSON object per batch size")
+    r.add_argument("--measured", metavar="RESULT.json", help="a stoker bench result to place against the roofline")
+    r.add_argument("--device-file", metavar="DEVICES.yaml", help="add devices from YAML (see docs/roofline.md)")
+    r.set_defaults(func=run_roofline)
+
+    p = subparsers.add_parser(
+        "plan", help="cheapest deployment (dtype x TP x replicas x batch) meeting a rate and latency budgets",
+        description="Enumerate weight dtype x KV dtype x TP x replicas x max batch; keep what fits and meets the "
+                    "targets by the cost model; rank by cost per million tokens; say why each rejected family fails.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--gpu", required=True)
+    p.add_argument("--target-tokens-per-s", type=float, required=True, help="aggregate output tokens/s to serve")
+    p.add_argument("--ttft-p50-ms", type=float, default=None, help="median time-to-first-token budget")
+    p.add_argument("--tpot-ms", type=float, default=None, help="time-per-output-token budget")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-gpus", type=int, default=8)
+    p.add_argument("--gpu-hour-price", type=float, default=1.0, help="USD per GPU-hour (default 1.0: cost reads as GPU-hours)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--link", default=None, help="GPU-GPU link override (e.g. pcie4 to price a PCIe box)")
+    p.add_argument("--top", type=int, default=10, help="feasible plans to print (default 10)")
+    p.add_argument("--json", action="store_true", help='print {"feasible": [...], "rejected": [...]}')
+    p.add_argument("--device-file", metavar="DEVICES.yaml")
+    p.set_defaults(func=run_plan)
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--batch takes comma-separated positive integers like 1,8,64,256, not {text!r}")
+    return sorted(set(values))
+
+
+def _need(value: str | None, flag: str, choices: list[str]) -> str:
+    if not value:
+        raise ValueError(f"{flag} is required (or a --measured file that names it); choose one of: {', '.join(choices)}")
+    return value
+
+
+def run_roofline(args: argparse.Namespace) -> int:
+    from stoker.roofline import costmodel, hardware, measured, modelspec, report
+
+    if args.device_file:
+        hardware.load_gpu_yaml(args.device_file)
+    # For a measured run, --batch (first value) and --context only fill in what the file lacks.
+    run = measured.load_measured(args.measured, batch=_batches(args.batch)[0],
+                                 context_len=args.context) if args.measured else None
+    model = _need(args.model or (run.model if run else None), "--model", modelspec.list_models())
+    gpu_name = _need(args.gpu or (run.gpu if run else None), "--gpu", hardware.list_gpus())
+    gpu = hardware.get_gpu(gpu_name)
+    spec = modelspec.get_model_spec(model)
+    tp = args.tp or 1
+    kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype, kv_dtype=args.kv_dtype, tp=tp, link=args.link)
+    modelspec.dtype_bytes(args.dtype)
+    steps = [costmodel.step_cost(spec, gpu, batch=b, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
+    cdt = costmodel.compute_dtype(args.dtype, gpu)
+    ridge_batch = costmodel.crossover_batch(spec, gpu, context_len=args.context, weight_dtype=args.dtype,
+                                            kv_dtype=args.kv_dtype, tp=tp, link=args.link) if args.phase == "decode" else None
+    util = None
+    if run:
+        util = measured.implied_utilization(spec.name if not args.model else model, gpu_name,
+                                            output_tokens_per_s=run.output_tokens_per_s, batch=run.batch,
+                                            context_len=run.context_len, tp=tp, weight_dtype=args.dtype,
+                                            kv_dtype=args.kv_dtype)
+    if args.plot:
+        from stoker.roofline.plot import plot_roofline
+
+        title = (f"{spec.name} on {'%d x ' % tp if tp > 1 else ''}{gpu.name}, {args.phase}, context {args.context}, "
+                 f"{args.dtype} weights / {args.kv_dtype or 'bf16'} KV")
+        plot_roofline(args.plot, gpu, steps, title=title, measured=util)
+    if args.json:
+        out: list[dict[str, object]] = [{"kind": "prediction", "model": spec.name, **s.as_dict()} for s in steps]
+        if util:
+            out.append({"kind": "measured", "model": spec.name, "gpu": gpu.name, "assumptions": list(run.assumptions), **util})  # type: ignore[union-attr]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{spec.name} ({spec.num_params / 1e9:.1f}B params, {spec.kv_bytes_per_token(args.kv_dtype or 'bf16'):,.0f} B KV/token) "
+          f"on {gpu.name}: {gpu.peak_flops(cdt) / 1e12:.0f} TFLOP/s {cdt}, {gpu.hbm_gb_per_s:.0f} GB/s, "
+          f"ridge {gpu.ridge_point(cdt):.0f} FLOP/B; link {steps[0].tp > 1 and (args.link or gpu.link.name) or '-'}")
+    for s in steps:
+        print()
+        print(report.step_header(s))
+        print(report.ops_table(s))
+    print()
+    print(report.summary_table(steps))
+    print()
+    for line in report.verdict(steps, ridge_batch, gpu.ridge_point(cdt)):
+        print(line)
+    if util and run:
+        for line in report.measured_lines(util, run.assumptions):
+            print(line)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from stoker.roofline import hardware, planner
+
+    if args.device_file:
+        hardware.load_gpu_yaml(args.device_file)
+    targets = planner.PlanTargets(
+        target_tokens_per_s=args.target_tokens_per_s, ttft_p50_ms=args.ttft_p50_ms, tpot_ms=args.tpot_ms,
+        prompt_len=args.prompt_len, output_len=args.output_len, max_gpus=args.max_gpus,
+        gpu_hour_price=args.gpu_hour_price, gpu_memory_utilization=args.gpu_memory_utilization)
+    result = planner.plan(args.model, args.gpu, targets, link=args.link)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0 if result.feasible else 1
+    gpu = hardware.get_gpu(args.gpu)
+    budgets = ", ".join(b for b in (args.ttft_p50_ms and f"TTFT p50 <= {args.ttft_p50_ms:g} ms",
+                                    args.tpot_ms and f"TPOT <= {args.tpot_ms:g} ms") if b) or "no latency budget"
+    print(f"plan: {args.model} on {gpu.name}, {args.target_tokens_per_s:,.0f} output tokens/s, {budgets}, "
+          f"prompt {args.prompt_len} + output {args.output_len} tokens, <= {args.max_gpus} GPUs")
+    if result.feasible:
+        print(f"\n{'gpus':>4} {'TP':>3} {'repl':>4}  {'weights':<7} {'KV':<5} {'batch':>5} {'tokens/s':>9} "
+              f"{'TTFT ms':>8} {'TPOT ms':>8} {'GiB/GPU':>8} {'$/Mtok':>8}  bound")
+        for c in result.feasible[: args.top]:
+            print(f"{c.gpus:>4} {c.tp:>3} {c.replicas:>4}  {c.weight_dtype:<7} {c.kv_dtype:<5} {c.max_batch:>5} "
+                  f"{c.tokens_per_s:>9,.0f} {c.ttft_ms:>8.0f} {c.tpot_ms:>8.1f} {c.memory_per_gpu_gb:>8.1f} "
+                  f"{c.cost_per_million_tokens:>8.3f}  {c.bound}")
+        best = result.feasible[0]
+        print(f"\nbest: {best.replicas} x TP{best.tp} {best.weight_dtype} weights / {best.kv_dtype} KV, max batch "
+              f"{best.max_batch}: {best.gpus} GPUs, {best.tokens_per_s:,.0f} tokens/s capacity")
+    else:
+        print("\nno feasible plan: nothing in the search space meets the targets (reasons below)")
+    if result.rejected:
+        print("\nrejected:")
+        for r in result.rejected:
+            print(f"  {r.family}: {r.reason}")
+    return 0 if result.feasible else 1
