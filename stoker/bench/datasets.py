@@ -74,15 +74,17 @@ def _exact_ids(tok: BenchTokenizer, rng: random.Random, pool: list[int], head: l
     trim or top up the tail and try again, a bounded number of times.
     """
     ids = head + [rng.choice(pool) for _ in range(target - len(head))]
-    text, n = tok.decode(ids), len(ids)
+    best_text, best_n = tok.decode(ids), -1
     for _ in range(16):
         text = tok.decode(ids)
         enc = tok.encode(text)
         n = len(enc)
+        if best_n < 0 or abs(n - target) < abs(best_n - target):
+            best_text, best_n = text, n
         if n == target:
             break
         ids = enc[:target] if n > target else enc + [rng.choice(pool) for _ in range(target - n)]
-    return text, n
+    return best_text, best_n  # the closest found; its true length is what gets reported
 
 
 def random_requests(opts: DatasetOptions, tok: BenchTokenizer | None) -> list[RequestSpec]:

@@ -56,6 +56,8 @@ def from_metrics(req: RooflineRequest, result: dict[str, Any]) -> dict[str, Any]
     context = float(result["mean_input_len"]) + float(result["mean_output_len"]) / 2.0
     out = implied(req, output_tokens_per_s=float(result["output_throughput"]), batch=batch,
                   context_len=context)
-    out.update({"batch": batch, "context_len": context, "model_config": req.model_config,
-                "tensor_parallel_size": req.tensor_parallel_size})
+    out.update({"model_config": req.model_config, "tensor_parallel_size": req.tensor_parallel_size,
+                # what we passed in (the roofline rounds batch and context to whole numbers)
+                "inputs": {"output_tokens_per_s": float(result["output_throughput"]),
+                           "mean_concurrency": batch, "context_len": context}})
     return out

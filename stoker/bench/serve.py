@@ -38,11 +38,24 @@ class Prepared:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _command() -> str:
-    """The command line as typed; `python -m stoker` and the `stoker` script both read 'stoker'."""
-    argv0 = sys.argv[0].rsplit("/", 1)[-1]
-    head = "stoker" if argv0 in ("stoker", "__main__.py") else sys.argv[0]
-    return shlex.join([head, *sys.argv[1:]])
+def _command(args: argparse.Namespace) -> str:
+    """The command line as typed when run from a shell; otherwise (called in-process, e.g.
+    from Python or a test) an equivalent command rebuilt from the parsed flags."""
+    argv = sys.argv[1:]
+    if "bench" in argv and getattr(args, "bench_command", None) in argv:
+        return shlex.join(["stoker", *argv[argv.index("bench"):]])
+    words = ["stoker", "bench", str(getattr(args, "bench_command", "serve"))]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "bench_command") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
 
 
 def _args_record(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +87,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     endpoint = Endpoint(url=root + path, model=model, chat=is_chat, headers=auth_headers(args.api_key),
                         ignore_eos=args.ignore_eos)
     meta = {
-        "command": _command(),
+        "command": _command(args),
         "args": _args_record(args),
         "backend": "openai-chat" if is_chat else "openai-completions",
         "base_url": root,

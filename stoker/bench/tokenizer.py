@@ -43,13 +43,18 @@ def load_tokenizer(path: str) -> BenchTokenizer:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(json_file))
-        special = frozenset(t for t, a in tok.get_added_tokens_decoder().items() if a.special)
+        special = {t for t, a in tok.get_added_tokens_decoder().items() if a.special}
+        # The unknown token decodes to a marker like "[UNK]" that re-encodes as several
+        # tokens: drawing it would make exact lengths impossible.
+        unk = getattr(tok.model, "unk_token", None)
+        if unk is not None and tok.token_to_id(unk) is not None:
+            special.add(tok.token_to_id(unk))
         return BenchTokenizer(
             name=str(path),
             _encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
             _decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
             vocab_size=tok.get_vocab_size(),
-            special_ids=special,
+            special_ids=frozenset(special),
         )
     if not p.exists():
         raise FileNotFoundError(f"--tokenizer {path}: no such file or directory")

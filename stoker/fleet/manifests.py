@@ -100,7 +100,8 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
             "command": ["stoker", "serve"],
             "args": _serve_args(dep, count if resource == "nvidia.com/gpu" else 1),
             "ports": [{"name": "http", "containerPort": dep.port}],
-            "resources": {"requests": {resource: count}, "limits": {resource: count}},
+            # Quantities are strings in the API schema; requests == limits for extended resources.
+            "resources": {"requests": {resource: str(count)}, "limits": {resource: str(count)}},
             # Loading weights can take minutes: the startup probe holds liveness off until then.
             "startupProbe": _probe(LIVE_PATH, dep.port, 10, 90),
             "readinessProbe": _probe(READY_PATH, dep.port, 5, 3),

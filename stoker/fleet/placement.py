@@ -227,9 +227,11 @@ def solve_exact(replicas: list[Replica], gpus: list[FleetGpu], max_nodes: int = 
 
     Raises SearchLimitExceeded after `max_nodes` search nodes (use the heuristic then).
     """
-    order = _replica_order(replicas)
+    order = _replica_order([r for r in replicas if r.options])  # the rest cannot be placed at all
     search = _Search(gpus)
-    best: list[object] = [(len(order) + 1, 0, 0.0), {}]
+    # Start from the heuristic's answer: a tight upper bound prunes most of the tree.
+    start = solve_heuristic(replicas, gpus)
+    best: list[object] = [_score(start, len(order), gpus), start]
     visited = [0]
 
     def dfs(k: int, unplaced: int) -> None:
@@ -258,6 +260,12 @@ def solve_exact(replicas: list[Replica], gpus: list[FleetGpu], max_nodes: int = 
     return best[1]  # type: ignore[return-value]
 
 
+def _score(assign: dict[str, tuple[SliceOption, tuple[int, ...]]], num_replicas: int,
+           gpus: list[FleetGpu]) -> tuple[int, int, float]:
+    used = {i for _, idx in assign.values() for i in idx}
+    return num_replicas - len(assign), len(used), round(sum(gpus[i].hourly_price for i in used), 9)
+
+
 def fragmentation(gpu_model: str, profile_names: list[str] | tuple[str, ...]) -> float:
     """Share of a MIG GPU's memory slices that are free but not usable by the largest slice that
     could still be created: 0 = the free space is one usable block, higher = stranded slivers."""
@@ -273,7 +281,25 @@ def fragmentation(gpu_model: str, profile_names: list[str] | tuple[str, ...]) ->
 
 def solve_heuristic(replicas: list[Replica], gpus: list[FleetGpu]
                     ) -> dict[str, tuple[SliceOption, tuple[int, ...]]]:
-    """Best-fit decreasing with a fragmentation tie-break; fast on any fleet size."""
+    """Best-fit decreasing with a fragmentation tie-break; fast on any fleet size.
+
+    Replicas go largest first. Each takes the smallest slice that hosts it, preferring a GPU
+    already open (best fit: the one left with the least free memory, then the least
+    fragmented) over opening a new one (the cheapest). Two passes, the second preferring
+    whole GPUs' cheapest model first, and the better plan wins.
+    """
+    best: dict[str, tuple[SliceOption, tuple[int, ...]]] = {}
+    best_score: tuple[int, int, float] | None = None
+    for variant in ("slice-first", "price-first"):
+        assign = _best_fit_decreasing(replicas, gpus, variant)
+        score = _score(assign, len(replicas), gpus)
+        if best_score is None or score < best_score:
+            best, best_score = assign, score
+    return best
+
+
+def _best_fit_decreasing(replicas: list[Replica], gpus: list[FleetGpu], variant: str
+                         ) -> dict[str, tuple[SliceOption, tuple[int, ...]]]:
     search = _Search(gpus)
     for r in _replica_order(replicas):
         moves = search.moves(r, dedupe=False)
@@ -284,14 +310,17 @@ def solve_heuristic(replicas: list[Replica], gpus: list[FleetGpu]
             opt, idx = m
             opens = sum(not search.states[i].is_open for i in idx)
             price = sum(search.states[i].gpu.hourly_price for i in idx if not search.states[i].is_open)
+            sm, mem = _size(opt)
             if opt.profile is None:
-                return (opens, price, 1.0, 0.0, idx)
-            s = search.states[idx[0]]
-            after = s.profiles + [opt.profile]
-            left = mig.NUM_MEM_SLICES - sum(mig.get_profile(opt.gpu_model, n).mem_slices for n in after)
-            if opens:  # a fresh GPU: prefer the slice that is the largest share of it
-                return (opens, price, left / mig.NUM_MEM_SLICES, 0.0, idx)
-            return (0, 0.0, left / mig.NUM_MEM_SLICES, fragmentation(opt.gpu_model, after), idx)
+                left, frag = 0.0, 0.0
+            else:
+                after = search.states[idx[0]].profiles + [opt.profile]
+                left = 1 - sum(mig.get_profile(opt.gpu_model, n).mem_slices for n in after) / mig.NUM_MEM_SLICES
+                frag = fragmentation(opt.gpu_model, after)
+            size = (mem, sm)
+            if variant == "price-first":
+                return (opens, price, size, left, frag, idx)
+            return (opens, size, price, left, frag, idx)
 
         opt, idx = min(moves, key=score)
         search.apply(r, opt, idx)

@@ -64,7 +64,10 @@ def _load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise ValueError(f"{p}: not valid YAML ({exc}); fix the syntax") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"{p}: not valid YAML{where} ({problem}); fix the syntax") from None
     if not isinstance(data, dict):
         raise ValueError(f"{p}: expected a mapping at the top level")
     return data

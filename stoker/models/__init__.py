@@ -1,1 +1,1 @@
-
+"""Model families, one file each, built from `stoker.layers`. See registry.py."""

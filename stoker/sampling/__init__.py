@@ -1,1 +1,1 @@
-
+"""Batched sampling: penalties, filters, per-request seeds, logprobs."""

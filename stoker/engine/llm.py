@@ -1,0 +1,150 @@
+"""The offline API, shaped like vLLM's `LLM` so existing scripts port."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from stoker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from stoker.engine.llm_engine import LLMEngine
+from stoker.outputs import RequestOutput
+from stoker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        num_gpu_blocks_override: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            device=device,
+            enforce_eager=enforce_eager,
+        )
+        self.engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """prompts: str | list[str] | {"prompt_token_ids": [...]} | a list of those."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._counter))
+                text, token_ids = _split_prompt(prompt)
+                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+                ids.append(request_id)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:  # nothing leaks if a prompt is rejected or the loop fails
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+    raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+
+
+def apply_chat_template(
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+) -> list[int]:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+    # The template writes BOS itself where the model wants one.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,292 @@
+"""The synchronous step loop: add requests, `step()` until none are left.
+
+Each step: the scheduler plans (pure Python), the runner executes one packed forward and
+samples, then each sampled sequence gets its token, its text increment and its stop checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.config import EngineConfig
+from stoker.core.block_manager import BlockManager
+from stoker.core.scheduler import Scheduler
+from stoker.core.sequence import Sequence, SequenceStatus
+from stoker.engine.detokenizer import DetokenizerState, decode_increment, find_stop_string, new_state
+from stoker.engine.tokenizer import eos_token_ids, load_tokenizer
+from stoker.models.loader import read_hf_config
+from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from stoker.runner.model_runner import ModelRunner
+from stoker.sampling.sampler import SamplerOutput
+from stoker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    detok: dict[int, DetokenizerState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0-1
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens: int  # computed prompt tokens, cumulative
+    generation_tokens: int  # sampled tokens, cumulative
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = config.model_config.model
+        self.hf_config = read_hf_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        self.max_model_len = self._resolve_max_model_len()
+        sched_cfg = config.scheduler_config
+        self.max_num_batched_tokens = sched_cfg.token_budget(self.max_model_len)
+        self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
+        num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens)
+        if num_blocks < 1:
+            raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes / gpu_memory_utilization")
+        self.runner.allocate_kv_cache(num_blocks)
+        block_size = config.cache_config.block_size
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            sched_cfg.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            sched_cfg.enable_chunked_prefill,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_to_request: dict[int, Request] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        num_tokens = num_blocks * block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s on %s); %.2f requests of max_model_len %d fit",
+            num_blocks, block_size, num_tokens, num_blocks * self.runner.bytes_per_block / 2**20,
+            str(self.runner.dtype).removeprefix("torch."), self.runner.device, num_tokens / self.max_model_len, self.max_model_len,
+        )
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.hf_config.get("max_position_embeddings")
+        asked = self.config.model_config.max_model_len
+        if asked is None:
+            if limit is None:
+                raise ValueError("config.json has no max_position_embeddings: pass max_model_len")
+            return int(limit)
+        if limit is not None and asked > limit:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", asked, limit)
+        return asked
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt string or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        vocab = self.hf_config["vocab_size"]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(prompt_token_ids)} tokens; shorten the prompt"
+            )
+        arrival = arrival_time if arrival_time is not None else time.time()
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival)
+            seq.group_leader = seqs[0] if seqs else None
+            seqs.append(seq)
+        request = Request(request_id, prompt, prompt_token_ids, params, seqs, RequestMetrics(arrival_time=arrival))
+        for seq in seqs:
+            self.scheduler.add(seq)
+            request.detok[seq.seq_id] = new_state(len(prompt_token_ids))
+            self._seq_to_request[seq.seq_id] = request
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return self._finish_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "the scheduler could not place any sequence: the KV cache is smaller than one "
+                    "request needs; raise kv_cache_memory_bytes or lower max_model_len"
+                )
+            return []
+        now = time.time()
+        for s in sched_out.scheduled:
+            req = self._seq_to_request[s.seq.seq_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if s.seq.is_prefill:
+                self._prompt_tokens += s.num_tokens
+        result = self.runner.execute(sched_out, self.eos_token_ids)
+        self.scheduler.update_after_step(sched_out)
+        touched = self._process_samples(result.seq_ids, result.sampler_output)
+        outputs = [self._make_output(req) for req in touched]
+        for req in touched:
+            if req.finished:
+                self._finish_request(req)
+        return outputs
+
+    def _process_samples(self, seq_ids: list[int], out: SamplerOutput) -> list[Request]:
+        touched: dict[str, Request] = {}
+        now = time.time()
+        for row, seq_id in enumerate(seq_ids):
+            req = self._seq_to_request[seq_id]
+            seq = next(s for s in req.seqs if s.seq_id == seq_id)
+            token = out.token_ids[row]
+            seq.append_token(token)
+            self._generation_tokens += 1
+            seq.cumulative_logprob += out.logprobs[row]
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(self._logprob_entry(token, out.logprobs[row], out.top_logprobs[row]))
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._append_text_and_check_stop(req, seq, token)
+            touched[req.request_id] = req
+        return list(touched.values())
+
+    def _logprob_entry(self, token: int, logprob: float, top: tuple[int, list[int], list[float]] | None) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entry: dict[int, Logprob] = {}
+        if top is not None:
+            rank, ids, vals = top
+            for i, (tid, val) in enumerate(zip(ids, vals)):
+                entry[tid] = Logprob(val, i + 1, decode([tid]))
+            entry[token] = Logprob(logprob, rank, decode([token]))
+        return entry
+
+    def _append_text_and_check_stop(self, req: Request, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        past_min = seq.num_output_tokens >= p.min_tokens  # as vLLM: no stop of any kind before min_tokens
+        is_eos = not p.ignore_eos and token in self.eos_token_ids and past_min
+        is_stop_token = token in p.stop_token_ids and past_min
+        if not (is_stop_token and not is_eos and not p.include_stop_str_in_output):
+            delta = decode_increment(self.tokenizer, seq.token_ids, req.detok[seq.seq_id], p.skip_special_tokens)
+            seq.output_text += delta
+        else:
+            delta = ""
+        if is_eos:
+            return self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED, None)
+        if is_stop_token:
+            return self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token)
+        if p.stop and delta and past_min:
+            hit = find_stop_string(seq.output_text, len(delta), p.stop)
+            if hit is not None:
+                idx, stop = hit
+                seq.output_text = seq.output_text[: idx + len(stop)] if p.include_stop_str_in_output else seq.output_text[:idx]
+                return self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH, None)
+        if seq.num_tokens >= self.max_model_len:
+            return self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH, None)
+        return None
+
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, status)
+        self.runner.release(seq.seq_id)
+
+    def _finish_request(self, req: Request) -> RequestOutput:
+        req.metrics.finished_time = time.time()
+        output = self._make_output(req)
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            self._seq_to_request.pop(seq.seq_id, None)
+            self.runner.release(seq.seq_id)
+        return output
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+                finish_reason=seq.status.value if seq.is_finished else None,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in req.seqs
+        ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+
+    def model_info(self) -> dict[str, Any]:
+        return {"max_model_len": self.max_model_len, "vocab_size": self.hf_config["vocab_size"], "eos_token_ids": list(self.eos_token_ids)}

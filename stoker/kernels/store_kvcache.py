@@ -1,0 +1,98 @@
+"""KV store: scatter each new token's key and value into the paged cache via slot_mapping.
+
+Twin: `reference.store_kvcache`. slot = block_id * block_size + offset; slot -1 marks a
+padding token whose K/V are dropped. The -1 test happens in the kernel, so, unlike the twin,
+the launcher never synchronises with the host (safe inside a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stoker.kernels._common import FLOAT_DTYPES, check, check_last_dim_contiguous, check_same_device, next_pow2
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,  # (T, Hkv, D)
+    value_ptr,  # (T, Hkv, D)
+    k_cache_ptr,  # (num_blocks, block_size, Hkv, D)
+    v_cache_ptr,
+    slot_mapping_ptr,  # (T,) int32/int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,  # cache strides: block, slot-in-block, head (k and v caches share them)
+    stride_cs,
+    stride_ch,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token moves all Hkv * D elements of its key and value.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d  # (BLOCK_H, BLOCK_D)
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64 (int32 accepted), -1 = skip
+) -> None:
+    check(key.dim() == 3, f"key must be (T, Hkv, D), got {tuple(key.shape)}")
+    check(value.shape == key.shape, f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
+    check(k_cache.dim() == 4, f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
+    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
+    check(v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides")
+    check(
+        k_cache.shape[2:] == key.shape[1:],
+        f"cache (.., Hkv, D) = {tuple(k_cache.shape[2:])} does not match key's {tuple(key.shape[1:])}",
+    )
+    check(slot_mapping.shape == (key.shape[0],), f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
+    check(slot_mapping.dtype in (torch.int64, torch.int32), f"slot_mapping must be int64/int32, got {slot_mapping.dtype}")
+    check(key.dtype in FLOAT_DTYPES and value.dtype == key.dtype, f"key/value dtypes {key.dtype}/{value.dtype}")
+    check(k_cache.dtype in FLOAT_DTYPES and v_cache.dtype == k_cache.dtype, f"cache dtypes {k_cache.dtype}/{v_cache.dtype}")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_dim),
+    )

@@ -1,0 +1,84 @@
+"""Paged attention behind one interface; the backend is chosen once, at start.
+
+The runner sets an `AttentionMetadata` for each forward (`set_attention_metadata`) and binds
+each layer's slice of the KV cache (`Attention.k_cache`/`v_cache`). Every layer then:
+stores the step's new K/V through `slot_mapping`, and attends over each sequence's whole
+context through its `block_table`. Sequences are ordered decodes first (one query token
+each), so the decodes run as one batched paged-decode call and the rest (prefills, chunks,
+extends after a prefix-cache hit) as one varlen paged-attention call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stoker.kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    context_lens: torch.Tensor  # (B,) int32: cached + new tokens per sequence
+    cu_seqlens_q: list[int]  # (B + 1,) offsets of each sequence's query tokens in T
+    context_lens_list: list[int]
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+
+
+_metadata: AttentionMetadata | None = None
+
+
+def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
+    global _metadata
+    _metadata = metadata
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _metadata is None:
+        raise RuntimeError("attention called outside a runner step (no AttentionMetadata set)")
+    return _metadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        # (num_blocks, block_size, num_kv_heads, head_dim); bound by the runner.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) for this step's tokens -> (T, H, D)."""
+        md = get_attention_metadata()
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        nd = md.num_decodes
+        if nd == len(md.context_lens_list):  # pure decode step
+            return ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window
+            )
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = ops.paged_decode_attention(
+                q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd], md.context_lens[:nd], self.scale, self.sliding_window
+            )
+        cu = md.cu_seqlens_q
+        out[nd:] = ops.paged_attention(
+            q[nd:],
+            self.k_cache,
+            self.v_cache,
+            md.block_tables[nd:],
+            [x - cu[nd] for x in cu[nd:]],
+            md.context_lens_list[nd:],
+            self.scale,
+            self.sliding_window,
+        )
+        return out

@@ -1,0 +1,28 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (num_sampled, hidden) -> (num_sampled, vocab)
+        return F.linear(hidden, self.weight)

@@ -1,0 +1,44 @@
+"""Linear layers whose weights may be stacked from several checkpoint tensors.
+
+q/k/v projections (and gate/up) run as one GEMM each: fewer, larger matrix multiplies
+read the activations once. The checkpoint keeps them separate, so each merged layer knows
+where each named shard goes (`load_shard`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """One weight (sum(out_sizes), in) holding named shards stacked along the output dim."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard]
+        param = getattr(self, param_name)
+        expected = (size, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shard {shard!r} of {param_name}: checkpoint shape {tuple(tensor.shape)}, expected {expected}")
+        with torch.no_grad():
+            param[offset : offset + size].copy_(tensor)

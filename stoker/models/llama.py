@@ -1,0 +1,162 @@
+"""Llama 2 / 3 / 3.1 / 3.2 (`LlamaForCausalLM`), the base the other families extend.
+
+Parameter names match the Hugging Face checkpoint, except that q/k/v and gate/up are
+stacked into one GEMM each (`packed_modules` tells the loader where each shard goes).
+Config fields honoured: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads (GQA), head_dim, hidden_act, rms_norm_eps,
+rope_theta / rope_scaling / rope_parameters (default, linear, llama3, yarn),
+max_position_embeddings, attention_bias, mlp_bias, tie_word_embeddings, sliding_window /
+layer_types where a family uses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stoker.layers.activation import get_gated_activation
+from stoker.layers.attention import Attention
+from stoker.layers.embedding import LMHead, VocabEmbedding
+from stoker.layers.linear import Linear, MergedLinear
+from stoker.layers.norm import RMSNorm
+from stoker.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, sliding_window: int | None) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)))
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for Qwen3's per-head q/k RMSNorm; identity here."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        bias = bool(cfg.get("mlp_bias", False))
+        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.act = get_gated_activation(cfg.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = self_attn
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint shard name -> (merged module name, shard key)
+    packed_modules: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
+        layers = [
+            LlamaDecoderLayer(
+                self.attention_cls(cfg, i, self.rotary, self.qkv_bias(cfg), self.sliding_window(cfg, i)), cfg
+            )
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        self.model = LlamaModel(cfg, layers)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"])
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    # ---- family hooks
+    @classmethod
+    def qkv_bias(cls, cfg: dict[str, Any]) -> bool:
+        return bool(cfg.get("attention_bias", False))
+
+    @classmethod
+    def sliding_window(cls, cfg: dict[str, Any], layer_idx: int) -> int | None:
+        """Window for layer `layer_idx` from `layer_types` when the config lists them."""
+        layer_types = cfg.get("layer_types")
+        if layer_types and layer_types[layer_idx] == "sliding_attention":
+            return cfg.get("sliding_window")
+        return None
+
+    # ---- execution
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids and positions -> (T, hidden) final hidden states."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_sampled, hidden) -> (num_sampled, vocab) float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,28 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("stoker.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("stoker.models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("stoker.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("stoker.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module_name, cls_name = _MODELS[arch]
+            return getattr(importlib.import_module(module_name), cls_name)
+    raise ValueError(
+        f"architecture {architectures!r} is not supported; supported: {', '.join(supported_architectures())}"
+    )

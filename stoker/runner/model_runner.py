@@ -1,0 +1,145 @@
+"""Executes one scheduler step: inputs -> forward over the packed batch -> logits -> tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stoker.config import EngineConfig
+from stoker.core.scheduler import SchedulerOutput
+from stoker.layers.attention import set_attention_metadata
+from stoker.models.llama import head_dim_of
+from stoker.models.loader import build_model, load_weights
+from stoker.runner import memory
+from stoker.runner.inputs import prepare_inputs
+from stoker.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; bfloat16 on CUDA, float16 where bf16 is unsupported."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+@dataclass
+class StepResult:
+    seq_ids: list[int]  # sequences that sampled, in row order
+    sampler_output: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.device)
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = max_model_len
+        torch.manual_seed(config.model_config.seed)
+        max_position = max(max_model_len, hf_config.get("max_position_embeddings", max_model_len))
+        self.model = build_model(hf_config, max_position, self.dtype, self.device)
+        load_weights(self.model, config.model_config.model)
+        self.sampler = Sampler(config.model_config.seed, self.device)
+        self.generators: dict[int, torch.Generator] = {}
+        self.num_layers = hf_config["num_hidden_layers"]
+        self.num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+        self.head_dim = head_dim_of(hf_config)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def bytes_per_block(self) -> int:
+        return memory.kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return memory.cuda_num_blocks(
+                self.device,
+                self.bytes_per_block,
+                cache.gpu_memory_utilization,
+                lambda: self._profile_forward(max_num_batched_tokens),
+                cache.kv_cache_memory_bytes,
+            )
+        return memory.cpu_num_blocks(self.bytes_per_block, cache.kv_cache_memory_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = k, v
+            self.kv_caches.append((k, v))
+
+    @torch.inference_mode()
+    def _profile_forward(self, num_tokens: int) -> None:
+        """A forward of `num_tokens` dummy prompt tokens with a scratch cache, for the memory peak."""
+        from stoker.core.scheduler import ScheduledSequence
+        from stoker.core.sequence import Sequence
+        from stoker.sampling_params import SamplingParams
+
+        num_tokens = min(num_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+        out = SchedulerOutput([ScheduledSequence(seq, 0, num_tokens, list(range(num_blocks)))])
+        self.execute(out, eos_token_ids=())
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.release(seq.seq_id)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepResult:
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        set_attention_metadata(inputs.attn_metadata)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
+        finally:
+            set_attention_metadata(None)
+        if not inputs.sampled:
+            return StepResult([], SamplerOutput([], [], []))
+        # Logits only for the positions that sample: (S, hidden) -> (S, vocab).
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = [
+            SamplingRow(s.seq.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids, self._generator(s.seq), eos_token_ids)
+            for s in inputs.sampled
+        ]
+        return StepResult([s.seq.seq_id for s in inputs.sampled], self.sampler(logits, rows))
+
+    def _generator(self, seq: Any) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            # n > 1: completion i draws from seed + i, so the completions differ but repeat.
+            gen.manual_seed(seed + seq.index)
+            self.generators[seq.seq_id] = gen
+        return gen
+
+    def release(self, seq_id: int) -> None:
+        self.generators.pop(seq_id, None)

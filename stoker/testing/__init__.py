@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the demo server: tiny random checkpoints, no downloads."""

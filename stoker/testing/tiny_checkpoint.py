@@ -1,0 +1,91 @@
+"""Build small random-weight Hugging Face checkpoints with `transformers`, deterministically.
+
+The checkpoint is a real one (config.json, model.safetensors, tokenizer files,
+generation_config.json), written by transformers itself, so loading it exercises the same
+code path as a downloaded model, and transformers doubles as the reference implementation.
+The tokenizer is Stoker's bundled 1024-token byte-level BPE with a Llama-3-style chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DEMO_TOKENIZER_VOCAB = 1024
+
+_ARCH = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+# Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
+TINY: dict[str, Any] = dict(
+    vocab_size=DEMO_TOKENIZER_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def demo_tokenizer_dir() -> Path:
+    return Path(str(resources.files("stoker") / "assets" / "demo_tokenizer"))
+
+
+def copy_demo_tokenizer(dest: Path) -> None:
+    for f in demo_tokenizer_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, dest / f.name)
+
+
+def make_tiny_checkpoint(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random checkpoint of family `arch` to `path` and return the path.
+
+    `overrides` replace config fields (e.g. hidden_size=512, rope_scaling={...}).
+    `max_shard_size` ("200KB") writes a sharded checkpoint with an index file.
+    """
+    import torch
+    import transformers
+
+    if arch not in _ARCH:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(_ARCH)}")
+    config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {**TINY, **overrides}
+    kwargs.setdefault("bos_token_id", 0)
+    kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(getattr(torch, dtype)).eval()
+    # HF inits with std 0.02: logits are then nearly flat and greedy ties are common;
+    # a wider spread makes greedy agreement tests meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kwargs)
+    copy_demo_tokenizer(path)
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": kwargs["bos_token_id"], "eos_token_id": kwargs["eos_token_id"]}, indent=2)
+    )
+    return path
