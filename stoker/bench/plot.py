@@ -37,7 +37,10 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str | Path, *, title: str =
         ax.set_xlabel("achieved output throughput (output tok/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # e.g. every run failed, or all outputs were one token (no TPOT)
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
     if title:
         fig.suptitle(title)
     out = Path(path)
