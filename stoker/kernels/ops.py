@@ -1,22 +1,123 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
 CPU tensors always take the plain-torch twin in `reference.py`. CUDA tensors take the
-Triton kernel when triton imports and `STOKER_DISABLE_TRITON` is unset; otherwise the twin.
+Triton kernel when triton imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise
+the twin. The kernel modules import triton at their top, so they are imported here only on
+the first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
 
 import torch
 
 from stoker.kernels import reference
 
-store_kvcache = reference.store_kvcache
-paged_attention = reference.paged_attention
-paged_decode_attention = reference.paged_decode_attention
-rms_norm = reference.rms_norm
-fused_add_rms_norm = reference.fused_add_rms_norm
-silu_and_mul = reference.silu_and_mul
-rotary_embedding = reference.rotary_embedding
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing driver libraries, ...)
+        return False
+    return True
+
+
+def triton_disabled() -> bool:
+    """STOKER_DISABLE_TRITON=1 forces the torch twins (read per call: tests may flip it)."""
+    return os.environ.get("STOKER_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and not triton_disabled() and triton_available()
+
+
+@functools.cache
+def _kernel(module: str) -> ModuleType:
+    return importlib.import_module(f"stoker.kernels.{module}")
+
+
+def store_kvcache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64
+) -> None:
+    if use_triton(key):
+        return _kernel("store_kvcache").store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks)
+    context_lens: torch.Tensor,  # (B,)
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # (B, H, D)
+    if use_triton(query):
+        return _kernel("paged_decode_attention").paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
+        )
+    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+
+
+def paged_attention(
+    query: torch.Tensor,  # (T, H, D), packed over sequences
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks)
+    cu_seqlens_q: list[int] | torch.Tensor,  # (B + 1,)
+    context_lens: list[int] | torch.Tensor,  # (B,)
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # (T, H, D)
+    if use_triton(query):
+        return _kernel("paged_prefill_attention").paged_attention(
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
+        )
+    return reference.paged_attention(
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return _kernel("rms_norm").rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return _kernel("rms_norm").fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return _kernel("activation").silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # (T,)
+    query: torch.Tensor,  # (T, H, D)
+    key: torch.Tensor,  # (T, Hkv, D)
+    cos_sin_cache: torch.Tensor,  # (max_position, rot_dim) float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(query):
+        return _kernel("rotary").rotary_embedding(positions, query, key, cos_sin_cache)
+    return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+
 
 __all__ = [
     "store_kvcache",
@@ -26,5 +127,6 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
-    "torch",
+    "triton_available",
+    "use_triton",
 ]

@@ -134,7 +134,7 @@ def _decode_split_kernel(
     else:
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (BLOCK_G,)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + row, tl.where(has_any, m_i + tl.log2(l_i), float("-inf")), mask=g_mask)
+        tl.store(part_lse_ptr + row, tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf")), mask=g_mask)
 
 
 @triton.jit
