@@ -89,3 +89,16 @@ def test_missing_files(tmp_path: Path) -> None:
         sample_requests(DatasetOptions(spec=f"jsonl:{tmp_path / 'nope.jsonl'}"))
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_exact_lengths_with_byte_level_bpe() -> None:
+    """The bundled demo tokenizer (byte-level BPE) round-trips random ids imperfectly."""
+    from importlib import resources
+
+    path = Path(str(resources.files("stoker") / "assets" / "demo_tokenizer"))
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip("no bundled demo tokenizer in this checkout")
+    tok = load_tokenizer(str(path))
+    specs = sample_requests(DatasetOptions(num_prompts=20, input_len=100, range_ratio=0.5, prefix_len=8), tok)
+    for s in specs:
+        assert len(tok.encode(s.prompt)) == s.prompt_len and 58 <= s.prompt_len <= 158
