@@ -27,6 +27,12 @@ class ScheduledSequence:
     start_pos: int  # == seq.num_computed_tokens before the step
     num_tokens: int
     block_table: list[int]
+    # Fixed at planning time: the chunk reaches the end of the known tokens, so its last
+    # position is sampled (a middle chunk of a long prompt is not).
+    do_sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.do_sample = self.start_pos + self.num_tokens == self.seq.num_tokens
 
     @property
     def context_len(self) -> int:
@@ -35,11 +41,6 @@ class ScheduledSequence:
     @property
     def token_ids(self) -> list[int]:
         return self.seq.tokens_slice(self.start_pos, self.context_len)
-
-    @property
-    def do_sample(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last position is sampled."""
-        return self.context_len == self.seq.num_tokens
 
 
 @dataclass
