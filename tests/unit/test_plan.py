@@ -1,0 +1,74 @@
+"""Planner: the running example is feasible with no more GPUs than brute force finds; infeasible
+targets come back as such, with a reason per family."""
+
+from __future__ import annotations
+
+import math
+
+from stoker.roofline.costmodel import step_cost
+from stoker.roofline.hardware import get_gpu
+from stoker.roofline.memory import vram
+from stoker.roofline.modelspec import get_model_spec
+from stoker.roofline.planner import BATCHES, PlanTargets, plan
+
+# The running example (docs/walkthrough.md): Llama-3-70B chat on H100s, 2000 output tokens/s,
+# 1024-token prompts, 256-token answers, first token within 1 s.
+TARGETS = PlanTargets(2000, ttft_p50_ms=1000, prompt_len=1024, output_len=256, max_gpus=8)
+
+
+def _brute_force_min_gpus(t: PlanTargets) -> int | None:
+    """Every dtype x KV dtype x TP x batch x replicas, checked from the cost model directly."""
+    m, g = get_model_spec("llama-3-70b"), get_gpu("H100")
+    best = None
+    for wd in ("bf16", "fp8", "int8", "int4"):
+        for kvd in ("bf16", "fp8"):
+            for tp in (1, 2, 4, 8):
+                for b in BATCHES:
+                    mem = vram(m, batch=b, context_len=t.prompt_len + t.output_len, weight_dtype=wd, kv_dtype=kvd, tp=tp)
+                    if mem.total_bytes > g.memory_bytes * t.gpu_memory_utilization:
+                        continue
+                    dec = step_cost(m, g, batch=b, context_len=t.prompt_len + t.output_len // 2,
+                                    weight_dtype=wd, kv_dtype=kvd, tp=tp).step_time_s
+                    pf = step_cost(m, g, phase="prefill", context_len=t.prompt_len, weight_dtype=wd,
+                                   kv_dtype=kvd, tp=tp).step_time_s
+                    step = dec + b / t.output_len * pf
+                    if t.ttft_p50_ms is not None and (pf + step) * 1e3 > t.ttft_p50_ms:
+                        continue
+                    if t.tpot_ms is not None and step * 1e3 > t.tpot_ms:
+                        continue
+                    for replicas in range(1, t.max_gpus // tp + 1):
+                        if replicas * b / step >= t.target_tokens_per_s:
+                            best = min(best or math.inf, replicas * tp)
+                            break
+    return best
+
+
+def test_running_example_feasible_and_minimal() -> None:
+    result = plan("llama-3-70b", "H100", TARGETS)
+    assert result.feasible
+    winner = result.feasible[0]
+    assert winner.tokens_per_s >= 2000 and winner.ttft_ms <= 1000
+    assert winner.gpus == _brute_force_min_gpus(TARGETS)
+    assert winner.gpus <= 8
+    costs = [c.cost_per_million_tokens for c in result.feasible]
+    assert costs == sorted(costs)
+    # Every rejected family carries a reason; bf16 on one 80 GB GPU fails on weights.
+    reasons = {r.family: r.reason for r in result.rejected}
+    assert "weights 131 GiB > 1 x 80 GiB" in reasons["TP1 bf16 weights, bf16 KV"]
+
+
+def test_tight_tpot_changes_the_answer_and_matches_brute_force() -> None:
+    t = PlanTargets(2000, ttft_p50_ms=1000, tpot_ms=40, prompt_len=1024, output_len=256, max_gpus=8)
+    result = plan("llama-3-70b", "H100", t)
+    assert result.feasible and result.feasible[0].gpus == _brute_force_min_gpus(t)
+    assert all(c.tpot_ms <= 40 for c in result.feasible)
+
+
+def test_infeasible_target_reported_with_reasons() -> None:
+    t = PlanTargets(50_000, tpot_ms=5, max_gpus=8)
+    result = plan("llama-3-70b", "H100", t)
+    assert result.feasible == ()
+    assert len(result.rejected) == 4 * 2 * 4  # every family, each with its reason
+    assert all(r.reason for r in result.rejected)
+    assert any("TPOT" in r.reason for r in result.rejected)
+    assert any("needs" in r.reason or "weights" in r.reason for r in result.rejected)
