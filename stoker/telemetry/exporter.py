@@ -2,7 +2,7 @@
 
 Exported from NVML: DCGM_FI_DEV_SM_CLOCK, DCGM_FI_DEV_MEM_CLOCK (MHz), DCGM_FI_DEV_GPU_TEMP,
 DCGM_FI_DEV_MEMORY_TEMP (C), DCGM_FI_DEV_POWER_USAGE (W), DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION
-(mJ, counter), DCGM_FI_DEV_GPU_UTIL, DCGM_FI_DEV_MEM_COPY_UTIL (%), DCGM_FI_DEV_FB_FREE,
+(mJ, monotonic), DCGM_FI_DEV_GPU_UTIL, DCGM_FI_DEV_MEM_COPY_UTIL (%), DCGM_FI_DEV_FB_FREE,
 DCGM_FI_DEV_FB_USED (MiB). Labels: gpu, UUID, pci_bus_id, device, modelName, Hostname, plus
 GPU_I_PROFILE and GPU_I_ID on MIG instances.
 
@@ -29,7 +29,9 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("DCGM_FI_DEV_MEMORY_TEMP", "memory_temp_c", "gauge", "Memory temperature (in C)."),
     ("DCGM_FI_DEV_GPU_TEMP", "gpu_temp_c", "gauge", "GPU temperature (in C)."),
     ("DCGM_FI_DEV_POWER_USAGE", "power_w", "gauge", "Power draw (in W)."),
-    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "energy_mj", "counter",
+    # dcgm-exporter types this a counter; prometheus_client renames counters' TYPE lines to
+    # `<name>_total`, so it goes out as a gauge to keep the exact name (rate() works on both).
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "energy_mj", "gauge",
      "Total energy consumption since boot (in mJ)."),
     ("DCGM_FI_DEV_GPU_UTIL", "gpu_util_pct", "gauge", "GPU utilization (in %)."),
     ("DCGM_FI_DEV_MEM_COPY_UTIL", "mem_copy_util_pct", "gauge", "Memory utilization (in %)."),
@@ -59,8 +61,6 @@ class GpuCollector:
     def collect(self) -> Iterator[Metric]:
         samples = sample(self._nvml)
         for name, attr, kind, doc in METRICS:
-            # Metric (not CounterMetricFamily) keeps the name exactly as dcgm-exporter has it,
-            # without the `_total` suffix prometheus_client would add to a counter.
             family = Metric(name, doc, kind)
             for s in samples:
                 value = getattr(s, attr)
