@@ -6,6 +6,7 @@ framework so that it costs as little CPU as possible: the client under test must
 bottleneck, not the double. Behaviours (`mode`):
 
   instant    stream max_tokens one-token chunks, a usage chunk, then [DONE], all at once
+             (or one write per token with chunk_writes=True, like a real server)
   nousage    as instant but without the usage chunk (the client must count tokens itself)
   http_error answer 500 with an OpenAI error body
   sse_error  200, two content chunks, then an SSE error payload (vLLM/OpenAI shape)
@@ -63,6 +64,7 @@ class DoubleServer:
     hang_s: float = 60.0
     token_delay_s: float = 0.0  # > 0: sleep between chunks (a slow-decoding server)
     max_running: int = 0  # > 0: at most this many streams at once, others queue (a batch cap)
+    chunk_writes: bool = False  # True: one socket write (and event-loop turn) per token, as servers do
     stats: Counter[str] = field(default_factory=Counter)
     _cache: dict[tuple[bool, int, bool], bytes] = field(default_factory=dict)
     _n: int = 0
@@ -170,7 +172,8 @@ class DoubleServer:
             await writer.drain()
             return True
         writer.write(_OK_HEAD)
-        if mode in ("instant", "nousage") and self.token_delay_s <= 0 and self._slots is None:
+        if mode in ("instant", "nousage") and self.token_delay_s <= 0 and self._slots is None \
+                and not self.chunk_writes:
             writer.write(self._instant_body(chat, n, mode == "instant", req))
         elif mode in ("instant", "nousage"):
             if self._slots is not None:
@@ -228,11 +231,13 @@ def main() -> None:
     parser.add_argument("--model", default="double-model")
     parser.add_argument("--token-delay-ms", type=float, default=0.0, help="sleep between streamed tokens")
     parser.add_argument("--max-running", type=int, default=0, help="streams served at once (0 = no cap)")
+    parser.add_argument("--chunk-writes", action="store_true", help="one socket write per streamed token")
     args = parser.parse_args()
 
     async def serve() -> None:
         server = DoubleServer(mode=args.mode, port=args.port, model=args.model,
-                              token_delay_s=args.token_delay_ms / 1000.0, max_running=args.max_running)
+                              token_delay_s=args.token_delay_ms / 1000.0, max_running=args.max_running,
+                              chunk_writes=args.chunk_writes)
         await server.start_async()
         print(f"READY {server.port}", flush=True)
         await asyncio.Event().wait()

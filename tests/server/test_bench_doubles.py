@@ -163,3 +163,20 @@ def test_sweep_stops_early_on_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     doc = json.loads(out.read_text())
     assert len(doc["runs"]) == 1 and "synchronous" in doc["stopped_early"]
     assert "stopped early" in capsys.readouterr().out
+
+
+def test_roofline_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("stoker.roofline.measured")
+    out = tmp_path / "r.json"
+    base = ["--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+    with DoubleServer("instant") as srv:
+        assert main(["bench", "serve", "--base-url", srv.base_url, *base, "--hardware", "H100-SXM",
+                     "--model-config", "llama-3-8b", "--save-result", str(out)]) == 0
+        assert "Decode MBU implied (%)" in capsys.readouterr().out
+        roof = json.loads(out.read_text())["roofline"]
+        assert roof["mbu"] > 0 and roof["mfu"] > 0 and roof["inputs"]["context_len"] == pytest.approx(8 + 4 / 2)
+        sent_before = sum(srv.stats.values())
+        assert main(["bench", "serve", "--base-url", srv.base_url, *base, "--hardware", "H999",
+                     "--model-config", "llama-3-8b"]) == 2
+        assert sum(srv.stats.values()) == sent_before  # refused before any load was sent
+    assert "unknown GPU" in capsys.readouterr().err
