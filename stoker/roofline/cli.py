@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp8, int8, int4 (default bf16)")
     r.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16 or fp8 (default bf16)")
     r.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes (default 1,8,64,256)")
-    r.add_argument("--context", type=int, default=1024, help="context length per sequence (default 1024)")
+    r.add_argument("--context", type=int, default=None, help="context length per sequence (default 1024, or the measured run's)")
     r.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     r.add_argument("--link", default=None, help="GPU-GPU link override: nvlink4, nvlink-bridge, pcie4, pcie5, ib-ndr, ...")
     r.add_argument("--plot", metavar="FILE.png", help="write a log-log roofline PNG")
@@ -75,7 +75,8 @@ def run_roofline(args: argparse.Namespace) -> int:
     gpu_name = _need(args.gpu or (run.gpu if run else None), "--gpu", hardware.list_gpus())
     gpu = hardware.get_gpu(gpu_name)
     spec = modelspec.get_model_spec(model)
-    tp = args.tp or 1
+    tp = args.tp or (run.tp if run and run.tp else 1)
+    args.context = args.context or (round(run.context_len) if run else 1024)
     kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype, kv_dtype=args.kv_dtype, tp=tp, link=args.link)
     modelspec.dtype_bytes(args.dtype)
     steps = [costmodel.step_cost(spec, gpu, batch=b, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]

@@ -66,6 +66,7 @@ class MeasuredRun:
     gpu: str | None
     kind: str  # "serve" | "offline"
     assumptions: tuple[str, ...]
+    tp: int | None = None
 
 
 def _read(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -131,4 +132,6 @@ def load_measured(path_or_dict: str | Path | dict[str, Any], *, batch: float | N
             notes.append("batch 1 assumed (not in the file; pass --batch)")
     model = d.get("model_id") or d.get("model")
     gpu = d.get("hardware") or d.get("gpu")
-    return MeasuredRun(out_tps, float(batch), float(context_len), model, gpu, kind, tuple(notes))
+    tp = d.get("tensor_parallel_size") or d.get("tp")
+    return MeasuredRun(out_tps, float(batch), float(context_len), model, gpu, kind, tuple(notes),
+                       int(tp) if tp else None)
