@@ -96,40 +96,40 @@ def load_measured(path_or_dict: str | Path | dict[str, Any], *, batch: float | N
     out_tps = float(d["output_throughput"])
     notes: list[str] = []
     kind = "offline" if "elapsed_s" in d or "input_len" in d else "serve"
-    if True:  # context: file first, then the flag, then a stated default
-        completed = d.get("completed") or d.get("num_prompts")
-        if kind == "offline" and d.get("input_len") is not None and d.get("output_len") is not None:
-            context_len = float(d["input_len"]) + float(d["output_len"]) / 2
-            notes.append(f"context {context_len:.0f} = input_len + output_len/2 (mean over a sequence's decode)")
-        elif completed and d.get("total_input_tokens") is not None and d.get("total_output_tokens") is not None:
-            context_len = (float(d["total_input_tokens"]) + float(d["total_output_tokens"]) / 2) / float(completed)
-            notes.append(f"context {context_len:.0f} = mean prompt + half the mean output, from the result's token totals")
-        elif flag_context is not None:
-            context_len = float(flag_context)
-            notes.append(f"context {context_len:.0f} from --context (not in the file)")
-        else:
-            context_len = 1024.0
-            notes.append("context 1024 assumed (not in the file; pass --context)")
-    if True:  # batch: file first, then the flag, then a stated default
-        if d.get("max_concurrency"):
-            batch = float(d["max_concurrency"])
-            notes.append(f"batch {batch:.0f} = max_concurrency from the file")
-        elif d.get("mean_tpot_ms"):
-            # Little's law over decode: each running sequence emits one token per TPOT.
-            batch = out_tps * float(d["mean_tpot_ms"]) / 1000
-            notes.append(f"batch {batch:.1f} = output_throughput x mean_tpot (Little's law; pass --batch to override)")
-        elif kind == "offline" and flag_batch is not None:
-            batch = float(flag_batch)
-            notes.append(f"batch {batch:.0f} from --batch (the offline result does not record it)")
-        elif kind == "offline" and d.get("num_prompts"):
-            batch = float(min(int(d["num_prompts"]), DEFAULT_OFFLINE_MAX_NUM_SEQS))
-            notes.append(f"batch {batch:.0f} = min(num_prompts, max_num_seqs {DEFAULT_OFFLINE_MAX_NUM_SEQS}) assumed")
-        elif flag_batch is not None:
-            batch = float(flag_batch)
-            notes.append(f"batch {batch:.0f} from --batch (not in the file)")
-        else:
-            batch = 1.0
-            notes.append("batch 1 assumed (not in the file; pass --batch)")
+    # context: file first, then the flag, then a stated default
+    completed = d.get("completed") or d.get("num_prompts")
+    if kind == "offline" and d.get("input_len") is not None and d.get("output_len") is not None:
+        context_len = float(d["input_len"]) + float(d["output_len"]) / 2
+        notes.append(f"context {context_len:.0f} = input_len + output_len/2 (mean over a sequence's decode)")
+    elif completed and d.get("total_input_tokens") is not None and d.get("total_output_tokens") is not None:
+        context_len = (float(d["total_input_tokens"]) + float(d["total_output_tokens"]) / 2) / float(completed)
+        notes.append(f"context {context_len:.0f} = mean prompt + half the mean output, from the result's token totals")
+    elif flag_context is not None:
+        context_len = float(flag_context)
+        notes.append(f"context {context_len:.0f} from --context (not in the file)")
+    else:
+        context_len = 1024.0
+        notes.append("context 1024 assumed (not in the file; pass --context)")
+    # batch: file first, then the flag, then a stated default
+    if d.get("max_concurrency"):
+        batch = float(d["max_concurrency"])
+        notes.append(f"batch {batch:.0f} = max_concurrency from the file")
+    elif d.get("mean_tpot_ms"):
+        # Little's law over decode: each running sequence emits one token per TPOT.
+        batch = out_tps * float(d["mean_tpot_ms"]) / 1000
+        notes.append(f"batch {batch:.1f} = output_throughput x mean_tpot (Little's law; pass --batch to override)")
+    elif kind == "offline" and flag_batch is not None:
+        batch = float(flag_batch)
+        notes.append(f"batch {batch:.0f} from --batch (the offline result does not record it)")
+    elif kind == "offline" and d.get("num_prompts"):
+        batch = float(min(int(d["num_prompts"]), DEFAULT_OFFLINE_MAX_NUM_SEQS))
+        notes.append(f"batch {batch:.0f} = min(num_prompts, max_num_seqs {DEFAULT_OFFLINE_MAX_NUM_SEQS}) assumed")
+    elif flag_batch is not None:
+        batch = float(flag_batch)
+        notes.append(f"batch {batch:.0f} from --batch (not in the file)")
+    else:
+        batch = 1.0
+        notes.append("batch 1 assumed (not in the file; pass --batch)")
     model = d.get("model_id") or d.get("model")
     gpu = d.get("hardware") or d.get("gpu")
     tp = d.get("tensor_parallel_size") or d.get("tp")
