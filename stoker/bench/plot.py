@@ -33,6 +33,7 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str | Path, *, title: str =
             if y is not None:
                 ax.annotate(r.get("label", ""), (xi, y), textcoords="offset points", xytext=(4, -10),
                             fontsize=7, color="0.35")
+        ax.set_ylim(bottom=0)  # from zero, so small wiggles don't read as big changes
         ax.set_title(name)
         ax.set_xlabel("achieved output throughput (output tok/s)")
         ax.set_ylabel(f"{name} (ms)")

@@ -48,7 +48,7 @@ def build_result(*, metrics: BenchMetrics, outcome: RunOutcome, load: LoadConfig
         "stoker_version": __version__,
         **meta,
         "request_rate": _num(load.request_rate),
-        "burstiness": load.burstiness,
+        "burstiness": _num(load.burstiness),
         "max_concurrency": load.max_concurrency,
         "request_timeout": load.request_timeout,
         "seed": load.seed,
@@ -74,7 +74,8 @@ def save_result(path: str | Path, result: dict[str, Any]) -> Path:
     p = Path(path)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=1) + "\n")
+    # allow_nan=False: a NaN/inf sneaking in should fail here, not in someone's JSON parser.
+    p.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     return p
 
 

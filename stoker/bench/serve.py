@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -59,7 +60,11 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _args_record(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
+    """The parsed flags, JSON-safe (strict JSON has no Infinity: inf is saved as "inf")."""
+    def safe(v: Any) -> Any:
+        return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+    return {k: safe(v) for k, v in vars(args).items() if k != "func" and not callable(v)}
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
