@@ -12,7 +12,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
 def next_pow2(n: int) -> int:

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from stoker.layers.rotary import rope_parameters
 from stoker.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if key not in cfg:
             raise ValueError(f"{config_file} has no {key!r}, which the model needs")
+    get_model_class(cfg.get("architectures"))  # fail fast, before anything else reads the folder
+    rope_parameters(cfg)
     return cfg
 
 
