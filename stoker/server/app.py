@@ -1,0 +1,133 @@
+"""The FastAPI application: lifespan (load, warm up, start and drain the engine), error
+handlers that keep every failure in the OpenAI error shape, and the gatekeeping middleware.
+
+The model loads in a worker thread after the server starts listening, so the liveness
+probe answers at once and readiness flips to 200 only once the model is loaded and has
+generated its first tokens (NIM's live/ready split).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stoker.engine.async_engine import AsyncEngine
+from stoker.engine.llm_engine import LLMEngine
+from stoker.sampling_params import SamplingParams
+from stoker.server.errors import ApiError, describe_validation_errors, error_body
+from stoker.server.metrics import EngineLogLine
+from stoker.server.middleware import Gatekeeper
+from stoker.server.routes import router
+from stoker.server.serving import ClientDisconnected
+from stoker.server.state import ServerSettings, ServerState
+
+logger = logging.getLogger("stoker.server")
+
+EngineFactory = Callable[[], LLMEngine]
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Two greedy tokens through the whole path (prefill, decode, sampler), then check the
+    KV cache is whole: a server is ready only once it has generated."""
+    ids = engine.tokenizer.encode("Hello") or [0]
+    engine.add_request("stoker-warmup", None, SamplingParams(max_tokens=2, temperature=0.0), prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+
+
+def create_app(
+    settings: ServerSettings,
+    engine_factory: EngineFactory,
+    on_fatal: Callable[[BaseException], None] | None = None,
+    drain_timeout_s: float | None = 30.0,
+) -> FastAPI:
+    state = ServerState(settings)
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(engine_factory)
+            from stoker.engine.tokenizer import load_tokenizer
+
+            state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+            if settings.warmup:
+                await asyncio.to_thread(warm_up, engine)
+            state.max_model_len = engine.max_model_len
+            state.vocab_size = int(engine.hf_config["vocab_size"])
+            async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
+            async_engine.start()
+            state.engine = async_engine
+            state.ready = True
+            logger.info("ready: serving %s as %s (max_model_len %d)", settings.model_path,
+                        ", ".join(settings.served_model_names), state.max_model_len)
+        except Exception as exc:
+            logger.exception("loading the model failed")
+            state.load_error = exc
+            if on_fatal is not None:
+                on_fatal(exc)
+
+    async def log_engine() -> None:
+        line = EngineLogLine()
+        while True:
+            await asyncio.sleep(settings.log_interval_s)
+            if state.engine is not None:
+                text = line.line(state.engine)
+                if text:
+                    logger.info(text)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(load()), asyncio.create_task(log_engine())]
+        try:
+            yield
+        finally:
+            # uvicorn has stopped listening and waited for open requests; drain what is left.
+            state.ready = False
+            for t in tasks:
+                t.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown(drain_timeout_s)
+                logger.info("engine stopped")
+
+    app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
+    app.state.stoker = state
+    app.include_router(router)
+    app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
+                       on_reject=state.metrics.reject)
+
+    def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+        state.metrics.reject(status)
+        return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI clients and vLLM expect 400.
+        message, param = describe_validation_errors(list(exc.errors()))
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # One request's bug fails that request alone, still in the OpenAI shape.
+        logger.exception("unhandled error while serving %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    return app

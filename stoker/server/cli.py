@@ -1,0 +1,110 @@
+"""`stoker serve [MODEL_DIR] [engine flags] [server flags]`.
+
+Registration stays light (argparse only); FastAPI, uvicorn and torch load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stoker.engine.args import add_engine_args, engine_kwargs
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve a Hugging Face checkpoint over the OpenAI API (as vLLM and NIM serve it). "
+        "With no MODEL_DIR, a small random-weight demo model is made and served.",
+    )
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="checkpoint folder (config.json + *.safetensors + tokenizer); default: the built-in demo model")
+    add_engine_args(p, model_required=False)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients send in `model` (default: MODEL_DIR as given, or stoker-demo)")
+    s.add_argument("--api-key", default=os.environ.get("STOKER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API (default: $STOKER_API_KEY; unset: open)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 + Retry-After when this many admitted requests have no output yet (default: no limit)")
+    s.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get 413 (default 16 MiB)")
+    s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
+    s.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access log line")
+    s.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=run)
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags `LLM(...)` takes; a flag it does not know must still be at its default."""
+    from stoker.engine.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    accepted = inspect.signature(LLM.__init__).parameters
+    defaults = {"tensor_parallel_size": 1, "kv_cache_dtype": "auto"}
+    for name in list(kwargs):
+        if name not in accepted:
+            value = kwargs.pop(name)
+            if value != defaults.get(name, value):
+                raise ValueError(f"--{name.replace('_', '-')} {value} is not supported by this engine yet")
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from stoker.engine.llm import LLM
+    from stoker.server.app import create_app
+    from stoker.server.demo_model import DEMO_NAME, RANDOM_WEIGHTS_NOTICE, demo_model_dir
+    from stoker.server.state import ServerSettings
+
+    if args.model_dir is None:
+        print("stoker serve: preparing the demo model (first run only; a few seconds)...", file=sys.stderr, flush=True)
+        model_path = str(demo_model_dir())
+        print(RANDOM_WEIGHTS_NOTICE.format(name=DEMO_NAME, path=model_path), file=sys.stderr, flush=True)
+        default_name = DEMO_NAME
+    else:
+        model_path = args.model_dir
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"{model_path}: no config.json; MODEL_DIR must be a Hugging Face checkpoint folder")
+        default_name = model_path
+    kwargs = _llm_kwargs(args)
+    settings = ServerSettings(
+        model_path=model_path,
+        served_model_names=tuple(args.served_model_name or [default_name]),
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_logprobs=args.max_logprobs,
+        log_interval_s=args.log_interval,
+    )
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, lambda: LLM(model_path, **kwargs).engine, on_fatal=on_fatal, drain_timeout_s=args.shutdown_timeout)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if fatal:
+        print(f"stoker serve: error: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0

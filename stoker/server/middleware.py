@@ -1,0 +1,103 @@
+"""Pure-ASGI gatekeeping before FastAPI sees a request: API key, then body size.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
+cancellation pass through untouched and the hot path costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from stoker.server.errors import error_bytes
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Probes and scrapers stay open when an API key is set (see docs/server.md).
+OPEN_PATHS = frozenset({"/health", "/v1/health/live", "/v1/health/ready", "/metrics", "/version",
+                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+async def send_error(send: Send, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    body = error_bytes(status, message, param)
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gatekeeper:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, on_reject: Callable[[int], None] | None = None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.on_reject = on_reject or (lambda status: None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope.get("path", "") not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+            if not self._authorized(headers):
+                self.on_reject(401)
+                return await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                        headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return await send_error(send, 400, "Content-Length is not a number")
+            if declared > self.max_body_bytes:
+                self.on_reject(413)
+                return await send_error(send, 413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes")
+        await self._limited(scope, receive, send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        assert self.api_key is not None
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Chunked bodies carry no length up front: count while reading, answer 413 in place
+        of whatever the app answers once the limit is crossed."""
+        received = 0
+        too_large = False
+        replaced = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, too_large
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_body_bytes:
+                    too_large = True
+                    raise ValueError("request body too large")
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            nonlocal replaced
+            if too_large:
+                if not replaced and msg["type"] == "http.response.start":
+                    replaced = True
+                    self.on_reject(413)
+                    await send_error(send, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                return
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+            if not replaced:
+                replaced = True
+                self.on_reject(413)
+                await send_error(send, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes")

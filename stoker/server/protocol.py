@@ -1,0 +1,154 @@
+"""Request bodies of the OpenAI-compatible API, as vLLM accepts them (pydantic v2).
+
+Pydantic checks types and the bounds that protect the process (64-bit seeds, a cap on n);
+`SamplingParams` checks the value ranges, so the API and the offline `LLM` agree on them.
+Unknown fields are accepted and ignored, as vLLM and OpenAI do. NaN and infinity are
+refused: they pass every `<`/`>` range check and would poison the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stoker.sampling_params import SamplingParams
+
+# OpenAI's own cap on n; also bounds the sequences one request can create.
+MAX_N = 128
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+# A seed of completion i is seed + i: keep it inside torch.Generator's uint64 range.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
+TokenId = Annotated[int, Field(**_INT64)]
+SmallInt = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """The fields completions and chat share (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: SmallInt | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: SmallInt = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field and its valid range."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: SmallInt | None = 16  # OpenAI's completions default
+    logprobs: SmallInt | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: SmallInt | None = None
+    user: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Body):
+    """Any non-text content part (images, audio): refused with a clear message."""
+
+    type: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: SmallInt | None = None  # None: up to the context limit, as vLLM
+    max_completion_tokens: SmallInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: SmallInt | None = None
+    add_generation_prompt: bool = True
+    user: str | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (text parts joined). Raises ValueError
+    for content the text-only engine cannot take."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, TextPart):
+                    raise ValueError(f"messages[{i}].content: part type {part.type!r} is not supported (text only)")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out

@@ -1,0 +1,94 @@
+"""HTTP routes: parse, hand to the serving classes, answer. No logic lives here."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from stoker.server.chat_render import render_chat
+from stoker.server.errors import ApiError, bad_request
+from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from stoker.server.serving import Serving
+from stoker.server.serving_chat import OpenAIServingChat
+from stoker.server.serving_completion import OpenAIServingCompletion
+from stoker.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.stoker
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await OpenAIServingCompletion(_state(request)).create(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await OpenAIServingChat(_state(request)).create(body, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    st = _state(request)
+    Serving(st).engine()  # max_model_len is known once the model is loaded
+    data = [
+        {"id": name, "object": "model", "created": st.created, "owned_by": "stoker", "root": st.settings.model_path,
+         "parent": None, "max_model_len": st.max_model_len}
+        for name in st.settings.served_model_names
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    st = _state(request)
+    if st.load_error is not None or (st.engine is not None and st.engine.is_dead):
+        raise ApiError(503, "the engine has stopped; see the server log")
+    return Response(status_code=200)
+
+
+@router.get("/v1/health/live")
+async def live(request: Request) -> JSONResponse:
+    await health(request)
+    return JSONResponse({"object": "health.response", "message": "Service is live."})
+
+
+@router.get("/v1/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    st = _state(request)
+    Serving(st).engine()  # 503 while loading, after a crash, or while shutting down
+    return JSONResponse({"object": "health.response", "message": "Service is ready."})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    st = _state(request)
+    serving = Serving(st)
+    serving.check_model(body.model)
+    serving.engine()
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = render_chat(st.tokenizer, body.messages, body.add_generation_prompt)
+    else:
+        ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids})
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    st = _state(request)
+    serving = Serving(st)
+    serving.check_model(body.model)
+    serving.engine()
+    serving.check_token_ids(body.tokens, "tokens")
+    return JSONResponse({"prompt": st.tokenizer.decode(body.tokens)})

@@ -1,0 +1,225 @@
+"""What completions and chat share: admission checks, engine streams, SSE framing, deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from stoker.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotAcceptingError,
+    QueueFullError,
+    RequestStream,
+)
+from stoker.outputs import CompletionOutput, RequestOutput
+from stoker.sampling_params import SamplingParams
+from stoker.server.errors import ApiError, bad_request, param_of_value_error
+from stoker.server.protocol import _SamplingFields
+from stoker.server.state import ServerState
+
+T = TypeVar("T")
+_FIELDS = set(_SamplingFields.model_fields) | {"max_tokens", "logprobs", "top_logprobs", "max_completion_tokens"}
+SYSTEM_FINGERPRINT = "stoker-0.1.0"
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class Serving:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, model: str | None) -> str:
+        names = self.state.settings.served_model_names
+        if model is not None and model not in names:
+            raise ApiError(404, f"The model `{model}` does not exist. Served: {', '.join(names)}", "model")
+        return model or names[0]
+
+    def engine(self) -> AsyncEngine:
+        st = self.state
+        if st.engine is not None and st.engine.is_dead:
+            raise ApiError(503, "the engine has stopped after an internal error; restart the server")
+        if not st.ready or st.engine is None:
+            raise ApiError(503, "the model is still loading; retry when /v1/health/ready answers 200",
+                           headers={"Retry-After": str(st.settings.retry_after_s)})
+        return st.engine
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.state.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{param}: token ids must be in [0, {vocab}); got {bad[:5]}", param)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """vLLM's rule: prompt + max_tokens must fit the context; None means all that is left."""
+        limit = self.state.max_model_len
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty; give at least one token", "prompt")
+        if max_tokens is None:
+            if prompt_len >= limit:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt_len} "
+                    f"tokens, which leaves no room for a completion. Please reduce the length of the prompt.", "messages")
+            return limit - prompt_len
+        if max_tokens >= 1 and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the length of the prompt or {param}.", param)
+        return max_tokens
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_request(str(exc), param_of_value_error(str(exc), _FIELDS)) from None
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        cap = self.state.settings.max_logprobs
+        if value is not None and not 0 <= value <= cap:
+            raise bad_request(f"{param} must be in [0, {cap}], got {value}", param)
+
+    # ------------------------------------------------------------------ engine
+    def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestStream]:
+        """One engine request per prompt; all admitted or none (earlier ones aborted)."""
+        engine = self.engine()
+        streams: list[RequestStream] = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(engine.add_request(rid, ids, p, text))
+        except QueueFullError as exc:
+            for s in streams:
+                s.abort()
+            raise ApiError(503, f"server busy: {exc}; retry later",
+                           headers={"Retry-After": str(self.state.settings.retry_after_s)}) from None
+        except (EngineDeadError, EngineNotAcceptingError) as exc:
+            for s in streams:
+                s.abort()
+            raise ApiError(503, str(exc)) from None
+        return streams
+
+    @staticmethod
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from several streams as they come; one stream: no tasks."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    queue.put_nowait((i, out, None))
+                queue.put_nowait((i, None, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()
+
+    @staticmethod
+    async def until_disconnect(raw: Request, work: Awaitable[T]) -> T:
+        """Run a non-streaming request, cancelling it (and so aborting its engine requests)
+        if the client goes away first: a blocking request must not hold KV blocks for nobody."""
+        task = asyncio.ensure_future(work)
+
+        async def watch() -> None:
+            while True:
+                msg = await raw.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})  # let its finally blocks abort the engine requests
+        if task.cancelled():
+            raise ClientDisconnected()
+        return task.result()
+
+    async def collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        final: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in self.merged(streams):
+            final[i] = out
+        return [f for f in final if f is not None]
+
+    def error_event(self, exc: BaseException) -> bytes:
+        from stoker.server.errors import error_body
+
+        status = 503 if isinstance(exc, EngineDeadError) else 500
+        return sse(error_body(status, f"generation failed: {exc}"))
+
+    @staticmethod
+    def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(prompt_lens)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class DeltaTracker:
+    """What of one completion's cumulative text may be streamed now.
+
+    A stop string can retract up to len(stop) - 1 characters that were already produced
+    (they might be its beginning), so while the sequence runs the last max_stop_len - 1
+    characters are held back; at the end the rest goes out. Streamed pieces then always
+    concatenate to the final (non-streamed) text.
+    """
+
+    __slots__ = ("holdback", "num_chars", "num_tokens")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.holdback = max(params.max_stop_str_len - 1, 0)
+        self.num_chars = 0
+        self.num_tokens = 0
+
+    def step(self, comp: CompletionOutput) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index)."""
+        text = comp.text
+        end = len(text) if comp.finish_reason is not None else max(len(text) - self.holdback, 0)
+        delta = text[self.num_chars : end] if end > self.num_chars else ""
+        self.num_chars += len(delta)
+        start_tok, end_tok = self.num_tokens, len(comp.token_ids)
+        self.num_tokens = end_tok
+        return delta, start_tok, end_tok
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,158 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) -> choices, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from stoker.outputs import CompletionOutput, RequestOutput
+from stoker.sampling_params import SamplingParams
+from stoker.server.errors import bad_request
+from stoker.server.protocol import CompletionRequest
+from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, DeltaTracker, Serving, new_id, now_s, sse
+
+# -inf is not JSON; clients read a very negative number the same way.
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+class OpenAIServingCompletion(Serving):
+    def prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        tok = self.state.tokenizer
+        if isinstance(prompt, str):
+            return [(prompt, tok.encode(prompt))]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, tok.encode(p)) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            self.check_token_ids(prompt, "prompt")
+            return [(None, list(prompt))]
+        out: list[tuple[str | None, list[int]]] = []
+        for ids in prompt:
+            self.check_token_ids(ids, "prompt")
+            out.append((None, list(ids)))
+        return out
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        self.engine()
+        self.check_logprobs(req.logprobs, "logprobs")
+        prompts = self.prompts(req.prompt)
+        params = [
+            self.sampling_params(req, self.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
+            for _, ids in prompts
+        ]
+        echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
+        request_id = new_id("cmpl")
+        streams = self.add_all(request_id, prompts, params)
+        created = now_s()
+        prompt_lens = [len(ids) for _, ids in prompts]
+        if req.stream:
+            body = self._stream(request_id, model, created, streams, params, prompt_lens, echo_texts, req)
+            return StreamingResponse(body, media_type="text/event-stream")
+        outputs = await self.until_disconnect(raw, self.collect(streams))
+        choices = []
+        for i, out in enumerate(outputs):
+            for comp in out.outputs:
+                echo = echo_texts[i] if echo_texts else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._logprobs(comp, 0, len(comp.token_ids), len(echo))
+                    if echo_texts:
+                        logprobs = self._with_echo(prompts[i][1], logprobs)
+                choices.append({
+                    "index": i * req.n + comp.index,
+                    "text": echo + comp.text,
+                    "logprobs": logprobs,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                })
+        return JSONResponse({
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            "usage": self.usage(prompt_lens, outputs),
+        })
+
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.state.tokenizer.decode(ids)
+
+    async def _stream(
+        self, request_id: str, model: str, created: int, streams: list, params: list[SamplingParams],
+        prompt_lens: list[int], echo_texts: list[str] | None, req: CompletionRequest,
+    ) -> AsyncIterator[bytes]:
+        trackers = {(i, j): DeltaTracker(p) for i, p in enumerate(params) for j in range(p.n)}
+        finals: dict[int, RequestOutput] = {}
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+        try:
+            async for i, out in self.merged(streams):
+                for comp in out.outputs:
+                    tracker = trackers[(i, comp.index)]
+                    first = tracker.num_tokens == 0 and tracker.num_chars == 0
+                    delta, start, end = tracker.step(comp)
+                    if first and echo_texts:
+                        delta = echo_texts[i] + delta
+                    if not delta and comp.finish_reason is None and (req.logprobs is None or start == end):
+                        continue
+                    choice = {
+                        "index": i * req.n + comp.index,
+                        "text": delta,
+                        "logprobs": self._logprobs(comp, start, end, 0) if req.logprobs is not None else None,
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                    yield sse({**head, "choices": [choice]})
+                if out.finished:
+                    finals[i] = out
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": self.usage(prompt_lens, list(finals.values()))})
+        except Exception as exc:  # the engine failed this request: tell the client in-band
+            yield self.error_event(exc)
+        finally:
+            for s in streams:
+                s.abort()
+        yield DONE
+
+    @staticmethod
+    def _logprobs(comp: CompletionOutput, start: int, end: int, offset: int) -> dict[str, list]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        entries = comp.logprobs or []
+        for k in range(start, min(end, len(entries))):
+            entry = entries[k]
+            chosen = entry.get(comp.token_ids[k])
+            tok = chosen.decoded_token or "" if chosen is not None else ""
+            tokens.append(tok)
+            token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
+            top.append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()})
+            text_offset.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+    def _with_echo(self, prompt_ids: list[int], logprobs: dict[str, list]) -> dict[str, list]:
+        """Echoed prompt tokens come first, with null log-probabilities (not computed)."""
+        decode = self.state.tokenizer.decode
+        toks = [decode([t]) for t in prompt_ids]
+        offsets, pos = [], 0
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": toks + logprobs["tokens"],
+            "token_logprobs": [None] * len(toks) + logprobs["token_logprobs"],
+            "top_logprobs": [None] * len(toks) + logprobs["top_logprobs"],
+            "text_offset": offsets + logprobs["text_offset"],
+        }

@@ -1,0 +1,53 @@
+"""What one server process holds: settings, the engine once loaded, its tokenizer, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.engine.async_engine import AsyncEngine
+from stoker.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_path: str
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_request_body_bytes: int = 16 * 2**20
+    max_logprobs: int = 20
+    log_interval_s: float = 10.0
+    retry_after_s: int = 1
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    engine: AsyncEngine | None = None
+    # The server's own tokenizer: the engine thread uses the engine's, and HF fast
+    # tokenizers are not meant to be shared across threads.
+    tokenizer: Any = None
+    max_model_len: int = 0
+    vocab_size: int = 0
+    ready: bool = False
+    load_error: BaseException | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.settings.model_name, lambda: self.engine)
