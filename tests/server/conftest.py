@@ -1,0 +1,127 @@
+"""A real uvicorn server on a free loopback port, in a thread of the test process, serving a
+tiny random checkpoint. In-process so tests can also look at the engine's block manager."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.stoker
+
+    @property
+    def engine(self) -> Any:
+        """The LLMEngine (read it only while no request is in flight)."""
+        return self.state.engine.engine
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels) -> value, from GET /metrics."""
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """One sample by name, ignoring labels (the first match)."""
+        for key, value in self.metrics().items():
+            if key == name or key.startswith(name + "{"):
+                return value
+        raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no sequence runs or waits and the KV cache is empty again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.metric("vllm:num_requests_running") == 0 and self.metric("vllm:num_requests_waiting") == 0
+                    and self.metric("vllm:kv_cache_usage_perc") == 0):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"server not idle after {timeout} s: {self.metrics()}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
+    import uvicorn
+
+    from stoker.engine.llm import LLM
+    from stoker.server.app import create_app
+    from stoker.server.state import ServerSettings
+
+    kwargs = dict(max_model_len=256, num_gpu_blocks_override=512, seed=0, **(engine_kwargs or {}))
+    base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
+    app = create_app(replace(base, **settings), lambda: LLM(str(ckpt), **kwargs).engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(live.url + "/v1/health/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return live
+        except OSError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            live.stop()
+            raise RuntimeError("test server did not become ready")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def server_factory(tiny_llama: Path) -> Iterator[Callable[..., LiveServer]]:
+    """Start extra servers (own settings) on the session's tiny checkpoint; all stopped at the end."""
+    started: list[LiveServer] = []
+
+    def make(engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
+        live = start_server(tiny_llama, engine_kwargs, **settings)
+        started.append(live)
+        return live
+
+    yield make
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(server_factory: Callable[..., LiveServer]) -> LiveServer:
+    return server_factory()
+
+
+@pytest.fixture
+def client(live_server: LiveServer) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
