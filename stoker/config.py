@@ -42,8 +42,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: force a tiny cache
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto' (the model's dtype). "
+                "`stoker plan` can still size FP8-KV deployments"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

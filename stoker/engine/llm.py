@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from stoker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from stoker.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from stoker.engine.llm_engine import LLMEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
@@ -34,6 +34,8 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         num_gpu_blocks_override: int | None = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
@@ -43,12 +45,14 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks_override=num_gpu_blocks_override,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device,
             enforce_eager=enforce_eager,
         )

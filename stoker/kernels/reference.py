@@ -44,23 +44,24 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
     keys = _gather_context(k_cache, block_tables, max_len)  # (B, L, Hkv, D)
     values = _gather_context(v_cache, block_tables, max_len)
-    # GQA without copying K/V per query head: (B, Hkv, G, D) @ (B, Hkv, D, L) -> (B, Hkv, G, L)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1).float()) * scale
     pos = torch.arange(max_len, device=query.device)
-    mask = pos[None, :] >= context_lens[:, None]  # (B, L): past the end of the context
+    allowed = pos[None, :] < context_lens[:, None]  # (B, L)
     if sliding_window is not None:
-        mask |= pos[None, :] <= (context_lens[:, None] - 1 - sliding_window)
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())  # (B, Hkv, G, D)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+        allowed &= pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
+    # SDPA reads the gathered K/V through a transposed view (no second copy) and never
+    # materialises the (B, H, L) scores in HBM-like memory; GQA without repeating K/V.
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # (B, H, 1, D)
+        keys.transpose(1, 2).to(query.dtype),  # (B, Hkv, L, D)
+        values.transpose(1, 2).to(query.dtype),
+        attn_mask=allowed[:, None, None, :],
+        scale=scale,
+        enable_gqa=query.shape[1] != k_cache.shape[2],
+    )
+    return out.squeeze(2)
 
 
 def paged_attention(

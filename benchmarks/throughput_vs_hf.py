@@ -1,0 +1,165 @@
+"""Offline throughput: Stoker vs HF transformers, same model, same workload, same run.
+
+Workload (issue 2): a Llama-shaped random model (hidden 512, intermediate 1408, 8 layers,
+8 heads / 4 KV heads, vocab 1024), 64 requests, prompt lengths uniform in [32, 256], output
+lengths uniform in [16, 128], ignore_eos, greedy, float32 on CPU.
+
+Peers measured here, in this process, one after the other:
+- HF `generate` with left-padded static batches (each batch runs to its longest output;
+  only the requested tokens count), at several batch sizes; the best is reported;
+- HF continuous batching (`generate_batch` / its manager) with per-request lengths.
+Also measured: the float32 GEMM rate of this machine, so achieved GFLOP/s can be read as a
+share of it. Usage: python benchmarks/throughput_vs_hf.py [--repeats 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stoker import LLM, SamplingParams  # noqa: E402
+from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024)
+
+
+def workload(seed: int = 0, n: int = 64) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(5, 1024) for _ in range(rng.randint(32, 256))], rng.randint(16, 128)) for _ in range(n)]
+
+
+def matmul_params(model_dir: Path) -> int:
+    """Parameters that cost 2 FLOPs per token: every matrix but the embedding lookup."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                if len(shape) == 2 and "embed_tokens" not in name:
+                    total += shape[0] * shape[1]
+    return total
+
+
+def gemm_gflops(n: int = 2048, iters: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def run_stoker(model_dir: Path, reqs) -> float:
+    llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
+    llm.generate([{"prompt_token_ids": reqs[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, reqs))
+    llm.engine.check_integrity()
+    return elapsed
+
+
+@torch.no_grad()
+def run_hf_static(hf, reqs, batch_size: int) -> float:
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([[2] * (width - len(ids)) + ids for ids, _ in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        new = max(n for _, n in batch)
+        hf.generate(input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return time.perf_counter() - t
+
+
+@torch.no_grad()
+def run_hf_continuous(hf, reqs) -> float:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=2, max_new_tokens=128)
+    t = time.perf_counter()
+    with hf.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=30) as manager:
+        ids = [manager.add_request(input_ids=p, max_new_tokens=n) for p, n in reqs]
+        done = 0
+        while done < len(ids):
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                done += 1
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--static-batch-sizes", default="8,16,32,64")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import transformers
+
+    reqs = workload()
+    num_out = sum(n for _, n in reqs)
+    num_prompt = sum(len(ids) for ids, _ in reqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint(Path(tmp) / "m", "llama", **MODEL)
+        params = matmul_params(model_dir)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 2
+        results: dict[str, list[float]] = {"stoker": [], "hf_continuous": []}
+        sizes = [int(b) for b in args.static_batch_sizes.split(",")]
+        for b in sizes:
+            results[f"hf_static_b{b}"] = []
+        gemm = []
+        run_hf_static(hf, reqs[:2], 2)  # warm-up
+        for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
+            gemm.append(gemm_gflops())
+            results["stoker"].append(num_out / run_stoker(model_dir, reqs))
+            for b in sizes:
+                results[f"hf_static_b{b}"].append(num_out / run_hf_static(hf, reqs, b))
+            try:
+                results["hf_continuous"].append(num_out / run_hf_continuous(hf, reqs))
+            except Exception as exc:  # report, don't hide, a peer that fails here
+                print(f"HF continuous batching failed: {exc!r}", file=sys.stderr)
+            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items() if v), flush=True)
+    med = {k: statistics.median(v) for k, v in results.items() if v}
+    best_static = max((k for k in med if k.startswith("hf_static")), key=med.get)
+    best_hf = max(med[best_static], med.get("hf_continuous", 0.0))
+    gemm_med = statistics.median(gemm)
+    achieved = med["stoker"] * (num_prompt + num_out) / num_out * 2 * params / 1e9
+    summary = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, transformers {transformers.__version__}",
+        "workload": {"num_requests": len(reqs), "prompt_tokens": num_prompt, "output_tokens": num_out, "matmul_params": params},
+        "output_tokens_per_s_median": med,
+        "best_hf_static": best_static,
+        "ratio_vs_best_hf": med["stoker"] / best_hf,
+        "gemm_gflops_median": gemm_med,
+        "stoker_achieved_gflops": achieved,
+        "stoker_share_of_gemm_peak": achieved / gemm_med,
+        "floor_output_tokens_per_s": gemm_med * 1e9 / (2 * params * (num_prompt + num_out) / num_out),
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**summary, "runs": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

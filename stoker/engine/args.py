@@ -1,0 +1,47 @@
+"""Engine flags shared by `stoker generate`, `stoker bench throughput` and `stoker serve`,
+named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    g = parser.add_argument_group("engine")
+    if model_required:
+        g.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json + *.safetensors + tokenizer)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (chunked prefill splits longer prompts)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache budget in bytes (CPU default 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights + activations + KV")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="turn chunked prefill off")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per replica (only 1 is supported by the engine yet)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV-cache element type; only 'auto' (the model dtype) is supported yet")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM(...) keyword arguments the flags above describe."""
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
