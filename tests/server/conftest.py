@@ -78,7 +78,7 @@ def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **sett
     from stoker.server.app import create_app
     from stoker.server.state import ServerSettings
 
-    kwargs = dict(max_model_len=256, num_gpu_blocks_override=512, seed=0, **(engine_kwargs or {}))
+    kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}
     base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
     app = create_app(replace(base, **settings), lambda: LLM(str(ckpt), **kwargs).engine)
     port = free_port()
