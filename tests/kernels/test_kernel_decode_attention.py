@@ -60,8 +60,8 @@ def run_case(
         ([1, 17, 100], 4, 4, 64, 16, None, None),
         # GQA 4, head_dim 128, block 32; the window empties the first splits (lse = -inf path).
         ([33, 64, 5], 8, 2, 128, 32, 24, 4),
-        # GQA 8 at a long context: 2k tokens cut into 8 splits, next to a short sequence.
-        ([2000, 300], 8, 1, 64, 16, None, 8),
+        # GQA 8 at a long context: 2047 tokens (partial last block) in 8 splits, beside a short one.
+        ([2047, 300], 8, 1, 64, 16, None, 8),
         # GQA 8, single pass (no reduce), window longer than some contexts.
         ([70, 9, 129], 16, 2, 64, 32, 50, 1),
         # Group of 3 and head_dim 80: padding of both the head group and head_dim tiles.

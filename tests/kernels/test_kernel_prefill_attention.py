@@ -64,8 +64,8 @@ def run_case(
         ([(9, 1), (40, 40), (77, 13), (1, 1), (33, 2)], 2, 2, 64, 16, None),
         # GQA 4, head_dim 128, block 32, sliding window.
         ([(70, 70), (100, 1), (65, 30)], 8, 2, 128, 32, 20),
-        # GQA 8: the last 64-token chunk of a 2k-token chunked prefill, beside a decode.
-        ([(2048, 64), (300, 1)], 8, 1, 64, 16, None),
+        # GQA 8: the last 64-token chunk of a 2043-token chunked prefill, beside a decode.
+        ([(2043, 64), (300, 1)], 8, 1, 64, 16, None),
         # Group of 3 (BLOCK_Q = 21 tokens) and head_dim 80.
         ([(50, 50), (23, 5)], 6, 2, 80, 16, 16),
     ],
