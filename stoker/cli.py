@@ -55,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `stoker ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except (ValueError, FileNotFoundError) as exc:
         # User errors (bad flags, missing files) get one clear line, not a traceback.
         print(f"stoker {args.command}: error: {exc}", file=sys.stderr)
