@@ -174,6 +174,21 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def tile_config(head_dim: int, group: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes and warps of the split kernel, chosen so that ptxas reports no register
+    spills for sm_90 (checked without a GPU by tests/kernels/test_kernel_compile_sm90.py):
+    the per-element K/V gather pointers cost registers, so a K/V step holds at most 8K
+    16-bit (4K float32) elements, over 8 warps. Not yet tuned on a GPU."""
+    block_d = next_pow2(head_dim)
+    budget = 4096 if dtype == torch.float32 else 8192
+    return {
+        "BLOCK_G": max(16, next_pow2(group)),  # tl.dot needs >= 16 rows
+        "BLOCK_D": block_d,
+        "BLOCK_N": max(16, min(64, budget // block_d)),
+        "num_warps": 8,
+    }
+
+
 def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Enough splits that B * Hkv * splits programs give every SM about two, from shapes only.
 
@@ -227,9 +242,8 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_d = next_pow2(head_dim)
-    # Keep the K/V step tile around 8K elements: 64 tokens at D <= 128, 32 at D = 256.
-    block_n = max(16, min(64, 8192 // block_d))
+    tiles = tile_config(head_dim, group, query.dtype)
+    block_n = tiles["BLOCK_N"]
     if num_splits is None:
         num_splits = _pick_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n, query.device)
     check(
@@ -264,13 +278,11 @@ def paged_decode_attention(
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32,
         PRECISION=precision,
+        **tiles,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -281,7 +293,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
+            BLOCK_D=tiles["BLOCK_D"],
             BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
         )

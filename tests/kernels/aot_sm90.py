@@ -1,0 +1,123 @@
+"""Compile every kernel for an H100/H200 (sm_90) without a GPU, at the launchers' real tile
+configs, and check with ptxas that none spills registers. Run by test_kernel_compile_sm90.py
+in a subprocess, because Triton must be imported with TRITON_INTERPRET=0 for this.
+
+    TRITON_INTERPRET=0 python tests/kernels/aot_sm90.py     # prints one line per kernel variant
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+
+os.environ["TRITON_INTERPRET"] = "0"
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
+from stoker.kernels import store_kvcache  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+FLOAT_ARGS = {"scale_log2", "eps"}
+TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def ptxas_path() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(TARGET.arch).path
+    except Exception:  # noqa: BLE001 - another triton layout: skip the spill check
+        return None
+
+
+def spill_bytes(ptx: str, ptxas: str) -> int:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True, check=True
+        ).stderr
+    finally:
+        os.unlink(f.name)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int) -> object:
+    """pointers: argument name -> element type; '*' is the default for other *_ptr arguments."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, pointers["*"])
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def variants():
+    """(label, jit fn, pointer types, constexprs, num_warps) for the configs launchers pick."""
+    idx = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "cu_seqlens_q_ptr": "i32"}
+    part = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32"}
+    yield ("store_kvcache bf16 Hkv8 D128", store_kvcache._store_kvcache_kernel, {"*": "bf16", "slot_mapping_ptr": "i64"},
+           dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), 4)
+    for dtype, head_dim, group, splits, window in [
+        (torch.bfloat16, 128, 4, 1, False), (torch.bfloat16, 64, 8, 8, True), (torch.bfloat16, 256, 2, 4, False),
+        (torch.float32, 128, 4, 2, False),
+    ]:
+        tiles = paged_decode_attention.tile_config(head_dim, group, dtype)
+        warps = tiles.pop("num_warps")
+        yield (f"decode {TL[dtype]} D{head_dim} G{group} splits{splits}", paged_decode_attention._decode_split_kernel,
+               {"*": TL[dtype], **idx, **part},
+               dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, USE_WINDOW=window, DOT_FP32=False,
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
+    yield ("decode reduce D128 splits64", paged_decode_attention._decode_reduce_kernel, {"*": "bf16", **idx, **part},
+           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=64), 4)
+    for dtype, head_dim, group, window in [
+        (torch.bfloat16, 128, 4, True), (torch.bfloat16, 64, 1, False), (torch.bfloat16, 256, 2, False),
+        (torch.bfloat16, 128, 7, False), (torch.float32, 128, 4, False),
+    ]:
+        tiles = paged_prefill_attention.tile_config(head_dim, group, dtype)
+        warps = tiles.pop("num_warps")
+        yield (f"prefill {TL[dtype]} D{head_dim} G{group}", paged_prefill_attention._paged_prefill_kernel,
+               {"*": TL[dtype], **idx},
+               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_B=256, USE_WINDOW=window, DOT_FP32=False,
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
+    for residual in (False, True):
+        yield (f"rms_norm residual={residual} hidden8192", rms_norm._rms_norm_kernel, {"*": "bf16"},
+               dict(HAS_RESIDUAL=residual, BLOCK=8192), 16)
+    yield ("silu_and_mul", activation._silu_and_mul_kernel, {"*": "bf16"}, dict(BLOCK=1024), 4)
+    for half, passed in ((64, 0), (32, 64)):
+        yield (f"rotary rot_dim{2 * half} D128", rotary._rotary_kernel,
+               {"*": "bf16", "positions_ptr": "i64", "cos_sin_ptr": "fp32"},
+               dict(HALF=half, HEAD_DIM=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=half, BLOCK_PASS=passed), 4)
+
+
+def main() -> int:
+    ptxas = ptxas_path()
+    failures = 0
+    for label, fn, pointers, constexprs, warps in variants():
+        try:
+            kernel = compile_variant(fn, pointers, constexprs, warps)
+        except Exception as exc:  # noqa: BLE001 - report every variant, then fail
+            print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}")
+            failures += 1
+            continue
+        spills = spill_bytes(kernel.asm["ptx"], ptxas) if ptxas else -1
+        status = "ok" if spills <= 0 else "SPILLS"
+        failures += spills > 0
+        print(f"{status} {label}: smem {kernel.metadata.shared} B, spill stores {spills if spills >= 0 else 'n/a'} B")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
