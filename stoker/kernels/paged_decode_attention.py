@@ -193,11 +193,11 @@ def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n
     """Enough splits that B * Hkv * splits programs give every SM about two, from shapes only.
 
     max_context is an upper bound (block_tables width * block_size): only caps the count.
-    Rounded to a power of two so at most log2(_MAX_SPLITS) + 1 kernel variants get compiled.
+    Rounded down to a power of two so at most log2(_MAX_SPLITS) + 1 kernel variants get compiled.
     """
     want = triton.cdiv(2 * num_sms(device.index if device.type == "cuda" else None), num_seqs * num_kv_heads)
     splits = max(1, min(want, triton.cdiv(max_context, 4 * block_n), _MAX_SPLITS))
-    return next_pow2(splits)
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_decode_attention(

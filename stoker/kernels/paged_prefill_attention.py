@@ -122,7 +122,7 @@ def _paged_prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        allowed = pos[None, :] <= q_pos[:, None]  # causal; also keeps pos < hi
+        allowed = pos[None, :] <= q_pos[:, None]  # causal (for valid rows this implies pos < hi)
         if USE_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))

@@ -115,7 +115,8 @@ def test_decode_strided_query_and_zero_context() -> None:
 
 def test_num_splits_heuristic_fills_the_gpu() -> None:
     cpu = torch.device("cpu")  # the interpreter assumes 132 SMs, like an H100/H200
-    assert decode_mod._pick_num_splits(1, 8, 32768, 64, cpu) == 64  # batch 1: split hard (capped)
+    assert decode_mod._pick_num_splits(1, 8, 32768, 64, cpu) == 32  # batch 1: 8 x 32 programs ~ 2 per SM
+    assert decode_mod._pick_num_splits(1, 1, 32768, 64, cpu) == 64  # MQA: capped at 64
     assert decode_mod._pick_num_splits(256, 8, 32768, 64, cpu) == 1  # big batch: one pass
     assert decode_mod._pick_num_splits(1, 8, 64, 64, cpu) == 1  # short context: nothing to split
 
