@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # torch pulls gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-gpu serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ install: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600
+
+# On a CUDA machine: compiled (not interpreted) Triton, and only the GPU-marked tests.
+test-gpu: $(VENV)/.installed
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/gpu
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/stoker serve

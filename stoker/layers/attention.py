@@ -25,7 +25,11 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # (B,) int32: cached + new tokens per sequence
     cu_seqlens_q: list[int]  # (B + 1,) offsets of each sequence's query tokens in T
     context_lens_list: list[int]
+
     num_decodes: int  # the first num_decodes sequences have exactly one query token
+    # Device copies of the prefill part (sequences num_decodes..B), offsets rebased to 0,
+    # so GPU kernels get them without a host-to-device copy per layer.
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # (B - num_decodes + 1,) int32
 
 
 _metadata: AttentionMetadata | None = None
@@ -70,15 +74,12 @@ class Attention(nn.Module):
             out[:nd] = ops.paged_decode_attention(
                 q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd], md.context_lens[:nd], self.scale, self.sliding_window
             )
-        cu = md.cu_seqlens_q
+        if q.is_cuda and md.prefill_cu_seqlens_q is not None:
+            cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
+        else:  # the torch twin loops over sequences on the host: plain lists cost no syncs
+            cu = md.cu_seqlens_q
+            cu_seqlens, context_lens = [x - cu[nd] for x in cu[nd:]], md.context_lens_list[nd:]
         out[nd:] = ops.paged_attention(
-            q[nd:],
-            self.k_cache,
-            self.v_cache,
-            md.block_tables[nd:],
-            [x - cu[nd] for x in cu[nd:]],
-            md.context_lens_list[nd:],
-            self.scale,
-            self.sliding_window,
+            q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale, self.sliding_window
         )
         return out

@@ -60,6 +60,10 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         cu_seqlens_q=cu_seqlens_q,
         context_lens_list=context_lens,
         num_decodes=num_decodes,
+        prefill_cu_seqlens_q=(
+            as_tensor([x - cu_seqlens_q[num_decodes] for x in cu_seqlens_q[num_decodes:]], torch.int32)
+            if device.type == "cuda" and num_decodes < len(ordered) else None
+        ),
     )
     return ModelInputs(
         input_ids=as_tensor(input_ids, torch.int64),

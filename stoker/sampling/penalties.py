@@ -29,10 +29,11 @@ def apply_penalties(
     repetition: torch.Tensor,  # (S,)
     frequency: torch.Tensor,  # (S,)
     presence: torch.Tensor,  # (S,)
+    any_repetition: bool = True,  # known on the host: avoids a device sync to find out
 ) -> torch.Tensor:
     vocab_size = logits.shape[1]
     output_counts = token_counts(output_ids, vocab_size, logits.device)
-    if bool((repetition != 1.0).any()):
+    if any_repetition:
         seen = (token_counts(prompt_ids, vocab_size, logits.device) + output_counts) > 0
         penalty = repetition[:, None].expand_as(logits)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)

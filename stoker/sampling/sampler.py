@@ -84,6 +84,7 @@ class Sampler:
                 col([p.repetition_penalty for p in params]),
                 col([p.frequency_penalty for p in params]),
                 col([p.presence_penalty for p in params]),
+                any_repetition=any(p.repetition_penalty != 1 for p in params),
             )
         logits = self._mask_early_stops(logits, rows)
 
@@ -112,14 +113,23 @@ class Sampler:
             ranks = (raw_logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
             if top_k > 0:
                 top_vals, top_ids = raw_logprobs.topk(min(top_k, vocab), dim=-1)
-        # The one host synchronization of the step.
-        token_list = sampled.tolist()
-        logprob_list = token_logprobs.tolist()
+        # The one host read of the step: everything the host needs, packed into one tensor
+        # (float64 holds token ids and ranks exactly). Columns: token, logprob, [rank, ids, vals].
+        columns = [sampled.double()[:, None], token_logprobs.double()[:, None]]
+        width = 0
+        if top_k is not None:
+            columns.append(ranks.double()[:, None])
+            if top_ids is not None:
+                width = top_ids.shape[1]
+                columns += [top_ids.double(), top_vals.double()]
+        host = torch.cat(columns, dim=1).cpu().tolist()
+        token_list = [int(r[0]) for r in host]
+        logprob_list = [r[1] for r in host]
         tops: list[tuple[int, list[int], list[float]] | None] = [None] * num_rows
         if top_k is not None:
-            rank_list = ranks.tolist()
-            ids_list = top_ids.tolist() if top_ids is not None else [[] for _ in range(num_rows)]
-            vals_list = top_vals.tolist() if top_vals is not None else [[] for _ in range(num_rows)]
+            rank_list = [int(r[2]) for r in host]
+            ids_list = [[int(t) for t in r[3 : 3 + width]] for r in host]
+            vals_list = [r[3 + width :] for r in host]
             for i, k in enumerate(want_top):
                 if k is not None:
                     tops[i] = (rank_list[i], ids_list[i][:k], vals_list[i][:k])
