@@ -69,8 +69,14 @@ def mig_parted_config(plan: FleetPlan) -> dict[str, Any]:
     return {"version": "v1", "mig-configs": configs}
 
 
+# Stoker loads checkpoints from a folder (no hub downloads at run time): each pod mounts the
+# models volume read-only and serves MODELS_MOUNT/<model>, under the deployment's model name.
+MODELS_MOUNT = "/models"
+MODELS_PVC = "stoker-models"
+
+
 def _serve_args(dep: DeploymentSpec, tp: int) -> list[str]:
-    args = ["--model", dep.model, "--host", "0.0.0.0", "--port", str(dep.port),
+    args = [f"{MODELS_MOUNT}/{dep.model}", "--served-model-name", dep.model, "--host", "0.0.0.0", "--port", str(dep.port),
             "--dtype", dep.dtype, "--kv-cache-dtype", dep.kv_cache_dtype,
             "--max-model-len", str(dep.max_model_len), "--max-num-seqs", str(dep.max_num_seqs),
             "--gpu-memory-utilization", str(dep.gpu_memory_utilization),
@@ -106,6 +112,7 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
             "startupProbe": _probe(LIVE_PATH, dep.port, 10, 90),
             "readinessProbe": _probe(READY_PATH, dep.port, 5, 3),
             "livenessProbe": _probe(LIVE_PATH, dep.port, 10, 3),
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
         }
         objects.append({
             "apiVersion": "apps/v1",
@@ -121,6 +128,7 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
                             "nodeSelectorTerms": [{"matchExpressions": [
                                 {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]}]}}},
                         "containers": [container],
+                        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_PVC, "readOnly": True}}],
                     },
                 },
             },
