@@ -9,7 +9,11 @@ prompts, so both sides run exactly the same tokens) from an aiohttp client in th
 output tokens are counted from usage.completion_tokens. Runs alternate offline / server so
 machine drift hits both; the table gives every run and the medians.
 
-    .venv/bin/python benchmarks/server_overhead.py [--runs 3]
+    .venv/bin/python benchmarks/server_overhead.py [--runs 3] [--threads N]
+
+On a small shared machine pin --threads: with every core given to torch, any other process
+(here: the client, or a neighbour's job) stalls torch's OpenMP barriers and a run can slow
+down ten-fold at random, which drowns the server-vs-offline difference being measured.
 """
 
 from __future__ import annotations
@@ -101,10 +105,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads on both sides (OMP_NUM_THREADS for the server); default: torch's")
     args = ap.parse_args()
+    if args.threads:
+        # Set before torch loads here, and inherited by the server process.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from stoker import LLM
     from stoker.testing.tiny_checkpoint import make_tiny_checkpoint
 
