@@ -68,6 +68,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes / gpu_memory_utilization")
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()  # CUDA and not enforce_eager only
         block_size = config.cache_config.block_size
         self.block_manager = BlockManager(num_blocks, block_size, config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -14,6 +14,7 @@ from stoker.layers.attention import set_attention_metadata
 from stoker.models.llama import head_dim_of
 from stoker.models.loader import build_model, load_weights
 from stoker.runner import memory
+from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import prepare_inputs
 from stoker.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
         self.head_dim = head_dim_of(hf_config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
 
     # ------------------------------------------------------------------ KV cache
     @property
@@ -86,6 +88,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
+        self.graph_runner = None  # captured graphs address the old cache
         for attn in self.model.attention_layers():
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -110,15 +113,37 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.release(seq.seq_id)
 
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (after allocate_kv_cache); a no-op on CPU or with enforce_eager."""
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        ok, why_not = graphs_supported(self.device)
+        if not ok:
+            logger.warning("CUDA graphs off, decode runs eagerly: %s", why_not)
+            return
+        assert self.kv_caches, "allocate the KV cache before capturing: the graphs address it"
+        graph_runner = CudaGraphRunner(
+            self.model, self.config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
+            self.hf_config["hidden_size"], self.dtype, self.device,
+        )
+        graph_runner.capture()
+        self.graph_runner = graph_runner
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepResult:
         inputs = prepare_inputs(out, self.block_size, self.device)
-        set_attention_metadata(inputs.attn_metadata)
-        try:
-            hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
-        finally:
-            set_attention_metadata(None)
+        md = inputs.attn_metadata
+        if self.graph_runner is not None and self.graph_runner.can_run(len(inputs.ordered), md):
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
+        else:
+            set_attention_metadata(md)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
+            finally:
+                set_attention_metadata(None)
         if not inputs.sampled:
             return StepResult([], SamplerOutput([], [], []))
         # Logits only for the positions that sample: (S, hidden) -> (S, vocab).
