@@ -34,6 +34,18 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class ChunkEncoder:
+    """SSE events of one stream: the fields every chunk repeats (id, object, created, model,
+    fingerprint) are encoded once, so each token costs one small json.dumps."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = head
+        self._prefix = b"data: " + json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"choices":['
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -12,7 +12,7 @@ from stoker.sampling_params import SamplingParams
 from stoker.server.chat_render import render_chat
 from stoker.server.errors import bad_request
 from stoker.server.protocol import ChatCompletionRequest
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -64,12 +64,13 @@ class OpenAIServingChat(Serving):
         trackers = [DeltaTracker(params) for _ in range(params.n)]
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
+        encode = ChunkEncoder(head).choice
         final: RequestOutput | None = None
         try:
             # The role goes first, once per choice, as OpenAI streams it.
             for j in range(params.n):
-                yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield encode({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None})
             async for _, out in self.merged(streams):
                 for comp in out.outputs:
                     delta, start, end = trackers[comp.index].step(comp)
@@ -84,7 +85,7 @@ class OpenAIServingChat(Serving):
                     }
                     if comp.finish_reason is not None:
                         choice["stop_reason"] = comp.stop_reason
-                    yield sse({**head, "choices": [choice]})
+                    yield encode(choice)
                 if out.finished:
                     final = out
             if req.include_usage:

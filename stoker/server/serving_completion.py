@@ -12,7 +12,7 @@ from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import bad_request
 from stoker.server.protocol import CompletionRequest
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
 
 # -inf is not JSON; clients read a very negative number the same way.
 _MIN_LOGPROB = -9999.0
@@ -95,6 +95,7 @@ class OpenAIServingCompletion(Serving):
         finals: dict[int, RequestOutput] = {}
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
+        encode = ChunkEncoder(head).choice
         try:
             async for i, out in self.merged(streams):
                 for comp in out.outputs:
@@ -112,7 +113,7 @@ class OpenAIServingCompletion(Serving):
                         "finish_reason": comp.finish_reason,
                         "stop_reason": comp.stop_reason,
                     }
-                    yield sse({**head, "choices": [choice]})
+                    yield encode(choice)
                 if out.finished:
                     finals[i] = out
             if req.include_usage:
