@@ -165,11 +165,11 @@ def test_disconnect_mid_stream_frees_blocks(live_server: LiveServer, monkeypatch
     body = {"model": MODEL, "prompt": "a long one", "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{live_server.url}/v1/completions", json=body) as resp:
+            # Keep the iterator referenced: dropping it would close the connection early.
+            lines = resp.iter_lines()
             seen = 0
-            for line in resp.iter_lines():
-                seen += line.startswith("data:")
-                if seen >= 3:
-                    break
+            while seen < 3:
+                seen += next(lines).startswith("data:")
             assert _kv_blocks_used(live_server) > 0 and live_server.metric("vllm:kv_cache_usage_perc") > 0
     # Closing the connection mid-stream aborts the request: its blocks come back.
     live_server.wait_idle()
