@@ -170,9 +170,11 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def can_run(self, num_seqs: int, md: AttentionMetadata) -> bool:
-        """A pure-decode step (one new token per sequence) that fits a captured bucket."""
+        """A pure-decode step (one new token per sequence) that fits a captured bucket and
+        whose block tables fit the static ones (always, while contexts stay <= max_model_len)."""
         is_pure_decode = md.num_decodes == len(md.context_lens_list) == num_seqs
-        return bool(self.graphs) and is_pure_decode and 0 < num_seqs <= self.max_batch_size
+        fits = 0 < num_seqs <= self.max_batch_size and md.block_tables.shape[1] <= self.max_blocks_per_seq
+        return bool(self.graphs) and is_pure_decode and fits
 
     def _forward(self, bs: int) -> None:
         """The body that gets captured: static buffers in, static output out."""

@@ -126,3 +126,15 @@ def test_replay_path_equals_eager_on_cpu(tiny_llama) -> None:
     assert replays and set(replays) <= {8, 4, 2, 1}, replays  # decode steps only, padded to buckets
     assert 8 in replays
     llm.engine.check_integrity()
+
+    # Eager beyond the largest bucket, for any step that is not pure decode, for tables
+    # wider than max_model_len allows, and before capture.
+    max_blocks = graph_runner.max_blocks_per_seq
+    assert graph_runner.can_run(16, _decode_metadata([[1]] * 16, [3] * 16, 16))
+    assert not graph_runner.can_run(17, _decode_metadata([[1]] * 17, [3] * 17, 16))
+    assert not graph_runner.can_run(1, _decode_metadata([[1] * (max_blocks + 1)], [3], 16))
+    mixed = _decode_metadata([[1], [2]], [3, 9], 16)
+    mixed.num_decodes = 1  # the second sequence brings several tokens
+    assert not graph_runner.can_run(2, mixed)
+    graph_runner.graphs = {}
+    assert not graph_runner.can_run(1, _decode_metadata([[1]], [3], 16))
