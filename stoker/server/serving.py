@@ -189,8 +189,11 @@ class Serving:
 
     async def collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(streams)
-        async for i, out in self.merged(streams):
-            final[i] = out
+        try:
+            async for i, out in self.merged(streams):
+                final[i] = out
+        except ValueError as exc:  # the engine refused the request's input at admission
+            raise bad_request(str(exc)) from None
         return [f for f in final if f is not None]
 
     def error_event(self, exc: BaseException) -> bytes:
