@@ -65,9 +65,13 @@ def gemm_gflops(n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def run_stoker(model_dir: Path, reqs) -> float:
+def make_stoker(model_dir: Path, reqs) -> LLM:
     llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
-    llm.generate([{"prompt_token_ids": reqs[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    run_stoker(llm, reqs)  # warm-up: the BLAS library prepares its kernels per matrix shape
+    return llm
+
+
+def run_stoker(llm: LLM, reqs) -> float:
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t = time.perf_counter()
@@ -111,9 +115,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--static-batch-sizes", default="8,16,32,64")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's choice)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     reqs = workload()
     num_out = sum(n for _, n in reqs)
@@ -129,10 +137,12 @@ def main() -> None:
         for b in sizes:
             results[f"hf_static_b{b}"] = []
         gemm = []
-        run_hf_static(hf, reqs[:2], 2)  # warm-up
+        llm = make_stoker(model_dir, reqs)
+        for b in sizes:  # warm-up, as for Stoker: every shape the timed runs will use
+            run_hf_static(hf, reqs[: 2 * b], b)
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
             gemm.append(gemm_gflops())
-            results["stoker"].append(num_out / run_stoker(model_dir, reqs))
+            results["stoker"].append(num_out / run_stoker(llm, reqs))
             for b in sizes:
                 results[f"hf_static_b{b}"].append(num_out / run_hf_static(hf, reqs, b))
             try:

@@ -275,9 +275,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        # Requests, not sequences (an n > 1 request counts once), as vLLM's gauges count them;
+        # a request with any sequence running is running.
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(running),
+            num_waiting=len(waiting),
             kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,

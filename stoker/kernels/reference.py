@@ -28,11 +28,40 @@ def store_kvcache(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """(B, max_blocks) block ids -> (B, max_len, Hkv, D) keys or values, in position order."""
-    num_blocks_used = -(-max_len // cache.shape[1])
-    gathered = cache[block_tables[:, :num_blocks_used].long()]  # (B, nb, bs, Hkv, D)
-    return gathered.flatten(1, 2)[:, :max_len]
+# Reused gather buffers, one per (role, dtype, device): a fresh multi-MB tensor per call
+# costs page faults (the allocator maps new zeroed pages) on top of the copy itself.
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(role: str, like: torch.Tensor, num_rows: int) -> torch.Tensor:
+    key = (role, like.dtype, like.device, like.shape[1:])
+    buf = _workspaces.get(key)
+    if buf is None or buf.shape[0] < num_rows:
+        buf = torch.empty((max(num_rows, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape[1:]), dtype=like.dtype, device=like.device)
+        _workspaces[key] = buf
+    return buf[:num_rows]
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, role: str | None = None) -> torch.Tensor:
+    """(B, max_blocks) block ids -> (B, max_len, Hkv, D) keys or values, in position order.
+
+    With `role`, the result lives in a reused buffer, valid until the next call with that role.
+    """
+    num_seqs, block_size = block_tables.shape[0], cache.shape[1]
+    num_blocks_used = -(-max_len // block_size)
+    # index_select on dim 0 is a plain row copy: ~1.5x faster on CPU than advanced indexing.
+    ids = block_tables[:, :num_blocks_used].reshape(-1).long()
+    if role is None:
+        gathered = cache.index_select(0, ids)
+    else:
+        gathered = torch.index_select(cache, 0, ids, out=_workspace(role, cache, ids.shape[0]))
+    return gathered.view(num_seqs, num_blocks_used * block_size, *cache.shape[2:])[:, :max_len]
+
+
+# Decode sequences are attended in groups of similar context length, each group padded only
+# to its own longest context: on CPU this is ~2.5x faster than one batch padded to the
+# longest context overall (less to gather, and each group's K/V stays in cache).
+_DECODE_GROUP = 16
 
 
 def paged_decode_attention(
@@ -44,18 +73,38 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
+    if query.shape[0] <= _DECODE_GROUP:
+        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+    out = torch.empty_like(query)
+    order = torch.argsort(context_lens, descending=True)
+    for group in order.split(_DECODE_GROUP):
+        out[group] = _decode_group(
+            query[group], k_cache, v_cache, block_tables[group], context_lens[group], scale, sliding_window
+        )
+    return out
+
+
+def _decode_group(
+    query: torch.Tensor,  # (b, H, D)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (b, max_blocks)
+    context_lens: torch.Tensor,  # (b,)
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # (b, H, D)
     max_len = int(context_lens.max())
-    keys = _gather_context(k_cache, block_tables, max_len)  # (B, L, Hkv, D)
-    values = _gather_context(v_cache, block_tables, max_len)
+    keys = _gather_context(k_cache, block_tables, max_len, "k")  # (b, L, Hkv, D)
+    values = _gather_context(v_cache, block_tables, max_len, "v")
     pos = torch.arange(max_len, device=query.device)
-    allowed = pos[None, :] < context_lens[:, None]  # (B, L)
+    allowed = pos[None, :] < context_lens[:, None]  # (b, L)
     if sliding_window is not None:
         allowed &= pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
-    # SDPA reads the gathered K/V through a transposed view (no second copy) and never
-    # materialises the (B, H, L) scores in HBM-like memory; GQA without repeating K/V.
+    # SDPA reads the gathered K/V through a transposed view (no second copy), never
+    # materialises the (b, H, L) scores, and does GQA without repeating K/V.
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # (B, H, 1, D)
-        keys.transpose(1, 2).to(query.dtype),  # (B, Hkv, L, D)
+        query.unsqueeze(2),  # (b, H, 1, D)
+        keys.transpose(1, 2).to(query.dtype),  # (b, Hkv, L, D)
         values.transpose(1, 2).to(query.dtype),
         attn_mask=allowed[:, None, None, :],
         scale=scale,
