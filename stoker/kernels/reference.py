@@ -34,7 +34,8 @@ _workspaces: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(role: str, like: torch.Tensor, num_rows: int) -> torch.Tensor:
-    key = (role, like.dtype, like.device, like.shape[1:])
+    # Inference tensors (made under torch.inference_mode) may not be written outside it.
+    key = (role, like.dtype, like.device, like.shape[1:], torch.is_inference_mode_enabled())
     buf = _workspaces.get(key)
     if buf is None or buf.shape[0] < num_rows:
         buf = torch.empty((max(num_rows, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape[1:]), dtype=like.dtype, device=like.device)
@@ -156,6 +157,8 @@ def paged_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF Llama computes it: normalise in float32, cast, then scale."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same arithmetic
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -183,16 +186,14 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first rot_dim dims of q and k, GPT-NeoX style (HF's rotate_half)."""
     cos_sin = cos_sin_cache[positions]  # (T, rot_dim)
-    cos, sin = cos_sin.chunk(2, dim=-1)  # (T, rot_dim / 2)
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+    cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # (T, 1, rot_dim / 2) each
     rot_dim = cos_sin_cache.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]: rotate_half without building it.
         x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
         x1, x2 = x_rot.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        out = (x_rot * cos + rotated * sin).to(x.dtype)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
 
     return rotate(query), rotate(key)
