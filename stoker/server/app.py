@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stoker.engine.async_engine import AsyncEngine
+from stoker.engine.async_engine import AsyncEngine, engine_executor
 from stoker.engine.llm_engine import LLMEngine
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, describe_validation_errors, error_body
@@ -51,18 +51,22 @@ def create_app(
 ) -> FastAPI:
     state = ServerState(settings)
 
+    # Loading, warm-up and every step run on this one thread (see AsyncEngine's docstring).
+    executor = engine_executor()
+
     async def load() -> None:
         try:
-            engine = await asyncio.to_thread(engine_factory)
+            loop = asyncio.get_running_loop()
+            engine = await loop.run_in_executor(executor, engine_factory)
             from stoker.engine.tokenizer import load_tokenizer
 
             state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
             if settings.warmup:
-                await asyncio.to_thread(warm_up, engine)
+                await loop.run_in_executor(executor, warm_up, engine)
             state.max_model_len = engine.max_model_len
             state.vocab_size = int(engine.hf_config["vocab_size"])
             async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
-            async_engine.start()
+            async_engine.start(executor=executor)
             state.engine = async_engine
             state.ready = True
             logger.info("ready: serving %s as %s (max_model_len %d)", settings.model_path,
