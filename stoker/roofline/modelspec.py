@@ -31,8 +31,11 @@ KV_DTYPES = ("bf16", "fp8")
 
 
 def dtype_bytes(dtype: str) -> float:
-    key = dtype.strip().lower().replace("float16", "fp16").replace("bfloat16", "bf16")
-    key = {"auto": "bf16", "half": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(key, key)
+    # Whole-name aliases (a substring replace would turn "bfloat16" into "bfp16").
+    aliases = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+               "float": "fp32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8"}
+    key = dtype.strip().lower()
+    key = aliases.get(key, key)
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[key]

@@ -114,3 +114,11 @@ def test_decode_floor_is_the_jax_scaling_book_bound() -> None:
 def test_prefill_is_compute_bound_and_decode_memory_bound() -> None:
     assert step_cost("llama-3-8b", "h100", phase="prefill", batch=1, context_len=4096).bound == "compute"
     assert step_cost("llama-3-8b", "h100", batch=1, context_len=4096).bound == "memory"
+
+
+def test_dtype_names_as_torch_and_vllm_spell_them() -> None:
+    from stoker.roofline.modelspec import dtype_bytes
+
+    assert dtype_bytes("bfloat16") == dtype_bytes("bf16") == 2.0  # once mangled into "bfp16"
+    assert dtype_bytes("float16") == dtype_bytes("half") == 2.0
+    assert dtype_bytes("float32") == 4.0 and dtype_bytes("fp8_e4m3") == 1.0
