@@ -30,3 +30,39 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints) -> Path:
     return tiny_checkpoints("llama")
+
+
+# --- Every engine a test drives must end whole: DESIGN.md principle 6 ----------------------
+# Engines built on the test's own thread are tracked; after each test, any that is idle must
+# pass check_integrity() with every KV block back in the free list (a leaked block is a bug).
+# Engines stepped by a server thread are checked through the server's own tests instead.
+import threading
+import weakref
+
+_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _track_engines():
+    from stoker.engine.llm_engine import LLMEngine
+
+    original = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if threading.current_thread() is threading.main_thread():
+            _engines.add(self)
+
+    LLMEngine.__init__ = tracking_init
+    yield
+    LLMEngine.__init__ = original
+
+
+@pytest.fixture(autouse=True)
+def _engines_end_whole():
+    yield
+    for engine in list(_engines):
+        if not engine.has_unfinished_requests():
+            engine.check_integrity()
+            bm = engine.block_manager
+            assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
