@@ -39,7 +39,8 @@ def tiny_llama(tiny_checkpoints) -> Path:
 import threading
 import weakref
 
-_engines: "weakref.WeakSet" = weakref.WeakSet()
+_engines: "weakref.WeakSet" = weakref.WeakSet()  # long-lived (fixture) engines
+_new_engines: list = []  # strong refs: engines made by the running test, checked then dropped
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -52,6 +53,7 @@ def _track_engines():
         original(self, *args, **kwargs)
         if threading.current_thread() is threading.main_thread():
             _engines.add(self)
+            _new_engines.append(self)
 
     LLMEngine.__init__ = tracking_init
     yield
@@ -61,7 +63,9 @@ def _track_engines():
 @pytest.fixture(autouse=True)
 def _engines_end_whole():
     yield
-    for engine in list(_engines):
+    engines = {id(e): e for e in [*_engines, *_new_engines]}
+    _new_engines.clear()
+    for engine in engines.values():
         if not engine.has_unfinished_requests():
             engine.check_integrity()
             bm = engine.block_manager
