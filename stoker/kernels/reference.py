@@ -10,6 +10,9 @@ attends causally to every cached position <= its own (and > position - sliding_w
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +68,54 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
 _DECODE_GROUP = 16
 
 
+@dataclass
+class _DecodeGroup:
+    rows: slice  # rows of the length-sorted batch
+    block_ids: torch.Tensor  # (b * nb,) int64: the blocks to gather, sequence by sequence
+    max_len: int
+    allowed: torch.Tensor  # (b, 1, 1, L) bool: the positions each sequence attends to
+
+
+@dataclass
+class _DecodePlan:
+    """What every layer of one step shares: the groups, their blocks and masks. Built once per
+    step (the block tables and context lengths are the same tensors for all layers)."""
+
+    key: tuple  # weak references to the step's tensors + window: the plan's validity
+    order: torch.Tensor  # (B,) sequences sorted by context length, longest first
+    inverse: torch.Tensor  # (B,) where each sequence landed in `order`
+    groups: list[_DecodeGroup]
+
+
+_plan: _DecodePlan | None = None
+
+
+def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None) -> _DecodePlan:
+    global _plan
+    if _plan is not None:
+        bt_ref, cl_ref, w = _plan.key
+        if bt_ref() is block_tables and cl_ref() is context_lens and w == window:
+            return _plan
+    order = torch.argsort(context_lens, descending=True)
+    lens = context_lens[order]
+    tables = block_tables[order]
+    lens_list = lens.tolist()
+    groups = []
+    for start in range(0, len(lens_list), _DECODE_GROUP):
+        stop = min(start + _DECODE_GROUP, len(lens_list))
+        max_len = max(lens_list[start:stop])
+        nb = -(-max_len // block_size)
+        pos = torch.arange(max_len, device=lens.device)
+        group_lens = lens[start:stop, None]
+        allowed = pos[None, :] < group_lens  # (b, L)
+        if window is not None:
+            allowed &= pos[None, :] > group_lens - 1 - window
+        block_ids = tables[start:stop, :nb].reshape(-1).long()
+        groups.append(_DecodeGroup(slice(start, stop), block_ids, max_len, allowed[:, None, None, :]))
+    _plan = _DecodePlan((weakref.ref(block_tables), weakref.ref(context_lens), window), order, torch.argsort(order), groups)
+    return _plan
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # (B, H, D): one query token per sequence, at position context_len - 1
     k_cache: torch.Tensor,
@@ -74,40 +125,34 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    if query.shape[0] <= _DECODE_GROUP:
-        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
-    out = torch.empty_like(query)
-    order = torch.argsort(context_lens, descending=True)
-    for group in order.split(_DECODE_GROUP):
-        out[group] = _decode_group(
-            query[group], k_cache, v_cache, block_tables[group], context_lens[group], scale, sliding_window
-        )
-    return out
+    plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window)
+    q_sorted = query.index_select(0, plan.order)
+    out_sorted = torch.empty_like(q_sorted)
+    for g in plan.groups:
+        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale)
+    return out_sorted.index_select(0, plan.inverse)
 
 
 def _decode_group(
     query: torch.Tensor,  # (b, H, D)
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (b, max_blocks)
-    context_lens: torch.Tensor,  # (b,)
+    group: _DecodeGroup,
     scale: float,
-    sliding_window: int | None,
 ) -> torch.Tensor:  # (b, H, D)
-    max_len = int(context_lens.max())
-    keys = _gather_context(k_cache, block_tables, max_len, "k")  # (b, L, Hkv, D)
-    values = _gather_context(v_cache, block_tables, max_len, "v")
-    pos = torch.arange(max_len, device=query.device)
-    allowed = pos[None, :] < context_lens[:, None]  # (b, L)
-    if sliding_window is not None:
-        allowed &= pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
+    b = query.shape[0]
+    rows = group.block_ids.shape[0]
+    k_flat = torch.index_select(k_cache, 0, group.block_ids, out=_workspace("k", k_cache, rows))
+    v_flat = torch.index_select(v_cache, 0, group.block_ids, out=_workspace("v", v_cache, rows))
+    keys = k_flat.view(b, -1, *k_cache.shape[2:])[:, : group.max_len]  # (b, L, Hkv, D)
+    values = v_flat.view(b, -1, *v_cache.shape[2:])[:, : group.max_len]
     # SDPA reads the gathered K/V through a transposed view (no second copy), never
     # materialises the (b, H, L) scores, and does GQA without repeating K/V.
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # (b, H, 1, D)
         keys.transpose(1, 2).to(query.dtype),  # (b, Hkv, L, D)
         values.transpose(1, 2).to(query.dtype),
-        attn_mask=allowed[:, None, None, :],
+        attn_mask=group.allowed,
         scale=scale,
         enable_gqa=query.shape[1] != k_cache.shape[2],
     )
