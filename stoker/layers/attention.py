@@ -30,6 +30,15 @@ class AttentionMetadata:
     # Device copies of the prefill part (sequences num_decodes..B), offsets rebased to 0,
     # so GPU kernels get them without a host-to-device copy per layer.
     prefill_cu_seqlens_q: torch.Tensor | None = None  # (B - num_decodes + 1,) int32
+    _decode_views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, context_lens) of the decode rows, the same tensor objects for every
+        layer of the step, so per-step plans built from them can be reused layer to layer."""
+        if self._decode_views is None:
+            nd = self.num_decodes
+            self._decode_views = (self.block_tables[:nd], self.context_lens[:nd])
+        return self._decode_views
 
 
 _metadata: AttentionMetadata | None = None
@@ -71,8 +80,9 @@ class Attention(nn.Module):
             )
         out = torch.empty_like(q)
         if nd:
+            block_tables, context_lens = md.decode_views()
             out[:nd] = ops.paged_decode_attention(
-                q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd], md.context_lens[:nd], self.scale, self.sliding_window
+                q[:nd], self.k_cache, self.v_cache, block_tables, context_lens, self.scale, self.sliding_window
             )
         if q.is_cuda and md.prefill_cu_seqlens_q is not None:
             cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
