@@ -73,7 +73,9 @@ class _DecodeGroup:
     rows: slice  # rows of the length-sorted batch
     block_ids: torch.Tensor  # (b * nb,) int64: the blocks to gather, sequence by sequence
     max_len: int
-    allowed: torch.Tensor  # (b, 1, 1, L) bool: the positions each sequence attends to
+    # (b, 1, 1, L) additive mask, 0 where a sequence attends and -inf elsewhere: SDPA would
+    # turn a bool mask into this on every call, i.e. once per layer.
+    mask: torch.Tensor
 
 
 @dataclass
@@ -90,11 +92,13 @@ class _DecodePlan:
 _plan: _DecodePlan | None = None
 
 
-def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None) -> _DecodePlan:
+def _decode_plan(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None, dtype: torch.dtype
+) -> _DecodePlan:
     global _plan
     if _plan is not None:
-        bt_ref, cl_ref, w = _plan.key
-        if bt_ref() is block_tables and cl_ref() is context_lens and w == window:
+        bt_ref, cl_ref, w, dt = _plan.key
+        if bt_ref() is block_tables and cl_ref() is context_lens and w == window and dt == dtype:
             return _plan
     order = torch.argsort(context_lens, descending=True)
     lens = context_lens[order]
@@ -111,8 +115,10 @@ def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
         if window is not None:
             allowed &= pos[None, :] > group_lens - 1 - window
         block_ids = tables[start:stop, :nb].reshape(-1).long()
-        groups.append(_DecodeGroup(slice(start, stop), block_ids, max_len, allowed[:, None, None, :]))
-    _plan = _DecodePlan((weakref.ref(block_tables), weakref.ref(context_lens), window), order, torch.argsort(order), groups)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=lens.device).masked_fill_(~allowed, float("-inf"))
+        groups.append(_DecodeGroup(slice(start, stop), block_ids, max_len, mask[:, None, None, :]))
+    key = (weakref.ref(block_tables), weakref.ref(context_lens), window, dtype)
+    _plan = _DecodePlan(key, order, torch.argsort(order), groups)
     return _plan
 
 
@@ -125,7 +131,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window)
+    plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window, query.dtype)
     q_sorted = query.index_select(0, plan.order)
     out_sorted = torch.empty_like(q_sorted)
     for g in plan.groups:
@@ -152,7 +158,7 @@ def _decode_group(
         query.unsqueeze(2),  # (b, H, 1, D)
         keys.transpose(1, 2).to(query.dtype),  # (b, Hkv, L, D)
         values.transpose(1, 2).to(query.dtype),
-        attn_mask=group.allowed,
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=query.shape[1] != k_cache.shape[2],
     )
