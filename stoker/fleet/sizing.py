@@ -23,15 +23,8 @@ from stoker.fleet.gpus import GiB, get_gpu_model
 from stoker.fleet.placement import DeploymentNeed
 from stoker.fleet.spec import DeploymentSpec
 
-
 # stoker serve takes vLLM's dtype spellings; the roofline tables take short ones.
-_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-           "float": "fp32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8": "fp8"}
-
-
-def roofline_dtype(dtype: str) -> str:
-    key = dtype.strip().lower()
-    return _DTYPES.get(key, key)
+from stoker.roofline.modelspec import normalize_dtype as roofline_dtype
 
 
 def memory_need_bytes(dep: DeploymentSpec) -> int:

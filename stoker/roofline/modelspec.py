@@ -30,12 +30,20 @@ WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
 KV_DTYPES = ("bf16", "fp8")
 
 
-def dtype_bytes(dtype: str) -> float:
-    # Whole-name aliases (a substring replace would turn "bfloat16" into "bfp16").
-    aliases = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-               "float": "fp32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8"}
+# Whole-name aliases, as torch and vLLM spell dtypes (a substring replace would turn
+# "bfloat16" into "bfp16").
+_DTYPE_ALIASES = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+                  "float": "fp32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8": "fp8"}
+
+
+def normalize_dtype(dtype: str) -> str:
+    """A dtype name as users write it ("bfloat16", "auto", "fp8_e4m3") -> the tables' key ("bf16")."""
     key = dtype.strip().lower()
-    key = aliases.get(key, key)
+    return _DTYPE_ALIASES.get(key, key)
+
+
+def dtype_bytes(dtype: str) -> float:
+    key = normalize_dtype(dtype)
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[key]
