@@ -18,36 +18,25 @@ several engines fit at once and none profiles 90% of the GPU for a tiny model.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from stoker.kernels._common import interpreting
+from tests.gpu.compiled import COMPILED, compiled_only, rerun_compiled
 from stoker.layers.attention import AttentionMetadata, set_attention_metadata
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-COMPILED = not interpreting()
-compiled_only = pytest.mark.skipif(
-    torch.cuda.is_available() and not COMPILED, reason="runs in the TRITON_INTERPRET=0 subprocess"
-)
 ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", dict(head_dim=32))}
 KV_BYTES = 32 << 20
 
 
 @pytest.mark.skipif(COMPILED, reason="this process already runs compiled kernels")
 def test_compiled_engine_in_subprocess() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rerun_compiled(__file__, timeout_s=1500)
 
 
 @pytest.fixture(scope="module")

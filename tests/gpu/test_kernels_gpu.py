@@ -11,8 +11,6 @@ attention kernels also round P to bf16 before P @ V, hence 2e-2 against a float3
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,25 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from paged_cases import assert_close, make_paged_batch, poisoned_like  # noqa: E402
 
 from stoker.kernels import ops, reference  # noqa: E402
-from stoker.kernels._common import interpreting  # noqa: E402
+from tests.gpu.compiled import COMPILED, compiled_only, rerun_compiled  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-COMPILED = not interpreting()
-# (Without CUDA the module-level skip says so; with CUDA under the interpreter, the subprocess runs these.)
-compiled_only = pytest.mark.skipif(
-    torch.cuda.is_available() and not COMPILED, reason="runs in the TRITON_INTERPRET=0 subprocess"
-)
 BF16 = torch.bfloat16
 
 
 @pytest.mark.skipif(COMPILED, reason="this process already runs compiled kernels")
 def test_compiled_kernels_in_subprocess() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rerun_compiled(__file__, timeout_s=900)
 
 
 @pytest.fixture
