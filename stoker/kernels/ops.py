@@ -1,8 +1,9 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
-CPU tensors always take the plain-torch twin in `reference.py`. CUDA tensors take the
-Triton kernel when triton imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise
-the twin. The kernel modules import triton at their top, so they are imported here only on
+CPU tensors take the plain-torch twin in `reference.py`, except paged decode attention on
+float32, which takes the C kernel in `kernels/cpu/` when it builds (a C compiler is present)
+and `STOKER_DISABLE_CPU_KERNELS` is unset. CUDA tensors take the Triton kernel when triton
+imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import triton at their top, so they are imported here only on
 the first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
 """
 
@@ -16,6 +17,7 @@ from types import ModuleType
 import torch
 
 from stoker.kernels import reference
+from stoker.kernels.cpu import native as cpu_native
 
 
 @functools.cache
@@ -66,6 +68,8 @@ def paged_decode_attention(
         return _kernel("paged_decode_attention").paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
         )
+    if cpu_native.supports(query, k_cache):
+        return cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
     return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
 

@@ -37,7 +37,8 @@ def _flatten(result: object) -> list[torch.Tensor]:
     return list(result) if isinstance(result, tuple) else [result]  # type: ignore[arg-type]
 
 
-def test_cpu_tensors_take_the_twins_exactly() -> None:
+def test_cpu_tensors_take_the_twins_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # the C decode kernel: test_cpu_native.py
     assert not ops.use_triton(torch.zeros(1))
     for name, args in _inputs(torch.Generator().manual_seed(0)).items():
         got = _flatten(getattr(ops, name)(*args))

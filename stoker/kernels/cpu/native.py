@@ -1,0 +1,171 @@
+"""Builds, caches and calls the C kernels in this folder (CPU only, float32).
+
+The C source is compiled once per machine with the system C compiler
+(`$CC`, else `cc`/`gcc`: `-O3 -march=native -fopenmp`) into
+`$STOKER_CACHE_DIR/kernels/<hash>/` (default `~/.cache/stoker`), keyed by the source, the
+compiler's version and this CPU's flags, and loaded with ctypes. Building takes about a
+second; later processes load the cached library.
+
+No compiler, a failed build, or `STOKER_DISABLE_CPU_KERNELS=1` leaves `available()` False and
+the callers on the plain-torch twins in `kernels/reference.py` (one warning says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+# -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
+# products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
+# given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
+# flushes denormals to zero for the whole process.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math"]
+_LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def disabled() -> bool:
+    """STOKER_DISABLE_CPU_KERNELS=1 forces the torch twins (read per call: tests may flip it)."""
+    return os.environ.get("STOKER_DISABLE_CPU_KERNELS", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("STOKER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"), "stoker"
+    )
+    return Path(base) / "kernels"
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return cc
+    raise BuildError("no C compiler found (set CC, or install gcc)")
+
+
+def _cpu_flags() -> str:
+    """What -march=native depends on: a library built for one CPU must not load on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(source: Path = _SOURCE) -> Path:
+    """Compile `source` into a shared library (or reuse the cached one); returns its path."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(_CFLAGS + _LDFLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    out_dir = cache_dir() / key
+    lib = out_dir / f"{source.stem}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders (pytest-xdist workers, several
+    # servers) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    obj = tmp[:-3] + ".o"
+    try:
+        for cmd in ([cc, *_CFLAGS, "-c", str(source), "-o", obj], [cc, obj, *_LDFLAGS, "-o", tmp]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (BuildError, OSError) as exc:
+        logger.warning("CPU attention kernel unavailable (%s); decode attention uses the slower torch path", exc)
+        return None
+    f = lib.stoker_paged_decode_attention_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return not disabled() and _library() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The C kernel's domain: CPU float32 query and cache. Anything else takes the torch twin."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and available()
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    context_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    sliding_window: int | None = None,
+    max_context_len: int | None = None,  # max(context_lens), if the caller knows it (saves a read)
+) -> torch.Tensor:  # (B, H, D)
+    lib = _library()
+    if lib is None:
+        raise BuildError("the CPU kernel library is not available")
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"shape mismatch: query {tuple(query.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    # The C code trusts its indices; a bad block id or length would read outside the cache.
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"a context of {max_context_len} tokens needs more than the block table's {block_tables.shape[1]} blocks")
+    if num_seqs and block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    failed = lib.stoker_paged_decode_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale,
+        sliding_window or 0, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("paged_decode_attention: could not allocate the per-thread scratch buffer")
+    return out
