@@ -7,7 +7,8 @@ lengths uniform in [16, 128], ignore_eos, greedy, float32 on CPU.
 Peers measured here, in this process, one after the other:
 - HF `generate` with left-padded static batches (each batch runs to its longest output;
   only the requested tokens count), at several batch sizes; the best is reported;
-- HF continuous batching (`generate_batch` / its manager) with per-request lengths.
+- HF continuous batching (`generate_batch` / its manager) with per-request lengths;
+- Stoker itself with its C decode-attention kernel off (the torch twins), for the kernel's share.
 Also measured: the float32 GEMM rate of this machine, so achieved GFLOP/s can be read as a
 share of it. Usage: python benchmarks/throughput_vs_hf.py [--repeats 3] [--json OUT]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stoker import LLM, SamplingParams  # noqa: E402
+from stoker.kernels.cpu import native  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -68,10 +71,24 @@ def gemm_gflops(n: int = 2048, iters: int = 10) -> float:
 def make_stoker(model_dir: Path, reqs) -> LLM:
     llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
     run_stoker(llm, reqs)  # warm-up: the BLAS library prepares its kernels per matrix shape
+    run_stoker(llm, reqs, cpu_kernels=False)
     return llm
 
 
-def run_stoker(llm: LLM, reqs) -> float:
+def run_stoker(llm: LLM, reqs, cpu_kernels: bool = True) -> float:
+    """One timed generate; cpu_kernels=False runs the torch twins instead of the C decode kernel."""
+    old = os.environ.get("STOKER_DISABLE_CPU_KERNELS")
+    os.environ["STOKER_DISABLE_CPU_KERNELS"] = "0" if cpu_kernels else "1"
+    try:
+        return _run_stoker(llm, reqs)
+    finally:
+        if old is None:
+            del os.environ["STOKER_DISABLE_CPU_KERNELS"]
+        else:
+            os.environ["STOKER_DISABLE_CPU_KERNELS"] = old
+
+
+def _run_stoker(llm: LLM, reqs) -> float:
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t = time.perf_counter()
@@ -132,7 +149,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 2
-        results: dict[str, list[float]] = {"stoker": [], "hf_continuous": []}
+        results: dict[str, list[float]] = {"stoker": [], "stoker_torch_twin": [], "hf_continuous": []}
         sizes = [int(b) for b in args.static_batch_sizes.split(",")]
         for b in sizes:
             results[f"hf_static_b{b}"] = []
@@ -143,6 +160,8 @@ def main() -> None:
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
             gemm.append(gemm_gflops())
             results["stoker"].append(num_out / run_stoker(llm, reqs))
+            # The same engine with the C decode kernel off: what the CPU path is without a compiler.
+            results["stoker_torch_twin"].append(num_out / run_stoker(llm, reqs, cpu_kernels=False))
             for b in sizes:
                 results[f"hf_static_b{b}"].append(num_out / run_hf_static(hf, reqs, b))
             try:
@@ -159,6 +178,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, transformers {transformers.__version__}",
         "workload": {"num_requests": len(reqs), "prompt_tokens": num_prompt, "output_tokens": num_out, "matmul_params": params},
         "output_tokens_per_s_median": med,
+        "cpu_decode_attention": "C kernel" if native.available() else "torch twin (no C kernel: see the warning above)",
         "best_hf_static": best_static,
         "ratio_vs_best_hf": med["stoker"] / best_hf,
         "gemm_gflops_median": gemm_med,

@@ -174,3 +174,14 @@ def test_failed_build_falls_back_to_the_twin(
     q = torch.randn(1, 1, 16, generator=gen)
     args = (q, batch.k_ref, batch.v_ref, batch.block_tables, batch.context_lens_tensor(), 0.25, None)
     assert torch.equal(ops.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+
+
+def test_unwritable_cache_dir_builds_in_temp(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = fresh_build / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(blocker))  # mkdir under a file fails
+    monkeypatch.setattr(native.tempfile, "tempdir", str(fresh_build / "tmp"))
+    (fresh_build / "tmp").mkdir()
+    lib = native.build()
+    assert lib.is_file() and (fresh_build / "tmp") in lib.parents
+    assert native.available()

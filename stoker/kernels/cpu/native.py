@@ -52,6 +52,19 @@ def cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
+def _writable_dir(path: Path) -> Path:
+    """`path`, created; or, where it cannot be (a read-only home), a per-user temp folder."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"stoker-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / path.name
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def _compiler() -> str:
     for cc in (os.environ.get("CC"), "cc", "gcc"):
         if cc and shutil.which(cc):
@@ -75,11 +88,13 @@ def build(source: Path = _SOURCE) -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(_CFLAGS + _LDFLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = cache_dir() / key
-    lib = out_dir / f"{source.stem}.so"
+    lib = cache_dir() / key / f"{source.stem}.so"
     if lib.exists():
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _writable_dir(lib.parent)
+    lib = out_dir / lib.name
+    if lib.exists():
+        return lib
     # Build beside the target and rename: concurrent builders (pytest-xdist workers, several
     # servers) never load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
