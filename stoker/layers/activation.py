@@ -1,13 +1,28 @@
-"""Gated activations. The MLP computes gate and up in one GEMM; this splits and combines."""
+"""Gated activations. The MLP computes gate and up in one GEMM; this splits and combines.
+
+`hidden_act` names follow transformers' ACT2FN. The families here ship "silu"; the others
+are accepted because their configs allow them (and a config edited to use one still loads).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from stoker.kernels import ops
 
-_SUPPORTED = ("silu", "swish")
+# ACT2FN name -> the function applied to the gate (silu has its own fused op).
+_GATE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,  # exact (erf)
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # same formula as HF's NewGELU
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+_SUPPORTED = ("silu", "swish", *_GATE_FNS)
 
 
 class SiluAndMul(nn.Module):
@@ -15,7 +30,19 @@ class SiluAndMul(nn.Module):
         return ops.silu_and_mul(x)
 
 
+class GateAndMul(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2 * d) [gate | up] -> (T, d)
+        d = x.shape[-1] // 2
+        return self.fn(x[..., :d]) * x[..., d:]
+
+
 def get_gated_activation(hidden_act: str) -> nn.Module:
-    if hidden_act not in _SUPPORTED:
-        raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {', '.join(_SUPPORTED)}")
-    return SiluAndMul()
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    if hidden_act in _GATE_FNS:
+        return GateAndMul(_GATE_FNS[hidden_act])
+    raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {', '.join(_SUPPORTED)}")

@@ -185,3 +185,19 @@ def test_unwritable_cache_dir_builds_in_temp(fresh_build: Path, monkeypatch: pyt
     lib = native.build()
     assert lib.is_file() and (fresh_build / "tmp") in lib.parents
     assert native.available()
+
+
+def test_batch_invariant() -> None:
+    """A sequence's output does not depend on what else is in the batch (nor on whether tasks
+    are split per sequence or per KV head): seeded sampling relies on it."""
+    gen = torch.Generator().manual_seed(6)
+    lens = [1 + (61 * i) % 333 for i in range(20)]
+    batch = make_paged_batch(lens, 2, 64, 16, torch.float32, "cpu", gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    ctx = batch.context_lens_tensor()
+    whole = native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.125)
+    for s in (0, 7, 19):
+        alone = native.paged_decode_attention(
+            q[s : s + 1], batch.k_cache, batch.v_cache, batch.block_tables[s : s + 1], ctx[s : s + 1], 0.125
+        )
+        assert torch.equal(alone[0], whole[s])

@@ -77,6 +77,15 @@ def test_unsupported_rope_type_is_named(tiny_llama, tmp_path) -> None:
         LLM(str(path))
 
 
+def test_unsupported_hidden_act_is_named(tiny_llama, tmp_path) -> None:
+    path = _copy(tiny_llama, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = "quick_gelu"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_act 'quick_gelu' is not supported; supported: silu, swish, gelu"):
+        LLM(str(path))
+
+
 def test_dtype_auto_is_float32_on_cpu(tiny_llama) -> None:
     llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 20, device="cpu")
     assert llm.engine.runner.dtype == torch.float32

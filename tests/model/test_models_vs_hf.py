@@ -35,6 +35,13 @@ CONFIGS = {
     "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
     "qwen3": ("qwen3", dict(head_dim=32)),
     "qwen3-yarn": ("qwen3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    # transformers-5 `rope_parameters`, head_dim 48 (no power of two), GELU gate, eps 1e-5.
+    "llama-rope-parameters-gelu-hd48": (
+        "llama",
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, head_dim=48, rms_norm_eps=1e-5,
+             hidden_act="gelu", num_key_value_heads=2),
+    ),
+    "qwen3-bias-sliding": ("qwen3", dict(attention_bias=True, use_sliding_window=True, sliding_window=12, max_window_layers=0, head_dim=24)),
 }
 
 
