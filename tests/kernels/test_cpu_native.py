@@ -201,3 +201,16 @@ def test_batch_invariant() -> None:
             q[s : s + 1], batch.k_cache, batch.v_cache, batch.block_tables[s : s + 1], ctx[s : s + 1], 0.125
         )
         assert torch.equal(alone[0], whole[s])
+
+
+def test_rejects_mismatched_arguments() -> None:
+    gen = torch.Generator().manual_seed(7)
+    batch = make_paged_batch([20, 35], 2, 64, 16, torch.float32, "cpu", gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    ctx = batch.context_lens_tensor()
+    with pytest.raises(ValueError, match="float32 only"):
+        native.paged_decode_attention(q, batch.k_cache, batch.v_cache.double(), batch.block_tables, ctx, 0.1)
+    with pytest.raises(ValueError, match="2 queries"):
+        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables[:1], ctx, 0.1)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        native.paged_decode_attention(q[:, :3], batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.1)

@@ -162,6 +162,12 @@ def paged_decode_attention(
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
+    if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        raise ValueError(f"float32 only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"{num_seqs} queries but block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)}"
+        )
     query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
