@@ -133,6 +133,9 @@ def main() -> None:
     offline, server = [], []
     try:
         for run in range(args.runs):
+            # Fresh random prompts (same length distribution) per run: repeating the same ones
+            # would let both engines serve them from their prefix caches after the first run.
+            reqs = workload(seed=run + 1, num=args.num_requests)
             t, n = run_offline(llm, reqs)
             offline.append(n / t)
             print(f"run {run}: offline {n} tokens in {t:.2f} s = {n / t:.1f} tok/s (load avg {os.getloadavg()[0]:.1f})", flush=True)

@@ -62,6 +62,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix not in use (as vLLM's `LLM.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],

@@ -293,5 +293,12 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of all free blocks (vLLM's `reset_prefix_cache`), so the
+        next requests compute their prompts from scratch; blocks in use keep theirs. Benchmarks
+        call it between runs of the same prompts, which would otherwise hit the cache."""
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def model_info(self) -> dict[str, Any]:
         return {"max_model_len": self.max_model_len, "vocab_size": self.hf_config["vocab_size"], "eos_token_ids": list(self.eos_token_ids)}

@@ -94,6 +94,22 @@ def test_n_completions_share_prompt_blocks(llm: LLM) -> None:
     assert llm.engine.block_manager.prefix_cache_hits - hits_before >= 2 * 48
 
 
+def test_reset_prefix_cache(llm: LLM) -> None:
+    """A repeated prompt hits the cache; after reset_prefix_cache() it is computed again,
+    with the same greedy output."""
+    prompt = {"prompt_token_ids": list(range(200, 240))}  # 40 tokens: 2 full blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bm = llm.engine.block_manager
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = bm.prefix_cache_hits
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert bm.prefix_cache_hits - hits == 32
+    assert llm.reset_prefix_cache() is True
+    hits = bm.prefix_cache_hits
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert bm.prefix_cache_hits == hits
+
+
 def test_logprobs_match_hf(llm: LLM, tiny_llama) -> None:
     ids = [0, 100, 200, 300, 400]
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3), use_tqdm=False)[0].outputs[0]
