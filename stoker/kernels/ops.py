@@ -1,8 +1,9 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
-CPU tensors take the plain-torch twin in `reference.py`, except paged decode attention on
-float32, which takes the C kernel in `kernels/cpu/` when it builds (a C compiler is present)
-and `STOKER_DISABLE_CPU_KERNELS` is unset. CUDA tensors take the Triton kernel when triton
+CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, RMSNorm,
+SiLU-and-mul, rotary) when they build (a C compiler is present) and
+`STOKER_DISABLE_CPU_KERNELS` is unset; other CPU tensors take the plain-torch twins in
+`reference.py`. CUDA tensors take the Triton kernel when triton
 imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import triton at their top, so they are imported here only on
 the first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
 """
@@ -95,6 +96,8 @@ def paged_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return _kernel("rms_norm").rms_norm(x, weight, eps)
+    if cpu_native.supports_rows(x, weight):
+        return cpu_native.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -103,12 +106,16 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return _kernel("rms_norm").fused_add_rms_norm(x, residual, weight, eps)
+    if cpu_native.supports_rows(x, residual, weight):
+        return cpu_native.fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return _kernel("activation").silu_and_mul(x)
+    if cpu_native.supports_rows(x):
+        return cpu_native.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
@@ -120,6 +127,8 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(query):
         return _kernel("rotary").rotary_embedding(positions, query, key, cos_sin_cache)
+    if cpu_native.supports_rows(query, key, cos_sin_cache):
+        return cpu_native.rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding(positions, query, key, cos_sin_cache)
 
 

@@ -161,7 +161,7 @@ def test_failed_build_falls_back_to_the_twin(
     broken = fresh_build / "broken.c"
     broken.write_text("this is not C\n")
     with pytest.raises(native.BuildError, match="failed"):
-        native.build(broken)
+        native.build((broken,))
     assert not list((fresh_build / "kernels").rglob("*.so")), "a failed build must leave no library"
 
     monkeypatch.setenv("CC", "no-such-compiler")
