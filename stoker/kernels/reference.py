@@ -189,16 +189,22 @@ def paged_attention(
             continue
         keys = _gather_context(k_cache, block_tables[s : s + 1], ctx_len)[0]  # (L, Hkv, D)
         values = _gather_context(v_cache, block_tables[s : s + 1], ctx_len)[0]
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        k_pos = torch.arange(ctx_len, device=query.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
-        if sliding_window is not None:
-            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        allowed = None
+        # A whole prompt at once (nothing cached before it, no window in reach): plain causal,
+        # which SDPA runs without a mask and without computing the upper triangle.
+        plain_causal = q_len == ctx_len and (sliding_window is None or sliding_window >= ctx_len)
+        if not plain_causal:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+            k_pos = torch.arange(ctx_len, device=query.device)
+            allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
+            if sliding_window is not None:
+                allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(
             query[q_start:q_end].transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
             keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # (1, Hkv, L, D)
             values.transpose(0, 1).unsqueeze(0).to(query.dtype),
             attn_mask=allowed,
+            is_causal=plain_causal,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
