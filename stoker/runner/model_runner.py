@@ -12,6 +12,7 @@ from stoker.config import EngineConfig
 from stoker.core.scheduler import SchedulerOutput
 from stoker.layers.attention import set_attention_metadata
 from stoker.models.llama import head_dim_of
+from stoker.layers.linear import use_column_major_weights
 from stoker.models.loader import build_model, load_weights
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
@@ -58,6 +59,8 @@ class ModelRunner:
         max_position = max(max_model_len, hf_config.get("max_position_embeddings", max_model_len))
         self.model = build_model(hf_config, max_position, self.dtype, self.device)
         load_weights(self.model, config.model_config.model)
+        if self.device.type == "cpu":
+            use_column_major_weights(self.model)
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
         self.num_layers = hf_config["num_hidden_layers"]
