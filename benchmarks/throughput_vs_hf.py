@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stoker import LLM, SamplingParams  # noqa: E402
-from stoker.kernels.cpu import native  # noqa: E402
+from stoker.kernels.cpu import build as cpu_build  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -183,7 +183,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, transformers {transformers.__version__}",
         "workload": {"num_requests": len(reqs), "prompt_tokens": num_prompt, "output_tokens": num_out, "matmul_params": params},
         "output_tokens_per_s_median": med,
-        "cpu_decode_attention": "C kernel" if native.available() else "torch twin (no C kernel: see the warning above)",
+        "cpu_kernels": "C kernels" if cpu_build.available() else "torch twins (no C kernels: see the warning above)",
         "best_hf_static": best_static,
         "ratio_vs_best_hf": med["stoker"] / best_hf,
         "gemm_gflops_median": gemm_med,

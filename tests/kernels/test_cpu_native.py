@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from paged_cases import NAN, assert_close, make_paged_batch
 
 from stoker.kernels import ops, reference
+from stoker.kernels.cpu import build as cpu_build
 from stoker.kernels.cpu import native
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -135,13 +136,13 @@ def test_rejects_indices_outside_the_cache() -> None:
 def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """An empty kernel cache and no loaded library; the real one is restored afterwards."""
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path))
-    native._library.cache_clear()
+    cpu_build.library.cache_clear()
     yield tmp_path
-    native._library.cache_clear()
+    cpu_build.library.cache_clear()
 
 
 def test_build_is_cached_and_atomic(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lib = native.build()
+    lib = cpu_build.build()
     assert lib.is_file() and lib.parent.parent == fresh_build / "kernels"
     assert [p.name for p in lib.parent.iterdir()] == [lib.name]  # no temporaries left behind
 
@@ -150,9 +151,9 @@ def test_build_is_cached_and_atomic(fresh_build: Path, monkeypatch: pytest.Monke
             return real_run(cmd, **kwargs)
         raise AssertionError(f"rebuilt although cached: {cmd}")
 
-    real_run = native.subprocess.run
-    monkeypatch.setattr(native.subprocess, "run", no_compiler)
-    assert native.build() == lib
+    real_run = cpu_build.subprocess.run
+    monkeypatch.setattr(cpu_build.subprocess, "run", no_compiler)
+    assert cpu_build.build() == lib
 
 
 def test_failed_build_falls_back_to_the_twin(
@@ -160,14 +161,14 @@ def test_failed_build_falls_back_to_the_twin(
 ) -> None:
     broken = fresh_build / "broken.c"
     broken.write_text("this is not C\n")
-    with pytest.raises(native.BuildError, match="failed"):
-        native.build((broken,))
+    with pytest.raises(cpu_build.BuildError, match="failed"):
+        cpu_build.build((broken,))
     assert not list((fresh_build / "kernels").rglob("*.so")), "a failed build must leave no library"
 
     monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING):
-        assert not native.available()
+        assert not cpu_build.available()
     assert "torch path" in caplog.text and "no C compiler" in caplog.text
     gen = torch.Generator().manual_seed(5)
     batch = make_paged_batch([9], 1, 16, 8, torch.float32, "cpu", gen)
@@ -180,11 +181,11 @@ def test_unwritable_cache_dir_builds_in_temp(fresh_build: Path, monkeypatch: pyt
     blocker = fresh_build / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("STOKER_CACHE_DIR", str(blocker))  # mkdir under a file fails
-    monkeypatch.setattr(native.tempfile, "tempdir", str(fresh_build / "tmp"))
+    monkeypatch.setattr(cpu_build.tempfile, "tempdir", str(fresh_build / "tmp"))
     (fresh_build / "tmp").mkdir()
-    lib = native.build()
+    lib = cpu_build.build()
     assert lib.is_file() and (fresh_build / "tmp") in lib.parents
-    assert native.available()
+    assert cpu_build.available()
 
 
 def test_batch_invariant() -> None:

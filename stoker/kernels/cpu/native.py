@@ -1,142 +1,15 @@
-"""Builds, caches and calls the C kernels in this folder (CPU only, float32).
+"""Python entry points of the CPU C kernels (float32): argument checks, then one ctypes call.
 
-The C sources are compiled into one library once per machine with the system C compiler
-(`$CC`, else `cc`/`gcc`: `-O3 -march=native -fopenmp`) into
-`$STOKER_CACHE_DIR/kernels/<hash>/` (default `~/.cache/stoker`), keyed by the sources, the
-compiler's version and this CPU's flags, and loaded with ctypes. Building takes about a
-second; later processes load the cached library.
-
-No compiler, a failed build, or `STOKER_DISABLE_CPU_KERNELS=1` leaves `available()` False and
-the callers on the plain-torch twins in `kernels/reference.py` (one warning says why).
+Each function has reference.py's signature and semantics (its twin); `kernels/ops.py` calls
+them for CPU float32 tensors when `build.available()`. The C code trusts its indices, so
+everything that could make it read or write outside a tensor is checked here first.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-_SOURCES = (Path(__file__).with_name("paged_decode_attention.c"), Path(__file__).with_name("elementwise.c"))
-# -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
-# products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
-# given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
-# flushes denormals to zero for the whole process.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math"]
-_LDFLAGS = ["-shared", "-fopenmp", "-lm"]
-
-
-class BuildError(RuntimeError):
-    pass
-
-
-def disabled() -> bool:
-    """STOKER_DISABLE_CPU_KERNELS=1 forces the torch twins (read per call: tests may flip it)."""
-    return os.environ.get("STOKER_DISABLE_CPU_KERNELS", "0").strip().lower() not in ("", "0", "false", "no")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("STOKER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"), "stoker"
-    )
-    return Path(base) / "kernels"
-
-
-def _writable_dir(path: Path) -> Path:
-    """`path`, created; or, where it cannot be (a read-only home), a per-user temp folder."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"stoker-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / path.name
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
-
-
-def _compiler() -> str:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return cc
-    raise BuildError("no C compiler found (set CC, or install gcc)")
-
-
-def _cpu_flags() -> str:
-    """What -march=native depends on: a library built for one CPU must not load on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def build(sources: tuple[Path, ...] = _SOURCES) -> Path:
-    """Compile `sources` into one shared library (or reuse the cached one); returns its path."""
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [src.read_text() for src in sources] + [version, " ".join(_CFLAGS + _LDFLAGS), _cpu_flags()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    lib = cache_dir() / key / "stoker_cpu.so"
-    if lib.exists():
-        return lib
-    out_dir = _writable_dir(lib.parent)
-    lib = out_dir / lib.name
-    if lib.exists():
-        return lib
-    # Build beside the target and rename: concurrent builders (pytest-xdist workers, several
-    # servers) never load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(sources))]
-    try:
-        cmds = [[cc, *_CFLAGS, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
-        for cmd in [*cmds, [cc, *objs, *_LDFLAGS, "-o", tmp]]:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        for leftover in (tmp, *objs):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return lib
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (BuildError, OSError) as exc:
-        logger.warning("CPU attention kernel unavailable (%s); decode attention uses the slower torch path", exc)
-        return None
-    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    signatures = {
-        "stoker_paged_decode_attention_f32": ([p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64, i32], i32),
-        "stoker_rms_norm_f32": ([p, i64, p, i64, p, p, p, i64, i64, f32, i32], None),
-        "stoker_silu_and_mul_f32": ([p, i64, p, i64, i64, i32], None),
-        "stoker_rotary_f32": ([p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i32], None),
-    }
-    for name, (argtypes, restype) in signatures.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = argtypes, restype
-    return lib
-
-
-def available() -> bool:
-    return not disabled() and _library() is not None
+from stoker.kernels.cpu.build import BuildError, available, library
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -159,7 +32,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_context_len: int | None = None,  # max(context_lens), if the caller knows it (saves a read)
 ) -> torch.Tensor:  # (B, H, D)
-    lib = _library()
+    lib = library()
     if lib is None:
         raise BuildError("the CPU kernel library is not available")
     num_seqs, num_heads, head_dim = query.shape
@@ -230,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, stride = _as_rows(x)
     weight = weight.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype)
-    _library().stoker_rms_norm_f32(
+    library().stoker_rms_norm_f32(
         rows.data_ptr(), stride, None, 0, weight.data_ptr(), out.data_ptr(), None, rows.shape[0], rows.shape[1], eps,
         _threads(rows.numel()),
     )
@@ -248,7 +121,7 @@ def fused_add_rms_norm(
     weight = weight.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype)
     new_residual = torch.empty(rows.shape, dtype=x.dtype)
-    _library().stoker_rms_norm_f32(
+    library().stoker_rms_norm_f32(
         rows.data_ptr(), stride, res_rows.data_ptr(), res_stride, weight.data_ptr(), out.data_ptr(),
         new_residual.data_ptr(), rows.shape[0], rows.shape[1], eps, _threads(rows.numel()),
     )
@@ -262,7 +135,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, stride = _as_rows(x)
     d = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], d), dtype=x.dtype)
-    _library().stoker_silu_and_mul_f32(rows.data_ptr(), stride, out.data_ptr(), rows.shape[0], d, _threads(rows.numel()))
+    library().stoker_silu_and_mul_f32(rows.data_ptr(), stride, out.data_ptr(), rows.shape[0], d, _threads(rows.numel()))
     return out.view(*x.shape[:-1], d)
 
 
@@ -296,7 +169,7 @@ def rotary_embedding(
     cos_sin = cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype)
     k_out = torch.empty(k.shape, dtype=k.dtype)
-    _library().stoker_rotary_f32(
+    library().stoker_rotary_f32(
         positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride, cos_sin.data_ptr(), q_out.data_ptr(),
         k_out.data_ptr(), num_tokens, q.shape[1], k.shape[1], head_dim, rot_dim, _threads(q.numel()),
     )
