@@ -7,7 +7,7 @@
  * buffer (index_select) and then runs SDPA over it. On the issue-2 benchmark that copy was
  * 24% of the run and the attention itself 17%; here K/V are read once, where they lie.
  *
- * Built at first use by stoker/kernels/cpu/native.py (cc -O3 -march=native -fopenmp -ffast-math) and
+ * Built at first use by stoker/kernels/cpu/build.py (cc -O3 -march=native -fopenmp -ffast-math) and
  * called through ctypes with raw pointers; the .so links the same libgomp.so.1 that torch
  * already loaded, so it shares torch's OpenMP thread pool instead of starting a second one.
  *
