@@ -8,7 +8,7 @@ Peers measured here, in this process, one after the other:
 - HF `generate` with left-padded static batches (each batch runs to its longest output;
   only the requested tokens count), at several batch sizes; the best is reported;
 - HF continuous batching (`generate_batch` / its manager) with per-request lengths;
-- Stoker itself with its C decode-attention kernel off (the torch twins), for the kernel's share.
+- Stoker itself with its C kernels off (the torch twins), for the kernels' share.
 Also measured: the float32 GEMM rate of this machine, so achieved GFLOP/s can be read as a
 share of it. Usage: python benchmarks/throughput_vs_hf.py [--repeats 3] [--json OUT]
 """
@@ -76,7 +76,7 @@ def make_stoker(model_dir: Path, reqs) -> LLM:
 
 
 def run_stoker(llm: LLM, reqs, cpu_kernels: bool = True) -> float:
-    """One timed generate; cpu_kernels=False runs the torch twins instead of the C decode kernel."""
+    """One timed generate; cpu_kernels=False runs the torch twins instead of the C kernels."""
     old = os.environ.get("STOKER_DISABLE_CPU_KERNELS")
     os.environ["STOKER_DISABLE_CPU_KERNELS"] = "0" if cpu_kernels else "1"
     try:
@@ -165,7 +165,7 @@ def main() -> None:
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
             gemm.append(gemm_gflops())
             results["stoker"].append(num_out / run_stoker(llm, reqs))
-            # The same engine with the C decode kernel off: what the CPU path is without a compiler.
+            # The same engine with the C kernels off: what the CPU path is without a compiler.
             results["stoker_torch_twin"].append(num_out / run_stoker(llm, reqs, cpu_kernels=False))
             for b in sizes:
                 results[f"hf_static_b{b}"].append(num_out / run_hf_static(hf, reqs, b))
