@@ -3,9 +3,10 @@
 CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, RMSNorm,
 SiLU-and-mul, rotary) when they build (a C compiler is present) and
 `STOKER_DISABLE_CPU_KERNELS` is unset; other CPU tensors take the plain-torch twins in
-`reference.py`. CUDA tensors take the Triton kernel when triton
-imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import triton at their top, so they are imported here only on
-the first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
+`reference.py`. CUDA tensors take the Triton kernel when triton imports and
+`STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import
+triton at their top, so they are imported here only on the first CUDA call:
+`import stoker.kernels.ops` works on a machine without triton.
 """
 
 from __future__ import annotations

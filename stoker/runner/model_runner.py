@@ -11,8 +11,8 @@ import torch
 from stoker.config import EngineConfig
 from stoker.core.scheduler import SchedulerOutput
 from stoker.layers.attention import set_attention_metadata
-from stoker.models.llama import head_dim_of
 from stoker.layers.linear import use_column_major_weights
+from stoker.models.llama import head_dim_of
 from stoker.models.loader import build_model, load_weights
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported

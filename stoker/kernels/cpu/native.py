@@ -30,7 +30,6 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # (B,) int32
     scale: float,
     sliding_window: int | None = None,
-    max_context_len: int | None = None,  # max(context_lens), if the caller knows it (saves a read)
 ) -> torch.Tensor:  # (B, H, D)
     lib = library()
     if lib is None:
@@ -52,8 +51,7 @@ def paged_decode_attention(
     query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
-    if max_context_len is None:
-        max_context_len = int(context_lens.max()) if num_seqs else 0
+    max_context_len = int(context_lens.max()) if num_seqs else 0  # sizes the C scratch buffers
     # The C code trusts its indices; a bad block id or length would read outside the cache.
     if max_context_len > block_tables.shape[1] * block_size:
         raise ValueError(f"a context of {max_context_len} tokens needs more than the block table's {block_tables.shape[1]} blocks")
