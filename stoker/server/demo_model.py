@@ -8,10 +8,11 @@ so an interrupted first run never leaves a half-written model behind.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from stoker.paths import cache_root
 
 DEMO_NAME = "stoker-demo"
 # Bumped whenever the config below changes, so an old cache is never served as the new one.
@@ -32,11 +33,6 @@ RANDOM_WEIGHTS_NOTICE = (
     "  To serve a real model: stoker serve /path/to/hf-checkpoint (a folder with config.json,\n"
     "  *.safetensors and tokenizer files, e.g. from `huggingface-cli download`)."
 )
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "stoker"
 
 
 def demo_model_dir(root: Path | None = None) -> Path:

@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from stoker.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = (Path(__file__).with_name("paged_decode_attention.c"), Path(__file__).with_name("elementwise.c"))
@@ -44,10 +46,7 @@ def disabled() -> bool:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("STOKER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"), "stoker"
-    )
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _writable_dir(path: Path) -> Path:
@@ -102,7 +101,7 @@ def build(sources: tuple[Path, ...] = _SOURCES) -> Path:
     try:
         cmds = [[cc, *_CFLAGS, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
         for cmd in [*cmds, [cc, *objs, *_LDFLAGS, "-o", tmp]]:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise BuildError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
