@@ -1,10 +1,10 @@
 """Builds and caches the C kernels in this folder into one library, and loads it (ctypes).
 
 The C sources are compiled into one library once per machine with the system C compiler
-(`$CC`, else `cc`/`gcc`: `-O3 -march=native -fopenmp`) into
-`$STOKER_CACHE_DIR/kernels/<hash>/` (default `~/.cache/stoker`), keyed by the sources, the
-compiler's version and this CPU's flags, and loaded with ctypes. Building takes about a
-second; later processes load the cached library.
+(`$CC`, else `cc`/`gcc`: `-O3 -march=native -fopenmp -ffast-math`) into
+`<cache root>/kernels/<hash>/` (`stoker.paths.cache_root()`: `$STOKER_CACHE_DIR`, default `~/.cache/stoker`), keyed by the sources, the
+compiler's version and this CPU's flags, and loaded with ctypes. Building takes ~0.3 s
+(docs/benchmarks.md); later processes load the cached library.
 
 No compiler, a failed build, or `STOKER_DISABLE_CPU_KERNELS=1` leaves `available()` False and
 the callers on the plain-torch twins in `kernels/reference.py` (one warning says why).
