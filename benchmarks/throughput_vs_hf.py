@@ -16,6 +16,7 @@ share of it. Usage: python benchmarks/throughput_vs_hf.py [--repeats 3] [--json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -68,24 +69,32 @@ def gemm_gflops(n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def make_stoker(model_dir: Path, reqs) -> LLM:
-    llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
-    run_stoker(llm, reqs)  # warm-up: the BLAS library prepares its kernels per matrix shape
-    run_stoker(llm, reqs, cpu_kernels=False)
+def make_stoker(model_dir: Path, reqs, cpu_kernels: bool = True) -> LLM:
+    """An engine built, warmed up and run with the C kernels on, or off (the torch twins:
+    the weights then stay in MKL's column-major layout instead of the kernel's panels)."""
+    with kernels_switched(cpu_kernels):
+        llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
+    run_stoker(llm, reqs, cpu_kernels)  # warm-up: the BLAS library prepares its kernels per matrix shape
     return llm
 
 
-def run_stoker(llm: LLM, reqs, cpu_kernels: bool = True) -> float:
-    """One timed generate; cpu_kernels=False runs the torch twins instead of the C kernels."""
+@contextlib.contextmanager
+def kernels_switched(on: bool):
     old = os.environ.get("STOKER_DISABLE_CPU_KERNELS")
-    os.environ["STOKER_DISABLE_CPU_KERNELS"] = "0" if cpu_kernels else "1"
+    os.environ["STOKER_DISABLE_CPU_KERNELS"] = "0" if on else "1"
     try:
-        return _run_stoker(llm, reqs)
+        yield
     finally:
         if old is None:
             del os.environ["STOKER_DISABLE_CPU_KERNELS"]
         else:
             os.environ["STOKER_DISABLE_CPU_KERNELS"] = old
+
+
+def run_stoker(llm: LLM, reqs, cpu_kernels: bool = True) -> float:
+    """One timed generate; cpu_kernels must be what the engine was built with."""
+    with kernels_switched(cpu_kernels):
+        return _run_stoker(llm, reqs)
 
 
 def _run_stoker(llm: LLM, reqs) -> float:
@@ -160,13 +169,14 @@ def main() -> None:
             results[f"hf_static_b{b}"] = []
         gemm = []
         llm = make_stoker(model_dir, reqs)
+        twin = make_stoker(model_dir, reqs, cpu_kernels=False)
         for b in sizes:  # warm-up, as for Stoker: every shape the timed runs will use
             run_hf_static(hf, reqs[: 2 * b], b)
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
             gemm.append(gemm_gflops())
             results["stoker"].append(num_out / run_stoker(llm, reqs))
-            # The same engine with the C kernels off: what the CPU path is without a compiler.
-            results["stoker_torch_twin"].append(num_out / run_stoker(llm, reqs, cpu_kernels=False))
+            # An engine with the C kernels off: what the CPU path is without a compiler.
+            results["stoker_torch_twin"].append(num_out / run_stoker(twin, reqs, cpu_kernels=False))
             for b in sizes:
                 results[f"hf_static_b{b}"].append(num_out / run_hf_static(hf, reqs, b))
             try:

@@ -1,9 +1,9 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
 CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, RMSNorm,
-SiLU-and-mul, rotary) when they build (a C compiler is present) and
-`STOKER_DISABLE_CPU_KERNELS` is unset; other CPU tensors take the plain-torch twins in
-`reference.py`. CUDA tensors take the Triton kernel when triton imports and
+SiLU-and-mul, rotary, and the projections whose weights the runner packed) when they build
+(a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is unset; other CPU tensors take
+the plain-torch twins in `reference.py`. CUDA tensors take the Triton kernel when triton imports and
 `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import
 triton at their top, so they are imported here only on the first CUDA call:
 `import stoker.kernels.ops` works on a machine without triton.
@@ -94,6 +94,18 @@ def paged_attention(
     )
 
 
+def linear_packed(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR) from cpu_native.pack_linear_weight
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """A projection whose weight the CPU runner packed into panels (layers/linear.py)."""
+    if cpu_native.supports_rows(x, packed):
+        return cpu_native.linear(x, packed, out_features, bias)
+    return reference.linear_packed(x, packed, out_features, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return _kernel("rms_norm").rms_norm(x, weight, eps)
@@ -137,6 +149,7 @@ __all__ = [
     "store_kvcache",
     "paged_attention",
     "paged_decode_attention",
+    "linear_packed",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

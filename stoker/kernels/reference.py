@@ -212,6 +212,20 @@ def paged_attention(
     return out
 
 
+def linear_packed(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR): W (N, K) in column panels, kernels/cpu/native.pack_linear_weight
+    out_features: int,  # N <= P * NR
+    bias: torch.Tensor | None = None,  # (N,)
+) -> torch.Tensor:  # (..., N)
+    rows = x.reshape(-1, x.shape[-1])
+    panels = torch.matmul(rows, packed)  # (P, M, NR)
+    out = panels.permute(1, 0, 2).reshape(rows.shape[0], -1)[:, :out_features]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF Llama computes it: normalise in float32, cast, then scale."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:

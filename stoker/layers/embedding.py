@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.layers.linear import project
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -19,10 +21,13 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        self.in_features, self.out_features = hidden_size, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.bias = None
+        self.packed = False  # see layers/linear.py: pack_cpu_weights
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (num_sampled, hidden) -> (num_sampled, vocab)
-        return F.linear(hidden, self.weight)
+        return project(self, hidden)

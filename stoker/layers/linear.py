@@ -3,6 +3,9 @@
 q/k/v projections (and gate/up) run as one GEMM each: fewer, larger matrix multiplies
 read the activations once. The checkpoint keeps them separate, so each merged layer knows
 where each named shard goes (`load_shard`).
+
+On CPU the runner changes the weights' memory layout after loading (`pack_cpu_weights`,
+else `use_column_major_weights`); `project` is the one forward both layouts share.
 """
 
 from __future__ import annotations
@@ -11,6 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.kernels import ops
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) -> (..., out) for a Linear or LMHead, whichever layout its weight has."""
+    if module.packed:  # weight (P, in, NR): kernels/cpu/native.pack_linear_weight
+        return ops.linear_packed(x, module.weight, module.out_features, module.bias)
+    return F.linear(x, module.weight, module.bias)
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -18,9 +30,10 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed = False  # True once pack_cpu_weights has replaced weight by its panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(self, x)
 
 
 class MergedLinear(Linear):
@@ -36,6 +49,8 @@ class MergedLinear(Linear):
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard]
+        if self.packed:
+            raise RuntimeError("weights are loaded before pack_cpu_weights, not after")
         param = getattr(self, param_name)
         expected = (size, *param.shape[1:])
         if tuple(tensor.shape) != expected:
@@ -60,9 +75,39 @@ def use_column_major_weights(model: nn.Module) -> int:
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
     changed = 0
     for module in model.modules():
-        if isinstance(module, (Linear, LMHead)) and id(module.weight) not in embedding_weights:
+        if isinstance(module, (Linear, LMHead)) and not module.packed and id(module.weight) not in embedding_weights:
             w = module.weight.data
             if w.dim() == 2 and w.is_contiguous():
                 module.weight.data = w.t().contiguous().t()
                 changed += 1
+    return changed
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Replace every float32 projection weight by its panel layout for the C linear kernel
+    (`kernels/cpu/linear.c`); returns how many changed. Call only when the CPU kernels are
+    available: without them `project` still works, through a slow torch twin.
+
+    The (out, in) weight becomes (ceil(out / NR), in, NR) panels (NR = 64 with AVX-512): the
+    kernel then streams each panel once, contiguously. Same memory plus the padding of the
+    last panel; one layer copied at a time. `benchmarks/cpu_kernels.py` compares it with MKL
+    per batch size. A weight shared with the token embedding (tied LM head) is left alone:
+    the embedding looks rows up, which wants them contiguous.
+    """
+    from stoker.kernels.cpu import native
+    from stoker.layers.embedding import LMHead, VocabEmbedding
+
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
+    changed = 0
+    for module in model.modules():
+        if (
+            isinstance(module, (Linear, LMHead))
+            and not module.packed
+            and id(module.weight) not in embedding_weights
+            and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu"
+        ):
+            module.weight.data = native.pack_linear_weight(module.weight.data)
+            module.packed = True
+            changed += 1
     return changed

@@ -11,7 +11,8 @@ import torch
 from stoker.config import EngineConfig
 from stoker.core.scheduler import SchedulerOutput
 from stoker.layers.attention import set_attention_metadata
-from stoker.layers.linear import use_column_major_weights
+from stoker.kernels.cpu import build as cpu_kernels
+from stoker.layers.linear import pack_cpu_weights, use_column_major_weights
 from stoker.models.llama import head_dim_of
 from stoker.models.loader import build_model, load_weights
 from stoker.runner import memory
@@ -60,7 +61,12 @@ class ModelRunner:
         self.model = build_model(hf_config, max_position, self.dtype, self.device)
         load_weights(self.model, config.model_config.model)
         if self.device.type == "cpu":
-            use_column_major_weights(self.model)
+            # Projections run on the C linear kernel (packed panels) when it is built, else
+            # on MKL, which wants the weights column-major (layers/linear.py).
+            if self.dtype == torch.float32 and cpu_kernels.available():
+                pack_cpu_weights(self.model)
+            else:
+                use_column_major_weights(self.model)
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
         self.num_layers = hf_config["num_hidden_layers"]

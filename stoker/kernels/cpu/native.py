@@ -71,6 +71,54 @@ def paged_decode_attention(
     return out
 
 
+# ---------------------------------------------------------------- linear (linear.c)
+def panel_width() -> int:
+    """NR: the columns of one weight panel of the C linear kernel (64 with AVX-512)."""
+    lib = library()
+    if lib is None:
+        raise BuildError("the CPU kernel library is not available")
+    return int(lib.stoker_linear_nr())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) weight -> (P, K, NR) panels, P = ceil(N / NR); columns past N are zero.
+
+    Panel p holds W[p*NR:(p+1)*NR]^T row-major, so the kernel streams one contiguous
+    K x NR block per panel (a strided (K, N) layout was up to 2x slower: rows 4 KB apart
+    alias in L1 and defeat the prefetchers).
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_linear_weight needs a CPU float32 (N, K) weight, got {tuple(weight.shape)} {weight.dtype}")
+    nr = panel_width()
+    n, k = weight.shape
+    num_panels = -(-n // nr)
+    padded = weight.new_zeros(num_panels * nr, k)
+    padded[:n] = weight
+    return padded.view(num_panels, nr, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W^T + bias -> (..., N), with W given as `pack_linear_weight(W)`."""
+    lib = library()
+    if lib is None:
+        raise BuildError("the CPU kernel library is not available")
+    num_panels, k, nr = packed.shape
+    if x.shape[-1] != k or not (num_panels - 1) * nr < out_features <= num_panels * nr:
+        raise ValueError(f"x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} with {out_features} outputs")
+    if x.dtype != torch.float32 or packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError(f"float32 and contiguous panels only: x {x.dtype}, packed {packed.dtype}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}, expected ({out_features},) float32")
+    rows, stride = _as_rows(x)
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    if rows.shape[0]:
+        lib.stoker_linear_f32(
+            rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, None if bias is None else bias.contiguous().data_ptr(),
+            out.data_ptr(), out_features, rows.shape[0], out_features, k, torch.get_num_threads(),
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], out_features)
+
+
 # ---------------------------------------------------------------- row-wise kernels (elementwise.c)
 # Below this many elements a kernel runs on one thread: waking the OpenMP team costs more
 # than it saves (torch's own grain size for element-wise ops is 32768).

@@ -1,0 +1,144 @@
+/*
+ * y = x @ W^T + bias for CPU, float32, written for the small M (tokens) of decode steps.
+ *
+ * Why a kernel of our own: MKL's sgemm reaches ~330 GFLOP/s on this project's 2-core CI
+ * machine for prefill-sized M, but only 160-250 GFLOP/s for M = 8..64, the batch sizes of
+ * decode steps, which made decode GEMMs the largest cost of the issue-2 benchmark
+ * (docs/benchmarks.md). This kernel keeps a register tile of MR rows x NR columns of y for
+ * the whole K loop (no packing of x, no K blocking), so for decode shapes it runs at the
+ * FMA units' rate while the weights stream through once.
+ *
+ * Weight layout: wt is W^T, (K, N) row-major with row stride ldw floats; that is the memory
+ * of a (N, K) weight stored column-major, which is how the CPU model runner lays projection
+ * weights out (layers/linear.py, use_column_major_weights). No copy, no second layout.
+ *
+ * Every y[m, n] is one accumulator summed over k = 0..K-1 in order, then + bias[n]: the
+ * result of a row does not depend on M or on the other rows (batch invariance), nor on the
+ * number of threads.
+ *
+ * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
+ * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
+ * 6 x 4 (+4) of 32 zmm with AVX-512; 3 x 4 (+4) of 16 ymm otherwise.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 6
+#else
+#define VL 8
+#define MR 3
+#endif
+#define NV 4
+#define NR (NV * VL)
+/* Rows of x one task keeps in L2 (192 x K floats: 384 KB at K = 512) while the weight
+ * panels stream past; a multiple of MR. */
+#define M_CHUNK 192
+/* Weight rows ahead to prefetch: the rows of a panel are ldw floats apart, too far for the
+ * hardware prefetchers to follow at small M, where nothing else hides the latency. */
+#define PREFETCH_ROWS 8
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+
+static inline vf load(const float *p) { return *(const vfu *)p; }
+static inline void store(float *p, vf v) { *(vfu *)p = v; }
+
+/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr and nv are constants at each
+ * call site, so gcc unrolls both loops and keeps acc in registers. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const float *restrict x,
+                                                       int64_t ldx, const float *restrict wt, int64_t ldw,
+                                                       const float *restrict bias, float *restrict y, int64_t ldy,
+                                                       int64_t K, int prefetch) {
+    vf acc[MR][NV];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *w = wt + k * ldw;
+        if (prefetch) {
+            for (int j = 0; j < nv; j += 64 / (VL * 4) > 0 ? 64 / (VL * 4) : 1)
+                __builtin_prefetch(w + PREFETCH_ROWS * ldw + j * VL, 0, 3);
+        }
+        vf b[NV];
+        for (int j = 0; j < nv; j++) b[j] = load(w + j * VL);
+        for (int m = 0; m < mr; m++) {
+            const float a = x[m * ldx + k];
+            for (int j = 0; j < nv; j++) acc[m][j] += b[j] * a;
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j++) {
+            vf r = acc[m][j];
+            if (bias != NULL) r += load(bias + j * VL);
+            store(y + m * ldy + j * VL, r);
+        }
+}
+
+#define TILE_CASES(NVC)                                                                      \
+    switch (mr) {                                                                            \
+    case 1: tile(1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
+    case 2: tile(2, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
+    case 3: tile(3, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
+    case 4: tile(MR >= 4 ? 4 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;   \
+    case 5: tile(MR >= 5 ? 5 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;   \
+    default: tile(MR >= 6 ? 6 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break; \
+    }
+
+/* One tile of mr <= MR rows and nv <= NV vectors of columns. */
+static void tile_dispatch(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw,
+                          const float *bias, float *y, int64_t ldy, int64_t K, int prefetch) {
+    switch (nv) {
+    case 1: TILE_CASES(1); break;
+    case 2: TILE_CASES(2); break;
+    case 3: TILE_CASES(3); break;
+    default: TILE_CASES(NV); break;
+    }
+}
+
+/* Columns [0, cols) with cols < VL of the panel at w: plain scalar code, same summation order. */
+static void columns_scalar(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+                           int64_t ldy, int64_t mr, int64_t cols, int64_t K) {
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t n = 0; n < cols; n++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += x[m * ldx + k] * w[k * ldw + n];
+            y[m * ldy + n] = bias != NULL ? acc + bias[n] : acc;
+        }
+}
+
+/* x (M, K) row stride ldx; wt: W^T in panels of NR columns, panel p at wt + p * panel_stride,
+ * its rows ldw floats apart; bias (N,) or NULL; y (M, N) row stride ldy. */
+void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
+                       const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + NR - 1) / NR;
+    /* Row chunks of at most M_CHUNK rows, so a chunk of x stays in L2 while every panel
+     * streams past it; below that, threads split the panels (each weight read once), and the
+     * rows only when there are fewer panels than threads. */
+    int64_t num_chunks = (M + M_CHUNK - 1) / M_CHUNK;
+    if (num_chunks * num_panels < num_threads) num_chunks = (num_threads + num_panels - 1) / num_panels;
+    int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
+    chunk_rows = (chunk_rows + MR - 1) / MR * MR;
+    num_chunks = (M + chunk_rows - 1) / chunk_rows;
+    const int prefetch = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int64_t chunk = 0; chunk < num_chunks; chunk++)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+            const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
+            const int nv = (int)(cols / VL);
+            const int64_t vec_cols = (int64_t)nv * VL;
+            const float *w = wt + p * panel_stride;
+            for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += MR) {
+                const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
+                if (nv > 0)
+                    tile_dispatch(mr, nv, x + m0 * ldx, ldx, w, ldw, bias != NULL ? bias + n0 : NULL,
+                                  y + m0 * ldy + n0, ldy, K, prefetch);
+                if (vec_cols < cols)
+                    columns_scalar(x + m0 * ldx, ldx, w + vec_cols, ldw, bias != NULL ? bias + n0 + vec_cols : NULL,
+                                   y + m0 * ldy + n0 + vec_cols, ldy, mr, cols - vec_cols, K);
+            }
+        }
+}
+
+int stoker_linear_nr(void) { return NR; }
