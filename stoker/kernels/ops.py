@@ -98,12 +98,13 @@ def linear_packed(
     x: torch.Tensor,  # (..., K)
     packed: torch.Tensor,  # (P, K, NR) from cpu_native.pack_linear_weight
     out_features: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # (..., N)
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
     """A projection whose weight the CPU runner packed into panels (layers/linear.py)."""
     if cpu_native.supports_rows(x, packed):
-        return cpu_native.linear(x, packed, out_features, bias)
-    return reference.linear_packed(x, packed, out_features, bias)
+        return cpu_native.linear(x, packed, out_features, bias, silu_and_mul)
+    return reference.linear_packed(x, packed, out_features, bias, silu_and_mul)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -216,14 +216,19 @@ def linear_packed(
     x: torch.Tensor,  # (..., K)
     packed: torch.Tensor,  # (P, K, NR): W (N, K) in column panels, kernels/cpu/native.pack_linear_weight
     out_features: int,  # N <= P * NR
-    bias: torch.Tensor | None = None,  # (N,)
-) -> torch.Tensor:  # (..., N)
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,  # panels of [gate | up] halves -> silu(gate) * up, (..., N / 2)
+) -> torch.Tensor:  # (..., N) or (..., N / 2)
     rows = x.reshape(-1, x.shape[-1])
+    num_panels, _, nr = packed.shape
     panels = torch.matmul(rows, packed)  # (P, M, NR)
-    out = panels.permute(1, 0, 2).reshape(rows.shape[0], -1)[:, :out_features]
     if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], out_features)
+        panels = panels + bias.view(num_panels, 1, nr)
+    if silu_and_mul:
+        panels = F.silu(panels[..., : nr // 2]) * panels[..., nr // 2 :]
+    out = panels.permute(1, 0, 2).reshape(rows.shape[0], -1)
+    width = out_features // 2 if silu_and_mul else out_features
+    return out[:, :width].reshape(*x.shape[:-1], width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.bias = None
         self.packed = False  # see layers/linear.py: pack_cpu_weights
+        self.fused_silu_and_mul = False
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

@@ -20,7 +20,7 @@ from stoker.kernels import ops
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x (..., in) -> (..., out) for a Linear or LMHead, whichever layout its weight has."""
     if module.packed:  # weight (P, in, NR): kernels/cpu/native.pack_linear_weight
-        return ops.linear_packed(x, module.weight, module.out_features, module.bias)
+        return ops.linear_packed(x, module.weight, module.out_features, module.bias, module.fused_silu_and_mul)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -30,7 +30,10 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = False  # True once pack_cpu_weights has replaced weight by its panels
+        self.packed = False  # True once pack_cpu_weights has replaced weight (and bias) by panels
+        # True once pack_cpu_weights has fused the MLP's SiLU-and-mul into this [gate; up]
+        # projection: the output is then silu(gate) * up, half as wide.
+        self.fused_silu_and_mul = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self, x)
@@ -93,10 +96,21 @@ def pack_cpu_weights(model: nn.Module) -> int:
     last panel; one layer copied at a time. `benchmarks/cpu_kernels.py` compares it with MKL
     per batch size. A weight shared with the token embedding (tied LM head) is left alone:
     the embedding looks rows up, which wants them contiguous.
+    An MLP whose activation is SiLU gets its [gate; up] projection packed with gate and up
+    columns side by side in each panel, and the kernel applies silu(gate) * up before
+    writing (the MLP then skips its activation: `fused_silu_and_mul`).
     """
     from stoker.kernels.cpu import native
+    from stoker.layers.activation import SiluAndMul
     from stoker.layers.embedding import LMHead, VocabEmbedding
 
+    fused = {
+        id(m.gate_up_proj)
+        for m in model.modules()
+        if isinstance(getattr(m, "gate_up_proj", None), MergedLinear)
+        and isinstance(getattr(m, "act", None), SiluAndMul)
+        and native.gate_up_fusable(m.gate_up_proj.out_features // 2)
+    }
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
     changed = 0
     for module in model.modules():
@@ -107,7 +121,11 @@ def pack_cpu_weights(model: nn.Module) -> int:
             and module.weight.dtype == torch.float32
             and module.weight.device.type == "cpu"
         ):
-            module.weight.data = native.pack_linear_weight(module.weight.data)
+            gate_up = id(module) in fused
+            module.weight.data = native.pack_linear_weight(module.weight.data, gate_up=gate_up)
+            if module.bias is not None:
+                module.bias.data = native.pack_linear_weight(module.bias.data, gate_up=gate_up)
             module.packed = True
+            module.fused_silu_and_mul = gate_up
             changed += 1
     return changed

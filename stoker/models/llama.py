@@ -69,7 +69,8 @@ class LlamaMLP(nn.Module):
         self.act = get_gated_activation(cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # (T, 2 * inter); (T, inter) when the CPU kernel fused the activation
+        return self.down_proj(gate_up if self.gate_up_proj.fused_silu_and_mul else self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

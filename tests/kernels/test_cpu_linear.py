@@ -23,6 +23,10 @@ def weights(out_features: int, in_features: int, bias: bool, seed: int = 0) -> t
     return w, b
 
 
+def pack(bias: torch.Tensor | None, gate_up: bool = False) -> torch.Tensor | None:
+    return None if bias is None else native.pack_linear_weight(bias, gate_up=gate_up)
+
+
 # M either side of the register tile's rows (6 with AVX-512, 3 otherwise) and of the row
 # chunk (192); N a whole panel, several, a partial one, and fewer than one vector.
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 6, 7, 13, 64, 193, 400])
@@ -31,12 +35,12 @@ def weights(out_features: int, in_features: int, bias: bool, seed: int = 0) -> t
 def test_matches_torch(num_tokens: int, in_features: int, out_features: int, bias: bool) -> None:
     w, b = weights(out_features, in_features, bias)
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1))
-    packed = native.pack_linear_weight(w)
-    out = native.linear(x, packed, out_features, b)
+    packed, packed_bias = native.pack_linear_weight(w), pack(b)
+    out = native.linear(x, packed, out_features, packed_bias)
     expected = F.linear(x, w, b)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(reference.linear_packed(x, packed, out_features, b), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference.linear_packed(x, packed, out_features, packed_bias), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_layout() -> None:
@@ -55,9 +59,9 @@ def test_strided_and_batched_input() -> None:
     packed = native.pack_linear_weight(w)
     wide = torch.randn(11, 64)
     x = wide[:, 8:48]
-    torch.testing.assert_close(native.linear(x, packed, 96, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native.linear(x, packed, 96, pack(b)), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 5, 40)
-    out = native.linear(x3, packed, 96, b)
+    out = native.linear(x3, packed, 96, pack(b))
     assert out.shape == (2, 5, 96)
     torch.testing.assert_close(out, F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
 
@@ -66,7 +70,7 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads() -> None:
     """Each output is one in-order sum over K: a row's result is bit-identical whether it
     is computed alone or among others, and whatever the thread count."""
     w, b = weights(300, 128, bias=True)
-    packed = native.pack_linear_weight(w)
+    packed, b = native.pack_linear_weight(w), pack(b)
     x = torch.randn(70, 128)
     batched = native.linear(x, packed, 300, b)
     for i in (0, 5, 6, 69):
@@ -83,7 +87,7 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads() -> None:
 
 def test_ops_dispatch_and_twin_agree(monkeypatch) -> None:
     w, b = weights(130, 64, bias=True)
-    packed = native.pack_linear_weight(w)
+    packed, b = native.pack_linear_weight(w), pack(b)
     x = torch.randn(9, 64)
     fast = ops.linear_packed(x, packed, 130, b)
     monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
@@ -101,12 +105,33 @@ def test_bad_input_is_refused() -> None:
     w, b = weights(100, 32, bias=True)
     packed = native.pack_linear_weight(w)
     with pytest.raises(ValueError, match="does not fit"):
-        native.linear(torch.randn(3, 31), packed, 100, b)  # wrong K
+        native.linear(torch.randn(3, 31), packed, 100, pack(b))  # wrong K
     with pytest.raises(ValueError, match="does not fit"):
         native.linear(torch.randn(3, 32), packed, packed.shape[0] * packed.shape[2] + 1)  # more outputs than panels
     with pytest.raises(ValueError, match="bias"):
-        native.linear(torch.randn(3, 32), packed, 100, torch.zeros(99))
+        native.linear(torch.randn(3, 32), packed, 100, b)  # not in panel order (padded)
+    with pytest.raises(ValueError, match="whole panels"):
+        native.linear(torch.randn(3, 32), packed, 100, silu_and_mul=True)
+    with pytest.raises(ValueError, match="multiple of"):
+        native.pack_linear_weight(torch.randn(2 * native.panel_width() // 2 + 2, 8), gate_up=True)
     with pytest.raises(ValueError, match="float32"):
         native.linear(torch.randn(3, 32, dtype=torch.float64), packed, 100)
     with pytest.raises(ValueError, match="float32"):
         native.pack_linear_weight(w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_silu_and_mul(num_tokens: int, bias: bool) -> None:
+    """A [gate; up] projection packed with gate_up=True returns silu(gate) * up directly."""
+    inter = 3 * native.panel_width() // 2
+    w, b = weights(2 * inter, 80, bias)
+    x = torch.randn(num_tokens, 80)
+    packed, packed_bias = native.pack_linear_weight(w, gate_up=True), pack(b, gate_up=True)
+    out = native.linear(x, packed, 2 * inter, packed_bias, silu_and_mul=True)
+    gate_up = F.linear(x, w, b)
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert out.shape == (num_tokens, inter)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    twin = reference.linear_packed(x, packed, 2 * inter, packed_bias, silu_and_mul=True)
+    torch.testing.assert_close(twin, expected, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,8 @@ def test_projection_weights_are_packed_when_the_kernels_are_built(tiny_checkpoin
     embedding = next(m for m in model.modules() if isinstance(m, VocabEmbedding))
     lm_head = next(m for m in model.modules() if isinstance(m, LMHead))
     assert not lm_head.packed and lm_head.weight is embedding.weight and embedding.weight.is_contiguous()
+    mlps = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert mlps and all(m.gate_up_proj.fused_silu_and_mul for m in mlps), "SiLU should be fused into gate_up"
     merged = next(m for m in linears if isinstance(m, MergedLinear))
     with pytest.raises(RuntimeError, match="before pack_cpu_weights"):
         merged.load_shard("weight", "q", torch.zeros(1))
@@ -54,12 +56,16 @@ def test_projection_weights_are_column_major_without_the_kernels(tiny_checkpoint
 
 
 @needs_compiler
-def test_layouts_do_not_change_outputs(tiny_checkpoints, monkeypatch) -> None:
+@pytest.mark.parametrize("intermediate_size", [128, 72])  # 72: not whole panels, SiLU stays apart
+def test_layouts_do_not_change_outputs(tiny_checkpoints, monkeypatch, intermediate_size: int) -> None:
     """Packed (C kernel), column-major (MKL) and the packed weights through the torch twin
     (kernels switched off after packing) give the same tokens and logprobs."""
-    path = str(tiny_checkpoints("llama", tie_word_embeddings=False))
+    path = str(tiny_checkpoints("qwen2", tie_word_embeddings=False, intermediate_size=intermediate_size))
     packed_llm = LLM(path, kv_cache_memory_bytes=4 << 20, device="cpu")
-    assert next(m for m in packed_llm.engine.runner.model.modules() if isinstance(m, LMHead)).packed
+    model = packed_llm.engine.runner.model
+    assert next(m for m in model.modules() if isinstance(m, LMHead)).packed
+    fused = [m.gate_up_proj.fused_silu_and_mul for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert fused and all(fused) == (intermediate_size == 128)
     packed = _generate(packed_llm)
     monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
     packed_llm.reset_prefix_cache()

@@ -20,6 +20,7 @@
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
  * 6 x 4 (+4) of 32 zmm with AVX-512; 3 x 4 (+4) of 16 ymm otherwise.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -45,21 +46,23 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
 
-/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr and nv are constants at each
- * call site, so gcc unrolls both loops and keeps acc in registers. */
-static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const float *restrict x,
-                                                       int64_t ldx, const float *restrict wt, int64_t ldw,
+/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv and silu are constants
+ * at each call site, so gcc unrolls the loops and keeps acc in registers.
+ * silu: the panel's columns are [gate | up] halves, and y[0:mr, 0:nv*VL/2] gets
+ * silu(gate) * up (SiLU-and-mul fused into the gate/up projection: the 2x wider
+ * pre-activation never goes to memory). */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int silu,
+                                                       const float *restrict x, int64_t ldx,
+                                                       const float *restrict wt, int64_t ldw,
                                                        const float *restrict bias, float *restrict y, int64_t ldy,
-                                                       int64_t K, int prefetch) {
+                                                       int64_t K) {
     vf acc[MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
         const float *w = wt + k * ldw;
-        if (prefetch) {
-            for (int j = 0; j < nv; j += 64 / (VL * 4) > 0 ? 64 / (VL * 4) : 1)
-                __builtin_prefetch(w + PREFETCH_ROWS * ldw + j * VL, 0, 3);
-        }
+        for (int j = 0; j < nv; j += 64 / (VL * 4) > 0 ? 64 / (VL * 4) : 1)
+            __builtin_prefetch(w + PREFETCH_ROWS * ldw + j * VL, 0, 3);
         vf b[NV];
         for (int j = 0; j < nv; j++) b[j] = load(w + j * VL);
         for (int m = 0; m < mr; m++) {
@@ -67,32 +70,48 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
             for (int j = 0; j < nv; j++) acc[m][j] += b[j] * a;
         }
     }
+    if (bias != NULL)
+        for (int m = 0; m < mr; m++)
+            for (int j = 0; j < nv; j++) acc[m][j] += load(bias + j * VL);
+    if (!silu) {
+        for (int m = 0; m < mr; m++)
+            for (int j = 0; j < nv; j++) store(y + m * ldy + j * VL, acc[m][j]);
+        return;
+    }
     for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nv; j++) {
-            vf r = acc[m][j];
-            if (bias != NULL) r += load(bias + j * VL);
-            store(y + m * ldy + j * VL, r);
+        for (int j = 0; j < nv / 2; j++) {
+            float g[VL], u[VL], o[VL];
+            store(g, acc[m][j]);
+            store(u, acc[m][j + nv / 2]);
+            /* as stoker_silu_and_mul_f32 (elementwise.c), exp's argument capped */
+#pragma omp simd
+            for (int l = 0; l < VL; l++) o[l] = g[l] / (1.0f + expf(fminf(-g[l], 88.0f))) * u[l];
+            store(y + m * ldy + j * VL, load(o));
         }
 }
 
-#define TILE_CASES(NVC)                                                                      \
-    switch (mr) {                                                                            \
-    case 1: tile(1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
-    case 2: tile(2, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
-    case 3: tile(3, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;                 \
-    case 4: tile(MR >= 4 ? 4 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;   \
-    case 5: tile(MR >= 5 ? 5 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break;   \
-    default: tile(MR >= 6 ? 6 : 1, NVC, x, ldx, wt, ldw, bias, y, ldy, K, prefetch); break; \
+#define TILE_CASES(NVC, SILU)                                                           \
+    switch (mr) {                                                                       \
+    case 1: tile(1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
+    case 2: tile(2, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
+    case 3: tile(3, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
+    case 4: tile(MR >= 4 ? 4 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;   \
+    case 5: tile(MR >= 5 ? 5 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;   \
+    default: tile(MR >= 6 ? 6 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break; \
     }
 
-/* One tile of mr <= MR rows and nv <= NV vectors of columns. */
-static void tile_dispatch(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw,
-                          const float *bias, float *y, int64_t ldy, int64_t K, int prefetch) {
+/* One tile of mr <= MR rows and nv <= NV vectors of columns (silu: always NV). */
+static void tile_dispatch(int mr, int nv, int silu, const float *x, int64_t ldx, const float *wt, int64_t ldw,
+                          const float *bias, float *y, int64_t ldy, int64_t K) {
+    if (silu) {
+        TILE_CASES(NV, 1);
+        return;
+    }
     switch (nv) {
-    case 1: TILE_CASES(1); break;
-    case 2: TILE_CASES(2); break;
-    case 3: TILE_CASES(3); break;
-    default: TILE_CASES(NV); break;
+    case 1: TILE_CASES(1, 0); break;
+    case 2: TILE_CASES(2, 0); break;
+    case 3: TILE_CASES(3, 0); break;
+    default: TILE_CASES(NV, 0); break;
     }
 }
 
@@ -108,9 +127,12 @@ static void columns_scalar(const float *x, int64_t ldx, const float *w, int64_t 
 }
 
 /* x (M, K) row stride ldx; wt: W^T in panels of NR columns, panel p at wt + p * panel_stride,
- * its rows ldw floats apart; bias (N,) or NULL; y (M, N) row stride ldy. */
+ * its rows ldw floats apart; bias (N,) or NULL; y (M, N) row stride ldy.
+ * silu_and_mul: N is a multiple of NR, each panel holds NR/2 gate then NR/2 up columns (and
+ * bias is in that order), and y is (M, N/2): panel p's silu(gate) * up at columns p*NR/2... */
 void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
-                       const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+                       const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
+                       int num_threads) {
     const int64_t num_panels = (N + NR - 1) / NR;
     /* Row chunks of at most M_CHUNK rows, so a chunk of x stays in L2 while every panel
      * streams past it; below that, threads split the panels (each weight read once), and the
@@ -120,7 +142,6 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
     int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
     chunk_rows = (chunk_rows + MR - 1) / MR * MR;
     num_chunks = (M + chunk_rows - 1) / chunk_rows;
-    const int prefetch = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++)
         for (int64_t p = 0; p < num_panels; p++) {
@@ -132,8 +153,8 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
             for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += MR) {
                 const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
                 if (nv > 0)
-                    tile_dispatch(mr, nv, x + m0 * ldx, ldx, w, ldw, bias != NULL ? bias + n0 : NULL,
-                                  y + m0 * ldy + n0, ldy, K, prefetch);
+                    tile_dispatch(mr, nv, silu_and_mul, x + m0 * ldx, ldx, w, ldw, bias != NULL ? bias + n0 : NULL,
+                                  y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K);
                 if (vec_cols < cols)
                     columns_scalar(x + m0 * ldx, ldx, w + vec_cols, ldw, bias != NULL ? bias + n0 + vec_cols : NULL,
                                    y + m0 * ldy + n0 + vec_cols, ldy, mr, cols - vec_cols, K);

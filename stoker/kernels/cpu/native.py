@@ -80,16 +80,22 @@ def panel_width() -> int:
     return int(lib.stoker_linear_nr())
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """(N, K) weight -> (P, K, NR) panels, P = ceil(N / NR); columns past N are zero.
 
     Panel p holds W[p*NR:(p+1)*NR]^T row-major, so the kernel streams one contiguous
     K x NR block per panel (a strided (K, N) layout was up to 2x slower: rows 4 KB apart
     alias in L1 and defeat the prefetchers).
+    gate_up: W is [gate; up], (2 * I, K) with I a multiple of NR / 2, and each panel gets
+    NR / 2 gate rows then the matching NR / 2 up rows, for `linear(..., silu_and_mul=True)`.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight.dim() > 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_linear_weight needs a CPU float32 (N, K) weight, got {tuple(weight.shape)} {weight.dtype}")
     nr = panel_width()
+    if gate_up:
+        return _pack_gate_up(weight, nr)
+    if weight.dim() == 1:  # a bias: same panel order, padded
+        return torch.cat([weight, weight.new_zeros(-weight.shape[0] % nr)])
     n, k = weight.shape
     num_panels = -(-n // nr)
     padded = weight.new_zeros(num_panels * nr, k)
@@ -97,26 +103,50 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, nr, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ W^T + bias -> (..., N), with W given as `pack_linear_weight(W)`."""
+def gate_up_fusable(intermediate_size: int) -> bool:
+    return intermediate_size % (panel_width() // 2) == 0
+
+
+def _pack_gate_up(weight: torch.Tensor, nr: int) -> torch.Tensor:
+    """[gate; up] (2I, ...) -> per panel NR/2 gate rows then NR/2 up rows (a bias: (2I,))."""
+    inter, half = weight.shape[0] // 2, nr // 2
+    if weight.shape[0] % 2 or not gate_up_fusable(inter):
+        raise ValueError(f"gate_up weight of {weight.shape[0]} rows: needs 2 * I rows with I a multiple of {half}")
+    rest = weight.shape[1:]
+    gate, up = weight[:inter].reshape(inter // half, half, *rest), weight[inter:].reshape(inter // half, half, *rest)
+    interleaved = torch.cat([gate, up], dim=1)  # (P, NR, ...)
+    if not rest:
+        return interleaved.reshape(-1).contiguous()
+    return interleaved.transpose(1, 2).contiguous()  # (P, K, NR)
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, silu_and_mul: bool = False
+) -> torch.Tensor:
+    """x (..., K) @ W^T + bias -> (..., N), with W given as `pack_linear_weight(W)` and bias
+    as `pack_linear_weight(bias)` (its panel order, padded). silu_and_mul: W and bias packed
+    with gate_up=True, N = 2 * I, and the result is silu(gate) * up, (..., I)."""
     lib = library()
     if lib is None:
         raise BuildError("the CPU kernel library is not available")
     num_panels, k, nr = packed.shape
     if x.shape[-1] != k or not (num_panels - 1) * nr < out_features <= num_panels * nr:
         raise ValueError(f"x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} with {out_features} outputs")
+    if silu_and_mul and out_features != num_panels * nr:
+        raise ValueError(f"silu_and_mul needs whole panels: {out_features} outputs, panels of {nr}")
     if x.dtype != torch.float32 or packed.dtype != torch.float32 or not packed.is_contiguous():
         raise ValueError(f"float32 and contiguous panels only: x {x.dtype}, packed {packed.dtype}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}, expected ({out_features},) float32")
+    if bias is not None and (bias.shape != (num_panels * nr,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}, expected packed ({num_panels * nr},) float32")
     rows, stride = _as_rows(x)
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    width = out_features // 2 if silu_and_mul else out_features
+    out = torch.empty((rows.shape[0], width), dtype=torch.float32)
     if rows.shape[0]:
         lib.stoker_linear_f32(
-            rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, None if bias is None else bias.contiguous().data_ptr(),
-            out.data_ptr(), out_features, rows.shape[0], out_features, k, torch.get_num_threads(),
+            rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, None if bias is None else bias.data_ptr(),
+            out.data_ptr(), width, rows.shape[0], out_features, k, int(silu_and_mul), torch.get_num_threads(),
         )  # fmt: skip
-    return out.view(*x.shape[:-1], out_features)
+    return out.view(*x.shape[:-1], width)
 
 
 # ---------------------------------------------------------------- row-wise kernels (elementwise.c)
