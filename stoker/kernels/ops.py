@@ -1,12 +1,12 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
-CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, RMSNorm,
-SiLU-and-mul, rotary, and the projections whose weights the runner packed) when they build
-(a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is unset; other CPU tensors take
-the plain-torch twins in `reference.py`. CUDA tensors take the Triton kernel when triton imports and
-`STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the twin. The kernel modules import
-triton at their top, so they are imported here only on the first CUDA call:
-`import stoker.kernels.ops` works on a machine without triton.
+CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, K/V
+stores, RMSNorm, SiLU-and-mul, rotary, and the projections whose weights the runner packed)
+when they build (a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is unset; other
+CPU tensors take the plain-torch twins in `reference.py`. CUDA tensors take the Triton
+kernel when triton imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the
+twin. The kernel modules import triton at their top, so they are imported here only on the
+first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def store_kvcache(
 ) -> None:
     if use_triton(key):
         return _kernel("store_kvcache").store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    if cpu_native.supports_rows(key, value, k_cache):
+        return cpu_native.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
     return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -127,9 +127,18 @@ def test_rejects_indices_outside_the_cache() -> None:
     bad_tables[1, 0] = batch.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside"):
         native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
-    too_long = torch.tensor([20, 16 * batch.block_tables.shape[1] + 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="block table"):
-        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, too_long, 0.1)
+    bad_tables = batch.block_tables.clone()
+    bad_tables[0, 1] = -1
+    with pytest.raises(ValueError, match="outside"):
+        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
+    # entries past a sequence's last block are never read, so they may hold anything (padding)
+    bad_tables[0, 1] = batch.block_tables[0, 1]
+    bad_tables[0, -1] = -1
+    out = native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
+    assert not out.isnan().any()
+    for lens in ([20, 16 * batch.block_tables.shape[1] + 1], [-1, 35]):
+        with pytest.raises(ValueError, match="block table"):
+            native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, torch.tensor(lens, dtype=torch.int32), 0.1)
 
 
 @pytest.fixture

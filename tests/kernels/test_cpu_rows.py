@@ -115,3 +115,29 @@ def test_ops_dispatch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
     assert torch.equal(ops.silu_and_mul(x), reference.silu_and_mul(x))
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_store_kvcache(num_tokens: int) -> None:
+    """Rows land in their slots (from strided views of a fused qkv), -1 slots are skipped,
+    every other slot is untouched; as the twin does."""
+    num_blocks, block_size, num_kv_heads, head_dim = 40, 16, 2, 32
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim)
+    key = qkv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::4] = -1
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan")) for _ in range(4)]
+    native.store_kvcache(key, value, caches[0], caches[1], slots)
+    reference.store_kvcache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+    assert int(caches[0].isnan().all(dim=(2, 3)).sum()) == num_blocks * block_size - int((slots >= 0).sum())
+
+
+def test_store_kvcache_rejects_slots_past_the_cache() -> None:
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match="past the cache"):
+        native.store_kvcache(torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache, torch.tensor([3, 8]))
+    with pytest.raises(ValueError, match="do not fit"):
+        native.store_kvcache(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache, torch.tensor([0, 1]))

@@ -27,7 +27,7 @@ from stoker.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "elementwise.c", "linear.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "elementwise.c", "linear.c", "store_kvcache.c"))
 # -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
 # products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
 # given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
@@ -122,12 +122,13 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
-        "stoker_paged_decode_attention_f32": ([p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64, i32], i32),
+        "stoker_paged_decode_attention_f32": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, i32], i32),
         "stoker_rms_norm_f32": ([p, i64, p, i64, p, p, p, i64, i64, f32, i32], None),
         "stoker_silu_and_mul_f32": ([p, i64, p, i64, i64, i32], None),
         "stoker_rotary_f32": ([p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i32], None),
         "stoker_linear_f32": ([p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], None),
         "stoker_linear_nr": ([], i32),
+        "stoker_store_kvcache_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, i32], i64),
     }
     for name, (argtypes, restype) in signatures.items():
         f = getattr(lib, name)

@@ -51,24 +51,54 @@ def paged_decode_attention(
     query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
-    max_context_len = int(context_lens.max()) if num_seqs else 0  # sizes the C scratch buffers
-    # The C code trusts its indices; a bad block id or length would read outside the cache.
-    if max_context_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"a context of {max_context_len} tokens needs more than the block table's {block_tables.shape[1]} blocks")
-    if num_seqs and block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
-        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    failed = lib.stoker_paged_decode_attention_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    # The C code checks every length and block id it will use before reading (return 2, 3).
+    status = lib.stoker_paged_decode_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale,
-        sliding_window or 0, torch.get_num_threads(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
     )  # fmt: skip
-    if failed:
+    if status == 1:
         raise MemoryError("paged_decode_attention: could not allocate the per-thread scratch buffer")
+    if status == 2:
+        raise ValueError(
+            f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "
+            f"{block_tables.shape[1]} blocks of {block_size})"
+        )
+    if status == 3:
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
     return out
+
+
+# ---------------------------------------------------------------- store_kvcache (store_kvcache.c)
+def store_kvcache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 = not stored
+) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k, k_stride = _head_rows(key, "key")
+    v, v_stride = _head_rows(value, "value")
+    if k.shape[1:] != (num_kv_heads, head_dim) or v.shape != k.shape or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(
+            f"key {tuple(k.shape)}, value {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} "
+            f"do not fit the cache {tuple(k_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+        raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        raise ValueError(f"float32 only: key {k.dtype}, value {v.dtype}, cache {k_cache.dtype}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    bad = library().stoker_store_kvcache_f32(
+        k.data_ptr(), k_stride, v.data_ptr(), v_stride, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        k.shape[0], num_kv_heads * head_dim, num_blocks * block_size, _threads(k.numel()),
+    )  # fmt: skip
+    if bad:
+        raise ValueError(f"{bad} slot_mapping entries are past the cache's {num_blocks * block_size} slots")
 
 
 # ---------------------------------------------------------------- linear (linear.c)

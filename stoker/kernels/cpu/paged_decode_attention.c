@@ -194,13 +194,25 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const f
 }
 #endif
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated. */
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 if a context length
+ * is negative or needs more blocks than a table row holds, 3 if a block id that would be
+ * read is outside [0, num_blocks). Checked here, before any read, rather than in Python:
+ * the min/max there cost three host round trips per layer and step. */
 int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, const float *v_cache,
-                                      const int32_t *block_tables, int64_t max_blocks,
+                                      int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
                                       const int32_t *context_lens, float *out, int64_t num_seqs,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      int64_t block_size, int64_t max_context_len, float scale,
-                                      int64_t sliding_window, int num_threads) {
+                                      int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+    int64_t max_context_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t ctx = context_lens[s];
+        if (ctx < 0 || ctx > max_blocks * block_size) return 2;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+            const int32_t id = block_tables[s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return 3;
+        }
+        if (ctx > max_context_len) max_context_len = ctx;
+    }
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* A task is one sequence's heads, or, when there are too few sequences to keep every
