@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                                                        const float *restrict x, int64_t ldx,
                                                        const float *restrict wt, int64_t ldw,
                                                        const float *restrict bias, float *restrict y, int64_t ldy,
-                                                       int64_t K) {
+                                                       int64_t K, const float *ahead, int64_t num_ahead) {
     vf acc[MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
@@ -63,6 +63,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         const float *w = wt + k * ldw;
         for (int j = 0; j < nv; j += 64 / (VL * 4) > 0 ? 64 / (VL * 4) : 1)
             __builtin_prefetch(w + PREFETCH_ROWS * ldw + j * VL, 0, 3);
+        if (k < num_ahead) __builtin_prefetch(ahead + 16 * k, 0, 3);
         vf b[NV];
         for (int j = 0; j < nv; j++) b[j] = load(w + j * VL);
         for (int m = 0; m < mr; m++) {
@@ -92,17 +93,18 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
 
 #define TILE_CASES(NVC, SILU)                                                           \
     switch (mr) {                                                                       \
-    case 1: tile(1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
-    case 2: tile(2, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
-    case 3: tile(3, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;                 \
-    case 4: tile(MR >= 4 ? 4 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;   \
-    case 5: tile(MR >= 5 ? 5 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break;   \
-    default: tile(MR >= 6 ? 6 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K); break; \
+    case 1: tile(1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
+    case 2: tile(2, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
+    case 3: tile(3, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
+    case 4: tile(MR >= 4 ? 4 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;   \
+    case 5: tile(MR >= 5 ? 5 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;   \
+    default: tile(MR >= 6 ? 6 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break; \
     }
 
 /* One tile of mr <= MR rows and nv <= NV vectors of columns (silu: always NV). */
 static void tile_dispatch(int mr, int nv, int silu, const float *x, int64_t ldx, const float *wt, int64_t ldw,
-                          const float *bias, float *y, int64_t ldy, int64_t K) {
+                          const float *bias, float *y, int64_t ldy, int64_t K, const float *ahead,
+                          int64_t num_ahead) {
     if (silu) {
         TILE_CASES(NV, 1);
         return;
@@ -150,11 +152,21 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
             const int nv = (int)(cols / VL);
             const int64_t vec_cols = (int64_t)nv * VL;
             const float *w = wt + p * panel_stride;
-            for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += MR) {
+            /* While this panel's tiles run (from L2 after the first), the next panel is
+             * prefetched, a share per tile, one cache line per k step: without it each panel's
+             * first tile waits on memory (the weights do not stay in L3 between decode steps,
+             * the KV cache streams through it). */
+            const int64_t m_begin = chunk * chunk_rows, num_tiles = (m_end - m_begin + MR - 1) / MR;
+            const float *next = p + 1 < num_panels ? wt + (p + 1) * panel_stride : NULL;
+            const int64_t next_lines = next != NULL ? K * ldw / 16 : 0;
+            for (int64_t m0 = m_begin; m0 < m_end; m0 += MR) {
                 const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
+                const int64_t t = (m0 - m_begin) / MR;
+                const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
+                const int64_t num_ahead = last - first < K ? last - first : K;
                 if (nv > 0)
                     tile_dispatch(mr, nv, silu_and_mul, x + m0 * ldx, ldx, w, ldw, bias != NULL ? bias + n0 : NULL,
-                                  y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K);
+                                  y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K, next + 16 * first, num_ahead);
                 if (vec_cols < cols)
                     columns_scalar(x + m0 * ldx, ldx, w + vec_cols, ldw, bias != NULL ? bias + n0 + vec_cols : NULL,
                                    y + m0 * ldy + n0 + vec_cols, ldy, mr, cols - vec_cols, K);
