@@ -149,7 +149,14 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const f
         const float *k_block = k_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
         for (; pos + 16 <= end; pos += 16) {
             const float *k_rows = k_block + (pos % block_size) * token_stride;
+            /* the next 16 positions' rows: prefetched, one KV head at a time, while these run */
+            const float *k_next = pos + 32 <= end ? k_rows + 16 * token_stride
+                                  : end < ctx ? k_cache + (int64_t)table[end / block_size] * block_size * token_stride
+                                              : NULL;
             for (int64_t h = h0; h < h1; h++) {
+                if (k_next != NULL && (h - h0) % group == 0)
+                    for (int t = 0; t < 16; t++)
+                        for (int j = 0; j < nd; j++) __builtin_prefetch(k_next + t * token_stride + (h / group) * head_dim + 16 * j, 0, 3);
                 v16 qv[8], d[16];
                 for (int j = 0; j < nd; j++) qv[j] = ld16(q + h * head_dim + 16 * j);
                 const float *kh = k_rows + (h / group) * head_dim;
@@ -178,7 +185,12 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const f
         const float *v_block = v_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
         const int64_t len = end - pos;
         const float *v_rows = v_block + (pos % block_size) * token_stride;
+        const float *v_next = end < ctx ? v_cache + (int64_t)table[end / block_size] * block_size * token_stride : NULL;
+        const int64_t next_len = ctx - end < block_size ? ctx - end : block_size;
         for (int64_t h = h0; h < h1; h++) {
+            if (v_next != NULL && (h - h0) % group == 0)
+                for (int64_t t = 0; t < next_len; t++)
+                    for (int j = 0; j < nd; j++) __builtin_prefetch(v_next + t * token_stride + (h / group) * head_dim + 16 * j, 0, 3);
             const float *p = scores + (h - h0) * n + (pos - start);
             const float *vh = v_rows + (h / group) * head_dim;
             float *a = acc + (h - h0) * head_dim;
