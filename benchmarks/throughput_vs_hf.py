@@ -69,11 +69,17 @@ def gemm_gflops(n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
+# The KV cache both engines get: Stoker's kv_cache_memory_bytes, and HF continuous batching's
+# num_blocks (left to itself it sizes its cache from free RAM: ~12 GB here, which made it
+# slower, 137 vs 220 tok/s, and left the machine reclaiming memory while the next peer ran).
+KV_CACHE_BYTES = 512 << 20
+
+
 def make_stoker(model_dir: Path, reqs, cpu_kernels: bool = True) -> LLM:
     """An engine built, warmed up and run with the C kernels on, or off (the torch twins:
     the weights then stay in MKL's column-major layout instead of the kernel's panels)."""
     with kernels_switched(cpu_kernels):
-        llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=512 << 20)
+        llm = LLM(str(model_dir), max_model_len=512, kv_cache_memory_bytes=KV_CACHE_BYTES)
     run_stoker(llm, reqs, cpu_kernels)  # warm-up: the BLAS library prepares its kernels per matrix shape
     return llm
 
@@ -129,10 +135,18 @@ def run_hf_static(hf, reqs, batch_size: int) -> float:
 @torch.no_grad()
 def run_hf_continuous(hf, reqs) -> float:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=2, max_new_tokens=128)
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    page_size = 256  # ContinuousBatchingConfig's default: one block = page_size tokens of every layer's K and V
+    block_bytes = c.num_hidden_layers * page_size * 2 * c.num_key_value_heads * head_dim * 4
+    cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=KV_CACHE_BYTES // block_bytes)
     t = time.perf_counter()
-    with hf.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=30) as manager:
+    with hf.continuous_batching_context_manager(
+        generation_config=cfg, continuous_batching_config=cb, block=True, timeout=30
+    ) as manager:
         ids = [manager.add_request(input_ids=p, max_new_tokens=n) for p, n in reqs]
         done = 0
         while done < len(ids):

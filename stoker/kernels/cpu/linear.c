@@ -1,20 +1,25 @@
 /*
- * y = x @ W^T + bias for CPU, float32, written for the small M (tokens) of decode steps.
+ * y = x @ W^T + bias for CPU, float32: the projections of the CPU model runner.
  *
  * Why a kernel of our own: MKL's sgemm reaches ~330 GFLOP/s on this project's 2-core CI
  * machine for prefill-sized M, but only 160-250 GFLOP/s for M = 8..64, the batch sizes of
  * decode steps, which made decode GEMMs the largest cost of the issue-2 benchmark
  * (docs/benchmarks.md). This kernel keeps a register tile of MR rows x NR columns of y for
- * the whole K loop (no packing of x, no K blocking), so for decode shapes it runs at the
- * FMA units' rate while the weights stream through once.
+ * the whole K loop (no packing of x, no K blocking), so it runs near the FMA units' rate for
+ * decode shapes, and at MKL's rate for prefill shapes (benchmarks/cpu_kernels.py).
  *
- * Weight layout: wt is W^T, (K, N) row-major with row stride ldw floats; that is the memory
- * of a (N, K) weight stored column-major, which is how the CPU model runner lays projection
- * weights out (layers/linear.py, use_column_major_weights). No copy, no second layout.
+ * Weight layout: packed panels (kernels/cpu/native.py, pack_linear_weight): panel p holds
+ * columns [p*NR, (p+1)*NR) of W^T, K rows of NR floats, contiguous; the last one zero-padded.
+ * Threads split the panels, so each weight is read once per row chunk; while a panel's tiles
+ * run, the next panel is prefetched.
  *
  * Every y[m, n] is one accumulator summed over k = 0..K-1 in order, then + bias[n]: the
  * result of a row does not depend on M or on the other rows (batch invariance), nor on the
- * number of threads.
+ * number of threads (tests/kernels/test_cpu_linear.py checks both bit for bit).
+ *
+ * silu_and_mul: an MLP's [gate; up] projection packed with gate and up columns side by side
+ * in each panel writes silu(gate) * up directly (half as wide), so the pre-activation never
+ * goes to memory and the separate SiLU-and-mul pass disappears.
  *
  * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
@@ -33,9 +38,10 @@
 #endif
 #define NV 4
 #define NR (NV * VL)
-/* Rows of x one task keeps in L2 (192 x K floats: 384 KB at K = 512) while the weight
- * panels stream past; a multiple of MR. */
-#define M_CHUNK 192
+/* Bytes of x one task keeps in L2 (half of a 2 MB L2) while the weight panels stream past:
+ * rows per chunk = X_CHUNK_BYTES / (4 K), a multiple of MR. 384 KB was ~3% slower at M = 512
+ * and 2048 (fewer rows per pass over the weights). */
+#define X_CHUNK_BYTES (1024 * 1024)
 /* Weight rows ahead to prefetch: the rows of a panel are ldw floats apart, too far for the
  * hardware prefetchers to follow at small M, where nothing else hides the latency. */
 #define PREFETCH_ROWS 8
@@ -136,10 +142,11 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
                        const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
                        int num_threads) {
     const int64_t num_panels = (N + NR - 1) / NR;
-    /* Row chunks of at most M_CHUNK rows, so a chunk of x stays in L2 while every panel
+    /* Row chunks of at most chunk_max rows, so a chunk of x stays in L2 while every panel
      * streams past it; below that, threads split the panels (each weight read once), and the
      * rows only when there are fewer panels than threads. */
-    int64_t num_chunks = (M + M_CHUNK - 1) / M_CHUNK;
+    const int64_t chunk_max = (X_CHUNK_BYTES / (4 * K)) / MR * MR > MR ? (X_CHUNK_BYTES / (4 * K)) / MR * MR : MR;
+    int64_t num_chunks = (M + chunk_max - 1) / chunk_max;
     if (num_chunks * num_panels < num_threads) num_chunks = (num_threads + num_panels - 1) / num_panels;
     int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
     chunk_rows = (chunk_rows + MR - 1) / MR * MR;
