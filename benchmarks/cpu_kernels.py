@@ -5,8 +5,11 @@
   "hot": one layer's cache, reused call after call (it stays in the CPU caches);
   "cold": 8 layers' caches (~200 MB), one per call in turn, as an engine step reads them.
 - row ops: the C kernels vs the twins at prefill (2048 rows) and decode (64 rows) sizes.
-- projection GEMMs: `F.linear` with the weight row-major (as loaded) vs column-major (as the
-  CPU runner lays it out), plus oneDNN's packed linear, at decode and prefill M.
+- projection GEMMs: Stoker's C linear kernel on packed panels (what the CPU runner uses) vs
+  MKL through `F.linear` with the weight row-major (as loaded) and column-major (the runner's
+  layout when the C kernels are off), plus oneDNN's packed linear, at decode and prefill M;
+  and for the MLP's [gate; up] projection, the C kernel with SiLU-and-mul fused vs MKL
+  followed by the C SiLU-and-mul kernel.
 
 Medians of repeated calls; each peer measured side by side in one process.
 Usage: python benchmarks/cpu_kernels.py [--json OUT]
@@ -94,15 +97,25 @@ def gemms() -> dict[str, float]:
     for in_features, out_features in ((512, 2816), (1408, 512)):
         weight = torch.randn(out_features, in_features, generator=gen)
         column_major = weight.t().contiguous().t()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        for m in (1, 8, 32, 64, 2048):
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        panels = native.pack_linear_weight(weight)
+        gate_up = native.pack_linear_weight(weight, gate_up=True) if in_features == 512 else None
+        for m in (1, 8, 16, 32, 64, 2048):
             x = torch.randn(m, in_features, generator=gen)
             key = f"{in_features}x{out_features}_m{m}"
+            out[f"{key}_stoker_packed_ms"] = median_ms(lambda: native.linear(x, panels, out_features))
             out[f"{key}_row_major_ms"] = median_ms(lambda: torch.nn.functional.linear(x, weight))
             out[f"{key}_column_major_ms"] = median_ms(lambda: torch.nn.functional.linear(x, column_major))
             out[f"{key}_onednn_packed_ms"] = median_ms(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
             )
+            if gate_up is not None:
+                out[f"{key}_gate_up_stoker_fused_silu_ms"] = median_ms(
+                    lambda: native.linear(x, gate_up, out_features, silu_and_mul=True)
+                )
+                out[f"{key}_gate_up_mkl_then_silu_ms"] = median_ms(
+                    lambda: native.silu_and_mul(torch.nn.functional.linear(x, column_major))
+                )
     return out
 
 

@@ -42,7 +42,13 @@ class BuildError(RuntimeError):
 
 def disabled() -> bool:
     """STOKER_DISABLE_CPU_KERNELS=1 forces the torch twins (read per call: tests may flip it)."""
-    return os.environ.get("STOKER_DISABLE_CPU_KERNELS", "0").strip().lower() not in ("", "0", "false", "no")
+    return _parse_disabled(os.environ.get("STOKER_DISABLE_CPU_KERNELS"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_disabled(value: str | None) -> bool:
+    # Cached per raw value: this runs before every kernel call (~10 per layer and step).
+    return (value or "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def cache_dir() -> Path:

@@ -191,10 +191,10 @@ def _threads(numel: int) -> int:
 
 def supports_rows(*tensors: torch.Tensor) -> bool:
     """The row kernels' domain: CPU float32 tensors whose last dim is contiguous."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1 and t.stride(-1) == 1 for t in tensors)
-        and available()
-    )
+    for t in tensors:  # a plain loop: this runs before every kernel call
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() < 1 or t.stride(-1) != 1:
+            return False
+    return available()
 
 
 def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
