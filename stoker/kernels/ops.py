@@ -1,9 +1,9 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
-CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode attention, K/V
-stores, RMSNorm, SiLU-and-mul, rotary, and the projections whose weights the runner packed)
-when they build (a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is unset; other
-CPU tensors take the plain-torch twins in `reference.py`. CUDA tensors take the Triton
+CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode and prefill
+attention, K/V stores, RMSNorm, SiLU-and-mul, rotary, and the projections whose weights the
+runner packed) when they build (a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is
+unset; other CPU tensors take the plain-torch twins in `reference.py`. CUDA tensors take the Triton
 kernel when triton imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the
 twin. The kernel modules import triton at their top, so they are imported here only on the
 first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
@@ -89,6 +89,10 @@ def paged_attention(
 ) -> torch.Tensor:  # (T, H, D)
     if use_triton(query):
         return _kernel("paged_prefill_attention").paged_attention(
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
+        )
+    if cpu_native.supports(query, k_cache) and cpu_native.prefill_supported(query, k_cache):
+        return cpu_native.paged_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
         )
     return reference.paged_attention(

@@ -27,7 +27,7 @@ from stoker.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "elementwise.c", "linear.c", "store_kvcache.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c"))
 # -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
 # products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
 # given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
@@ -134,6 +134,8 @@ def library() -> ctypes.CDLL | None:
         "stoker_rotary_f32": ([p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i32], None),
         "stoker_linear_f32": ([p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], None),
         "stoker_linear_nr": ([], i32),
+        "stoker_linear_vl": ([], i32),
+        "stoker_paged_prefill_attention_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, i32], i32),
         "stoker_store_kvcache_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, i32], i64),
     }
     for name, (argtypes, restype) in signatures.items():

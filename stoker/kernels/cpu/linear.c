@@ -182,3 +182,12 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
 }
 
 int stoker_linear_nr(void) { return NR; }
+
+/* For the other kernels of this library (prefill_attention.c): one tile without bias,
+ * y[0:mr, 0:nv*VL] = x[0:mr, 0:K] @ wt[0:K, 0:nv*VL], wt rows ldw floats apart. */
+int stoker_linear_mr(void) { return MR; }
+int stoker_linear_vl(void) { return VL; }
+void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw, float *y,
+                            int64_t ldy, int64_t K) {
+    tile_dispatch(mr, nv, 0, x, ldx, wt, ldw, NULL, y, ldy, K, NULL, 0);
+}

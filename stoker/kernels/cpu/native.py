@@ -72,6 +72,64 @@ def paged_decode_attention(
     return out
 
 
+def prefill_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The C prefill kernel's domain: CPU float32, head_dim a multiple of the vector width."""
+    return supports(query, k_cache) and query.shape[-1] % int(library().stoker_linear_vl()) == 0
+
+
+def paged_attention(
+    query: torch.Tensor,  # (T, H, D), packed over sequences
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    cu_seqlens_q: list[int] | torch.Tensor,  # (B + 1,)
+    context_lens: list[int] | torch.Tensor,  # (B,)
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # (T, H, D)
+    """reference.paged_attention's semantics, in C (prefill_attention.c)."""
+    lib = library()
+    if lib is None:
+        raise BuildError("the CPU kernel library is not available")
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"shape mismatch: query {tuple(query.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
+    if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        raise ValueError(f"float32 only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    cu = torch.as_tensor(cu_seqlens_q, dtype=torch.int64).contiguous()
+    ctx = torch.as_tensor(context_lens, dtype=torch.int64).contiguous()
+    num_seqs = ctx.shape[0]
+    if cu.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"cu_seqlens_q {tuple(cu.shape)}, context_lens {tuple(ctx.shape)} and block_tables disagree")
+    if num_seqs and (int(cu[0]) < 0 or int(cu[-1]) > num_tokens or bool((cu[1:] < cu[:-1]).any())):
+        raise ValueError(f"cu_seqlens_q must rise from >= 0 to <= {num_tokens} (the query rows)")
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    status = lib.stoker_paged_prefill_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
+        block_tables.shape[1], cu.data_ptr(), ctx.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        raise MemoryError("paged_attention: could not allocate the per-thread scratch buffers")
+    if status == 2:
+        raise ValueError(
+            "each sequence needs 0 <= query rows <= context_len <= the block table's "
+            f"{block_tables.shape[1] * block_size} positions"
+        )
+    if status == 3:
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    return out
+
+
 # ---------------------------------------------------------------- store_kvcache (store_kvcache.c)
 def store_kvcache(
     key: torch.Tensor,  # (T, Hkv, D)

@@ -1,0 +1,152 @@
+/*
+ * Paged prefill attention for CPU, float32: each sequence's new query tokens attend causally
+ * to its whole context (prompt chunks, prefix-cache hits), reading K/V through the block
+ * table. The twin (kernels/reference.py, paged_attention) gathers each sequence's K/V and
+ * runs torch SDPA, one call per sequence and layer: ~100 GFLOP/s at issue 2's prompt
+ * lengths, and a masked, slower path for chunks with cached context.
+ *
+ * Here both products run on linear.c's register tile (~300 GFLOP/s): per task (a sequence,
+ * a KV head, a chunk of query rows) the keys the chunk can see are packed into panels of NR
+ * keys (S = Q K^T, the tile's "weight" is K^T) and the values into panels of NR dims
+ * (O = P V), then for each query head of the group and each MR rows: S, softmax with the
+ * causal (and sliding-window) mask, O. The q heads of a GQA group share the packed K/V.
+ *
+ * Shapes: query/out (T, H, D) packed over sequences, rows H*D floats apart;
+ * k_cache/v_cache (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks) int32;
+ * cu_seqlens (B + 1,) int64 offsets of each sequence's rows in query; context_lens (B,) int64.
+ * Query row i of sequence s sits at position context_lens[s] - q_len + i.
+ * D must be a multiple of VL (the caller checks; others take the twin).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int stoker_linear_nr(void);
+int stoker_linear_mr(void);
+int stoker_linear_vl(void);
+void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw, float *y,
+                            int64_t ldy, int64_t K);
+
+/* Query rows per task: a long prompt still gives every thread work. */
+#define Q_CHUNK 64
+
+static const float *kv_row(const float *cache, const int32_t *table, int64_t pos, int64_t block_size,
+                           int64_t token_stride, int64_t g, int64_t head_dim) {
+    return cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+}
+
+/* Returns 0, 1 (no memory), 2 (a length is inconsistent), 3 (a block id outside the cache). */
+int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache, const float *v_cache,
+                                       int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                       const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
+                                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+    const int64_t nr = stoker_linear_nr(), mr_max = stoker_linear_mr(), vl = stoker_linear_vl();
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim, ldq = num_heads * head_dim;
+    int64_t max_ctx = 0, num_tasks = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = cu_seqlens[s + 1] - cu_seqlens[s], ctx = context_lens[s];
+        if (q_len < 0 || ctx < q_len || ctx > max_blocks * block_size) return 2;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+            const int32_t id = block_tables[s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return 3;
+        }
+        if (ctx > max_ctx) max_ctx = ctx;
+        num_tasks += (q_len + Q_CHUNK - 1) / Q_CHUNK * num_kv_heads;
+    }
+    const int64_t keys_pad = (max_ctx + nr - 1) / nr * nr;
+    const int64_t d_panels = (head_dim + nr - 1) / nr;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        /* kp: keys_pad / nr panels of (head_dim, nr); vp: d_panels panels of (keys_pad, nr);
+         * scores: (mr_max, keys_pad) */
+        float *kp = malloc(sizeof(float) * (size_t)(keys_pad * head_dim + 1));
+        float *vp = malloc(sizeof(float) * (size_t)(d_panels * keys_pad * nr + 1));
+        float *scores = malloc(sizeof(float) * (size_t)(mr_max * keys_pad + 1));
+        if (kp == NULL || vp == NULL || scores == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (failed) continue;
+            /* task -> (sequence, chunk, kv head): walk the sequences (cheap next to the work) */
+            int64_t s = 0, rest = task, chunks = 0;
+            for (;; s++) {
+                chunks = (cu_seqlens[s + 1] - cu_seqlens[s] + Q_CHUNK - 1) / Q_CHUNK;
+                if (rest < chunks * num_kv_heads) break;
+                rest -= chunks * num_kv_heads;
+            }
+            const int64_t chunk = rest / num_kv_heads, g = rest % num_kv_heads;
+            const int64_t q_len = cu_seqlens[s + 1] - cu_seqlens[s], first_pos = context_lens[s] - q_len;
+            const int64_t c0 = chunk * Q_CHUNK, c1 = c0 + Q_CHUNK < q_len ? c0 + Q_CHUNK : q_len;
+            const int32_t *table = block_tables + s * max_blocks;
+            /* keys this chunk can see: [lo, hi) */
+            int64_t lo = 0;
+            if (sliding_window > 0 && first_pos + c0 - sliding_window + 1 > 0) lo = first_pos + c0 - sliding_window + 1;
+            const int64_t hi = first_pos + c1, n_keys = hi - lo, n_pad = (n_keys + nr - 1) / nr * nr;
+            /* pack K^T: panel p holds keys lo + p*nr .. as columns, one row per dim */
+            for (int64_t p = 0; p < n_pad / nr; p++) {
+                float *panel = kp + p * head_dim * nr;
+                for (int64_t j = 0; j < nr; j++) {
+                    const int64_t key = p * nr + j;
+                    if (key < n_keys) {
+                        const float *src = kv_row(k_cache, table, lo + key, block_size, token_stride, g, head_dim);
+                        for (int64_t d = 0; d < head_dim; d++) panel[d * nr + j] = src[d];
+                    } else {
+                        for (int64_t d = 0; d < head_dim; d++) panel[d * nr + j] = 0.0f;
+                    }
+                }
+            }
+            /* pack V: panel q holds dims q*nr .. of every key, one row per key */
+            for (int64_t key = 0; key < n_keys; key++) {
+                const float *src = kv_row(v_cache, table, lo + key, block_size, token_stride, g, head_dim);
+                for (int64_t q = 0; q < d_panels; q++) {
+                    const int64_t width = head_dim - q * nr < nr ? head_dim - q * nr : nr;
+                    memcpy(vp + (q * keys_pad + key) * nr, src + q * nr, sizeof(float) * (size_t)width);
+                }
+            }
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                for (int64_t r0 = c0; r0 < c1; r0 += mr_max) {
+                    const int mr = (int)(c1 - r0 < mr_max ? c1 - r0 : mr_max);
+                    const float *x = query + (cu_seqlens[s] + r0) * ldq + h * head_dim;
+                    /* keys the last row of this tile sees, relative to lo */
+                    const int64_t used = first_pos + r0 + mr - lo;
+                    const int64_t used_panels = (used + nr - 1) / nr;
+                    for (int64_t p = 0; p < used_panels; p++)
+                        stoker_linear_tile_f32(mr, (int)(nr / vl), x, ldq, kp + p * head_dim * nr, nr, scores + p * nr,
+                                               keys_pad, head_dim);
+                    for (int m = 0; m < mr; m++) {
+                        float *row = scores + m * keys_pad;
+                        const int64_t pos = first_pos + r0 + m;
+                        int64_t first = 0;
+                        if (sliding_window > 0 && pos - sliding_window + 1 > lo) first = pos - sliding_window + 1 - lo;
+                        const int64_t last = pos - lo; /* inclusive */
+                        float mx = -INFINITY;
+                        for (int64_t j = first; j <= last; j++) mx = row[j] * scale > mx ? row[j] * scale : mx;
+                        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                        for (int64_t j = first; j <= last; j++) {
+                            row[j] = expf(row[j] * scale - mx);
+                            sum += row[j];
+                        }
+                        const float inv = 1.0f / sum;
+#pragma omp simd
+                        for (int64_t j = first; j <= last; j++) row[j] *= inv;
+                        for (int64_t j = 0; j < first; j++) row[j] = 0.0f;
+                        for (int64_t j = last + 1; j < used; j++) row[j] = 0.0f;
+                    }
+                    float *o = out + (cu_seqlens[s] + r0) * ldq + h * head_dim;
+                    for (int64_t q = 0; q < d_panels; q++) {
+                        const int64_t width = head_dim - q * nr < nr ? head_dim - q * nr : nr;
+                        stoker_linear_tile_f32(mr, (int)(width / vl), scores, keys_pad, vp + q * keys_pad * nr, nr,
+                                               o + q * nr, ldq, used);
+                    }
+                }
+            }
+        }
+        free(kp);
+        free(vp);
+        free(scores);
+    }
+    return failed;
+}
