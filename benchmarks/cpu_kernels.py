@@ -4,6 +4,7 @@
   64 sequences, contexts uniform in [40, 380), 8 heads / 4 KV heads, head_dim 64, block 16.
   "hot": one layer's cache, reused call after call (it stays in the CPU caches);
   "cold": 8 layers' caches (~200 MB), one per call in turn, as an engine step reads them.
+- prefill attention: the C kernel vs the twin (SDPA per sequence), one prefill step's prompts.
 - row ops: the C kernels vs the twins at prefill (2048 rows) and decode (64 rows) sizes.
 - projection GEMMs: Stoker's C linear kernel on packed panels (what the CPU runner uses) vs
   MKL through `F.linear` with the weight row-major (as loaded) and column-major (the runner's
@@ -69,6 +70,36 @@ def decode_attention() -> dict[str, float]:
     return out
 
 
+def prefill_attention() -> dict[str, float]:
+    """One prefill step's attention for one layer: 13 whole prompts (lengths uniform in
+    [32, 256], ~1,900 tokens, as a step of the issue-2 run), nothing cached."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_kv_heads, num_heads, head_dim = 16, 4, 8, 64
+    lens = torch.randint(32, 257, (13,), generator=gen).tolist()
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    offset = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = ids[offset : offset + nb]
+        offset += nb
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out: dict[str, float] = {"tokens": float(cu[-1])}
+    for name, fn in (("twin", reference.paged_attention), ("c_kernel", native.paged_attention)):
+        out[f"{name}_ms"] = median_ms(lambda f=fn: f(query, k_cache, v_cache, tables, cu, lens, scale), repeats=20)
+    flops = sum(4 * n * (n + 1) / 2 * head_dim * num_heads for n in lens)  # QK^T and PV, causal
+    out["c_kernel_gflops"] = flops / out["c_kernel_ms"] / 1e6
+    out["twin_gflops"] = flops / out["twin_ms"] / 1e6
+    return out
+
+
 def row_ops() -> dict[str, float]:
     gen = torch.Generator().manual_seed(1)
     out: dict[str, float] = {}
@@ -128,6 +159,7 @@ def main() -> None:
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
         "decode_attention": decode_attention(),
+        "prefill_attention": prefill_attention(),
         "row_ops": row_ops(),
         "gemms": gemms(),
     }
