@@ -91,7 +91,7 @@ def paged_attention(
         return _kernel("paged_prefill_attention").paged_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
         )
-    if cpu_native.supports(query, k_cache) and cpu_native.prefill_supported(query, k_cache):
+    if cpu_native.prefill_supported(query, k_cache):
         return cpu_native.paged_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
         )

@@ -108,6 +108,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
         id(m.gate_up_proj)
         for m in model.modules()
         if isinstance(getattr(m, "gate_up_proj", None), MergedLinear)
+        and list(m.gate_up_proj.shard_offsets) == ["gate", "up"]
         and isinstance(getattr(m, "act", None), SiluAndMul)
         and native.gate_up_fusable(m.gate_up_proj.out_features // 2)
     }
