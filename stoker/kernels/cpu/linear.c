@@ -42,8 +42,9 @@
  * rows per chunk = X_CHUNK_BYTES / (4 K), a multiple of MR. 384 KB was ~3% slower at M = 512
  * and 2048 (fewer rows per pass over the weights). */
 #define X_CHUNK_BYTES (1024 * 1024)
-/* Weight rows ahead to prefetch: the rows of a panel are ldw floats apart, too far for the
- * hardware prefetchers to follow at small M, where nothing else hides the latency. */
+/* Weight rows ahead to prefetch within a panel (2 KB at NR = 64): a panel's first tile reads
+ * it from memory, and at small M nothing else hides that latency (M = 8-16 over 8 layers'
+ * weights: ~15% faster with it; no change at prefill sizes). */
 #define PREFETCH_ROWS 8
 
 typedef float vf __attribute__((vector_size(VL * 4)));
