@@ -42,6 +42,13 @@ CONFIGS = {
              hidden_act="gelu", num_key_value_heads=2),
     ),
     "qwen3-bias-sliding": ("qwen3", dict(attention_bias=True, use_sliding_window=True, sliding_window=12, max_window_layers=0, head_dim=24)),
+    # Sizes off every CPU kernel tile: vocab and projections with partial weight panels,
+    # an intermediate size the SiLU fusion cannot take, head_dim 40 (decode generic path).
+    "llama-odd-sizes": (
+        "llama",
+        dict(hidden_size=96, intermediate_size=100, vocab_size=1000, num_attention_heads=6, num_key_value_heads=2,
+             head_dim=40, tie_word_embeddings=False),
+    ),
 }
 
 
