@@ -179,8 +179,7 @@ def paged_attention(
     whole cached context (prefix-cache hits and earlier chunks included)."""
     cu = [int(x) for x in cu_seqlens_q]
     ctx = [int(x) for x in context_lens]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     for s in range(len(ctx)):
         q_start, q_end, ctx_len = cu[s], cu[s + 1], ctx[s]

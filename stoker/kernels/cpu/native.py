@@ -22,19 +22,16 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def paged_decode_attention(
-    query: torch.Tensor,  # (B, H, D)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (B, max_blocks) int32
-    context_lens: torch.Tensor,  # (B,) int32
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:  # (B, H, D)
+def _checked_library():
     lib = library()
     if lib is None:
         raise BuildError("the CPU kernel library is not available")
-    num_seqs, num_heads, head_dim = query.shape
+    return lib
+
+
+def _check_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Query (.., H, D) and caches (num_blocks, block_size, Hkv, D) fit together; returns the cache's shape."""
+    num_heads, head_dim = query.shape[-2:]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -44,6 +41,31 @@ def paged_decode_attention(
         raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
     if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
         raise ValueError(f"float32 only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def _raise_for_status(status: int, kernel: str, bad_lengths: str, num_blocks: int) -> None:
+    """The attention kernels' return codes: 1 no memory, 2 inconsistent lengths, 3 bad block id."""
+    if status == 1:
+        raise MemoryError(f"{kernel}: could not allocate the per-thread scratch buffers")
+    if status == 2:
+        raise ValueError(bad_lengths)
+    if status == 3:
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    context_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # (B, H, D)
+    lib = _checked_library()
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = _check_paged(query, k_cache, v_cache)
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(
             f"{num_seqs} queries but block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)}"
@@ -60,15 +82,11 @@ def paged_decode_attention(
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
     )  # fmt: skip
-    if status == 1:
-        raise MemoryError("paged_decode_attention: could not allocate the per-thread scratch buffer")
-    if status == 2:
-        raise ValueError(
-            f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "
-            f"{block_tables.shape[1]} blocks of {block_size})"
-        )
-    if status == 3:
-        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    _raise_for_status(
+        status, "paged_decode_attention",
+        f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "
+        f"{block_tables.shape[1]} blocks of {block_size})", num_blocks,
+    )  # fmt: skip
     return out
 
 
@@ -88,19 +106,9 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (T, H, D)
     """reference.paged_attention's semantics, in C (prefill_attention.c)."""
-    lib = library()
-    if lib is None:
-        raise BuildError("the CPU kernel library is not available")
+    lib = _checked_library()
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"shape mismatch: query {tuple(query.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
-    if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
-        raise ValueError(f"float32 only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    num_blocks, block_size, num_kv_heads, _ = _check_paged(query, k_cache, v_cache)
     cu = torch.as_tensor(cu_seqlens_q, dtype=torch.int64).contiguous()
     ctx = torch.as_tensor(context_lens, dtype=torch.int64).contiguous()
     num_seqs = ctx.shape[0]
@@ -118,15 +126,11 @@ def paged_attention(
         block_tables.shape[1], cu.data_ptr(), ctx.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
     )  # fmt: skip
-    if status == 1:
-        raise MemoryError("paged_attention: could not allocate the per-thread scratch buffers")
-    if status == 2:
-        raise ValueError(
-            "each sequence needs 0 <= query rows <= context_len <= the block table's "
-            f"{block_tables.shape[1] * block_size} positions"
-        )
-    if status == 3:
-        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    _raise_for_status(
+        status, "paged_attention",
+        f"each sequence needs 0 <= query rows <= context_len <= the block table's {block_tables.shape[1] * block_size} positions",
+        num_blocks,
+    )  # fmt: skip
     return out
 
 
@@ -162,10 +166,7 @@ def store_kvcache(
 # ---------------------------------------------------------------- linear (linear.c)
 def panel_width() -> int:
     """NR: the columns of one weight panel of the C linear kernel (64 with AVX-512)."""
-    lib = library()
-    if lib is None:
-        raise BuildError("the CPU kernel library is not available")
-    return int(lib.stoker_linear_nr())
+    return int(_checked_library().stoker_linear_nr())
 
 
 def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
@@ -214,9 +215,7 @@ def linear(
     """x (..., K) @ W^T + bias -> (..., N), with W given as `pack_linear_weight(W)` and bias
     as `pack_linear_weight(bias)` (its panel order, padded). silu_and_mul: W and bias packed
     with gate_up=True, N = 2 * I, and the result is silu(gate) * up, (..., I)."""
-    lib = library()
-    if lib is None:
-        raise BuildError("the CPU kernel library is not available")
+    lib = _checked_library()
     num_panels, k, nr = packed.shape
     if x.shape[-1] != k or not (num_panels - 1) * nr < out_features <= num_panels * nr:
         raise ValueError(f"x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} with {out_features} outputs")
