@@ -32,6 +32,19 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+/* scores[h - h0, pos - start] = q_h . k_pos * scale for the positions [pos, end) of one block
+ * (k_block), one dot product each. */
+static inline void score_positions(const float *restrict q, const float *restrict k_block, float *restrict scores,
+                                   int64_t pos, int64_t end, int64_t start, int64_t n, int64_t h0, int64_t h1,
+                                   int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                                   float scale) {
+    for (; pos < end; pos++) {
+        const float *k_row = k_block + (pos % block_size) * token_stride;
+        for (int64_t h = h0; h < h1; h++)
+            scores[(h - h0) * n + (pos - start)] = dot(q + h * head_dim, k_row + (h / group) * head_dim, head_dim) * scale;
+    }
+}
+
 /* In place, each of the nh rows of scores (nh, n) becomes its softmax. */
 static void softmax_rows(float *scores, int64_t nh, int64_t n) {
     for (int64_t h = 0; h < nh; h++) {
@@ -67,11 +80,8 @@ static void attend(const float *restrict q, const float *restrict k_cache, const
         const int64_t block_end = pos - pos % block_size + block_size;
         const int64_t end = block_end < ctx ? block_end : ctx;
         const float *k_block = k_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
-        for (; pos < end; pos++) {
-            const float *k_row = k_block + (pos % block_size) * token_stride;
-            for (int64_t h = h0; h < h1; h++)
-                scores[(h - h0) * n + (pos - start)] = dot(q + h * head_dim, k_row + (h / group) * head_dim, head_dim) * scale;
-        }
+        score_positions(q, k_block, scores, pos, end, start, n, h0, h1, group, head_dim, block_size, token_stride, scale);
+        pos = end;
     }
 
     softmax_rows(scores, nh, n);
@@ -168,11 +178,8 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const f
                 st16(scores + (h - h0) * n + (pos - start), sum16x16(d) * scale);
             }
         }
-        for (; pos < end; pos++) {
-            const float *k_row = k_block + (pos % block_size) * token_stride;
-            for (int64_t h = h0; h < h1; h++)
-                scores[(h - h0) * n + (pos - start)] = dot(q + h * head_dim, k_row + (h / group) * head_dim, head_dim) * scale;
-        }
+        score_positions(q, k_block, scores, pos, end, start, n, h0, h1, group, head_dim, block_size, token_stride, scale);
+        pos = end;
     }
 
     softmax_rows(scores, nh, n);
