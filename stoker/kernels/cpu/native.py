@@ -187,9 +187,11 @@ def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Ten
         return torch.cat([weight, weight.new_zeros(-weight.shape[0] % nr)])
     n, k = weight.shape
     num_panels = -(-n // nr)
-    padded = weight.new_zeros(num_panels * nr, k)
-    padded[:n] = weight
-    return padded.view(num_panels, nr, k).transpose(1, 2).contiguous()
+    padded = weight
+    if n % nr:  # only then a padded copy: packing a large LM head costs one copy, not two
+        padded = weight.new_zeros(num_panels * nr, k)
+        padded[:n] = weight
+    return padded.reshape(num_panels, nr, k).transpose(1, 2).contiguous()
 
 
 def gate_up_fusable(intermediate_size: int) -> bool:
