@@ -108,7 +108,8 @@ def linear_packed(
     silu_and_mul: bool = False,
 ) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
     """A projection whose weight the CPU runner packed into panels (layers/linear.py)."""
-    if cpu_native.supports_rows(x, packed):
+    # Packed weights are CPU float32 by construction (pack_linear_weight); x decides.
+    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available():
         return cpu_native.linear(x, packed, out_features, bias, silu_and_mul)
     return reference.linear_packed(x, packed, out_features, bias, silu_and_mul)
 

@@ -140,7 +140,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_paged_decode_attention_f32": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, i32], i32),
         "stoker_rms_norm_f32": ([p, i64, p, i64, p, p, p, i64, i64, f32, i32], None),
         "stoker_silu_and_mul_f32": ([p, i64, p, i64, i64, i32], None),
-        "stoker_rotary_f32": ([p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i32], None),
+        "stoker_rotary_f32": ([p, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i32], i32),
         "stoker_linear_f32": ([p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], None),
         "stoker_linear_nr": ([], i32),
         "stoker_linear_vl": ([], i32),

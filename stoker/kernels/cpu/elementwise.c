@@ -80,9 +80,14 @@ static void rotate_rows(const float *x, int64_t x_stride, float *out, const int6
     }
 }
 
-void stoker_rotary_f32(const int64_t *positions, const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                       const float *cos_sin, float *q_out, float *k_out, int64_t num_rows, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim, int num_threads) {
+/* Returns 1, writing nothing, if a position is outside [0, max_position) (checked here: a
+ * min/max in Python cost two torch reductions per layer and step). */
+int stoker_rotary_f32(const int64_t *positions, const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                      const float *cos_sin, int64_t max_position, float *q_out, float *k_out, int64_t num_rows,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim, int num_threads) {
+    for (int64_t r = 0; r < num_rows; r++)
+        if (positions[r] < 0 || positions[r] >= max_position) return 1;
     rotate_rows(q, q_stride, q_out, positions, cos_sin, num_rows, num_heads, head_dim, rot_dim, num_threads);
     rotate_rows(k, k_stride, k_out, positions, cos_sin, num_rows, num_kv_heads, head_dim, rot_dim, num_threads);
+    return 0;
 }

@@ -235,7 +235,7 @@ def linear(
             rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, None if bias is None else bias.data_ptr(),
             out.data_ptr(), width, rows.shape[0], out_features, k, int(silu_and_mul), torch.get_num_threads(),
         )  # fmt: skip
-    return out.view(*x.shape[:-1], width)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
 
 
 # ---------------------------------------------------------------- row-wise kernels (elementwise.c)
@@ -328,14 +328,14 @@ def rotary_embedding(
     if rot_dim % 2 or rot_dim > head_dim or cos_sin_cache.dtype != torch.float32:
         raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype} does not fit head_dim {head_dim}")
     positions = positions.to(torch.int64).contiguous()
-    # The C code indexes the table with these: an out-of-range position would read past it.
-    if num_tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
-        raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]})")
     cos_sin = cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype)
     k_out = torch.empty(k.shape, dtype=k.dtype)
-    library().stoker_rotary_f32(
-        positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride, cos_sin.data_ptr(), q_out.data_ptr(),
-        k_out.data_ptr(), num_tokens, q.shape[1], k.shape[1], head_dim, rot_dim, _threads(q.numel()),
-    )
+    # The C code indexes the table with the positions; it checks them all before any read.
+    bad = library().stoker_rotary_f32(
+        positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride, cos_sin.data_ptr(), cos_sin.shape[0],
+        q_out.data_ptr(), k_out.data_ptr(), num_tokens, q.shape[1], k.shape[1], head_dim, rot_dim, _threads(q.numel()),
+    )  # fmt: skip
+    if bad:
+        raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]})")
     return q_out, k_out
