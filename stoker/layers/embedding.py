@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stoker.layers.linear import project
+from stoker.layers.linear import PackableProjection, project
 
 
 class VocabEmbedding(nn.Module):
@@ -18,14 +18,13 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(PackableProjection, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.in_features, self.out_features = hidden_size, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.bias = None
-        self.packed = False  # see layers/linear.py: pack_cpu_weights
-        self.fused_silu_and_mul = False
+        self.fused_silu_and_mul = False  # see layers/linear.py: pack_cpu_weights
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

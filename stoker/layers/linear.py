@@ -17,6 +17,17 @@ from torch import nn
 from stoker.kernels import ops
 
 
+class PackableProjection:
+    """Mixed into Linear and LMHead: `packed` is read off the weight itself, (out, in) as
+    loaded or (P, in, NR) panels after pack_cpu_weights, so it cannot disagree with it."""
+
+    weight: torch.Tensor
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.dim() == 3
+
+
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x (..., in) -> (..., out) for a Linear or LMHead, whichever layout its weight has."""
     if module.packed:  # weight (P, in, NR): kernels/cpu/native.pack_linear_weight
@@ -24,13 +35,12 @@ def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-class Linear(nn.Module):
+class Linear(PackableProjection, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = False  # True once pack_cpu_weights has replaced weight (and bias) by panels
         # True once pack_cpu_weights has fused the MLP's SiLU-and-mul into this [gate; up]
         # projection: the output is then silu(gate) * up, half as wide.
         self.fused_silu_and_mul = False
@@ -126,7 +136,6 @@ def pack_cpu_weights(model: nn.Module) -> int:
             module.weight.data = native.pack_linear_weight(module.weight.data, gate_up=gate_up)
             if module.bias is not None:
                 module.bias.data = native.pack_linear_weight(module.bias.data, gate_up=gate_up)
-            module.packed = True
             module.fused_silu_and_mul = gate_up
             changed += 1
     return changed
