@@ -219,3 +219,38 @@ def test_32_concurrent_streams(live_server: LiveServer) -> None:
     live_server.wait_idle()
     assert live_server.engine.block_manager.num_free_blocks == live_server.engine.block_manager.num_blocks
     live_server.engine.check_integrity()
+
+
+def test_same_tokens_alone_and_among_32_concurrent_requests(live_server: LiveServer) -> None:
+    """Issue 12 through the server: a greedy and a seeded request answer the same text and
+    logprobs alone and while 31 other requests (other lengths, sampled) share their steps."""
+    from stoker.kernels.cpu import build
+
+    if not build.available():
+        pytest.skip("batch invariance is a property of the C kernels")
+    probes = [dict(temperature=0), dict(temperature=0.8, seed=77)]
+
+    async def run(kws: list[dict], with_others: bool) -> list[tuple[str, list[float]]]:
+        client = AsyncOpenAI(base_url=live_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        async def probe(kw: dict) -> tuple[str, list[float]]:
+            out = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, logprobs=1,
+                                                  extra_body={"ignore_eos": True}, **kw)
+            return out.choices[0].text, out.choices[0].logprobs.token_logprobs
+
+        async def other(i: int) -> None:
+            await client.completions.create(model=MODEL, prompt=" ".join([f"{i} {PROMPT}"] * (1 + i % 5)), max_tokens=4 + i % 20,
+                                            temperature=0.9, seed=i, extra_body={"ignore_eos": True})
+
+        try:
+            others = [other(i) for i in range(30)] if with_others else []
+            results = await asyncio.gather(*(probe(kw) for kw in kws), *others)
+            return list(results[: len(kws)])
+        finally:
+            await client.close()
+
+    alone = [asyncio.run(run([kw], with_others=False))[0] for kw in probes]
+    together = asyncio.run(run(probes, with_others=True))
+    assert together == alone
+    live_server.wait_idle()
+    live_server.engine.check_integrity()

@@ -1,10 +1,16 @@
 """Builds and caches the C kernels in this folder into one library, and loads it (ctypes).
 
-The C sources are compiled into one library once per machine with the system C compiler
-(`$CC`, else `cc`/`gcc`: `-O3 -march=native -fopenmp -ffast-math`) into
-`<cache root>/kernels/<hash>/` (`stoker.paths.cache_root()`: `$STOKER_CACHE_DIR`, default `~/.cache/stoker`), keyed by the sources, the
-compiler's version and this CPU's flags, and loaded with ctypes. Building takes ~1.2 s
-(docs/benchmarks.md); later processes load the cached library.
+The C sources are compiled into one library once per machine and instruction set with the
+system C compiler (`$CC`, else `cc`/`gcc`: `-O3 -fopenmp -ffast-math` and the target of
+`STOKER_CPU_ISA`, see `ISA_TARGETS`) into `<cache root>/kernels/<hash>/`
+(`stoker.paths.cache_root()`: `$STOKER_CACHE_DIR`, default `~/.cache/stoker`), keyed by the
+sources, the compiler's version, the flags and this CPU's flags, and loaded with ctypes.
+Building takes ~1.2 s (docs/benchmarks.md); later processes load the cached library.
+
+`STOKER_CPU_ISA` is read once, when the library is first loaded: `native` (the default,
+`-march=native`), `avx512`, `avx2` or `generic` (x86-64 with SSE2 only). The narrower builds
+exist so that one machine can test every code path the kernels have (tests/kernels/
+test_cpu_isa.py); an ISA this CPU lacks is refused with a BuildError that says which.
 
 No compiler, a failed build, or `STOKER_DISABLE_CPU_KERNELS=1` leaves `available()` False and
 the callers on the plain-torch twins in `kernels/reference.py` (one warning says why).
@@ -32,8 +38,22 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_atten
 # products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
 # given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
 # flushes denormals to zero for the whole process.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math"]
+_CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-ffast-math"]
 _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+# linear.c promises that a row's result does not depend on the rows beside it: it spells out
+# its multiply-adds (explicit FMA where the ISA has it), so the compiler must not contract or
+# reassociate any on its own. Left to gcc, -march=znver2/znver3 (whose tuning avoids FMA
+# chains) kept some tiles' accumulations as mul + add and fused others, and a row computed in
+# a 1-row tile differed from the same row in a 3-row tile by a few ulps (issue 12).
+_SOURCE_CFLAGS = {"linear.c": ["-ffp-contract=off", "-fno-associative-math"]}
+
+# STOKER_CPU_ISA -> (gcc target flags, the /proc/cpuinfo flags the CPU needs to run that build)
+ISA_TARGETS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "native": (["-march=native"], ()),
+    "avx512": (["-march=x86-64-v4", "-mtune=generic"], ("avx512f", "avx512bw", "avx512vl", "avx2", "fma")),
+    "avx2": (["-march=x86-64-v3", "-mtune=generic"], ("avx2", "fma", "f16c", "bmi2")),
+    "generic": (["-march=x86-64", "-mtune=generic"], ()),
+}
 
 
 class BuildError(RuntimeError):
@@ -86,11 +106,38 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(sources: tuple[Path, ...] = _SOURCES) -> Path:
-    """Compile `sources` into one shared library (or reuse the cached one); returns its path."""
+def selected_isa() -> str:
+    """`STOKER_CPU_ISA`, lower-cased; `native` when unset."""
+    return (os.environ.get("STOKER_CPU_ISA") or "native").strip().lower()
+
+
+def supported_isas() -> list[str]:
+    """The ISA builds this CPU can run, `native` first (x86-64 only; elsewhere just `native`)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["native"]
+    have = set(_cpu_flags().split())
+    return [isa for isa, (_, needs) in ISA_TARGETS.items() if all(flag in have for flag in needs)]
+
+
+def _target_flags(isa: str) -> list[str]:
+    if isa not in ISA_TARGETS:
+        raise BuildError(f"STOKER_CPU_ISA={isa!r} is not one of {', '.join(ISA_TARGETS)}")
+    if isa != "native" and isa not in supported_isas():
+        missing = [f for f in ISA_TARGETS[isa][1] if f not in _cpu_flags().split()]
+        raise BuildError(f"STOKER_CPU_ISA={isa}: this CPU lacks {', '.join(missing)}; use one of {', '.join(supported_isas())}")
+    return ISA_TARGETS[isa][0]
+
+
+def _compile_flags(src: Path, isa: str) -> list[str]:
+    return [*_CFLAGS, *_target_flags(isa), *_SOURCE_CFLAGS.get(src.name, [])]
+
+
+def build(sources: tuple[Path, ...] = _SOURCES, isa: str = "native") -> Path:
+    """Compile `sources` for `isa` into one shared library (or reuse the cached one); returns its path."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [src.read_text() for src in sources] + [version, " ".join(_CFLAGS + _LDFLAGS), _cpu_flags()]
+    flags = [" ".join(_compile_flags(src, isa)) for src in sources]
+    parts = [src.read_text() for src in sources] + [version, *flags, " ".join(_LDFLAGS), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib = cache_dir() / key / "stoker_cpu.so"
     if lib.exists():
@@ -106,7 +153,7 @@ def build(sources: tuple[Path, ...] = _SOURCES) -> Path:
     objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(sources))]
     try:
         # The sources compile side by side (linear.c alone takes ~0.9 s), then link.
-        cmds = [[cc, *_CFLAGS, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
+        cmds = [[cc, *_compile_flags(src, isa), "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
         procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for cmd in cmds]
         link = [cc, *objs, *_LDFLAGS, "-o", tmp]
         results = []
@@ -129,9 +176,11 @@ def build(sources: tuple[Path, ...] = _SOURCES) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (and a warning) if it cannot be built."""
+    """The loaded library (built for `STOKER_CPU_ISA`, read here once per process) with its
+    functions' signatures set, or None (and a warning) if it cannot be built."""
+    isa = selected_isa()
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa=isa)))
     except (BuildError, OSError) as exc:
         logger.warning("CPU C kernels unavailable (%s); using the torch path (slower attention and row ops)", exc)
         return None
@@ -144,6 +193,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_linear_f32": ([p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], None),
         "stoker_linear_nr": ([], i32),
         "stoker_linear_vl": ([], i32),
+        "stoker_cpu_target": ([], ctypes.c_char_p),
         "stoker_paged_prefill_attention_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, i32], i32),
         "stoker_store_kvcache_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, i32], i64),
     }

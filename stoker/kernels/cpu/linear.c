@@ -15,7 +15,12 @@
  *
  * Every y[m, n] is one accumulator summed over k = 0..K-1 in order, then + bias[n]: the
  * result of a row does not depend on M or on the other rows (batch invariance), nor on the
- * number of threads (tests/kernels/test_cpu_linear.py checks both bit for bit).
+ * number of threads (tests/kernels/test_cpu_linear.py checks both bit for bit). Each step
+ * is an explicit fused multiply-add where the ISA has FMA (madd, madd_scalar), and this file
+ * is built with -ffp-contract=off -fno-associative-math (build.py), so the compiler cannot
+ * fuse some chains and not others: gcc's znver2/znver3 tuning did exactly that, per tile
+ * size (issue 12). The vector tile and the scalar tail columns then compute the same sum, so
+ * every FMA build (AVX2, AVX-512) gives the same bits (tests/kernels/test_cpu_isa.py).
  *
  * silu_and_mul: an MLP's [gate; up] projection packed with gate and up columns side by side
  * in each panel writes silu(gate) * up directly (half as wide), so the pre-activation never
@@ -25,6 +30,7 @@
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
  * 6 x 4 (+4) of 32 zmm with AVX-512; 3 x 4 (+4) of 16 ymm otherwise.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -53,6 +59,25 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
 
+/* acc + b * a: one rounding where the ISA has FMA, two (mul, then add) where it has not. */
+static inline vf madd(vf acc, vf b, float a) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(b, _mm512_set1_ps(a), acc);
+#elif defined(__FMA__)
+    return _mm256_fmadd_ps(b, _mm256_set1_ps(a), acc);
+#else
+    return acc + b * a;
+#endif
+}
+
+static inline float madd_scalar(float acc, float b, float a) {
+#if defined(__FMA__) || defined(__AVX512F__)
+    return fmaf(b, a, acc);
+#else
+    return acc + b * a;
+#endif
+}
+
 /* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv and silu are constants
  * at each call site, so gcc unrolls the loops and keeps acc in registers.
  * silu: the panel's columns are [gate | up] halves, and y[0:mr, 0:nv*VL/2] gets
@@ -75,7 +100,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         for (int j = 0; j < nv; j++) b[j] = load(w + j * VL);
         for (int m = 0; m < mr; m++) {
             const float a = x[m * ldx + k];
-            for (int j = 0; j < nv; j++) acc[m][j] += b[j] * a;
+            for (int j = 0; j < nv; j++) acc[m][j] = madd(acc[m][j], b[j], a);
         }
     }
     if (bias != NULL)
@@ -130,7 +155,7 @@ static void columns_scalar(const float *x, int64_t ldx, const float *w, int64_t 
     for (int64_t m = 0; m < mr; m++)
         for (int64_t n = 0; n < cols; n++) {
             float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc += x[m * ldx + k] * w[k * ldw + n];
+            for (int64_t k = 0; k < K; k++) acc = madd_scalar(acc, w[k * ldw + n], x[m * ldx + k]);
             y[m * ldy + n] = bias != NULL ? acc + bias[n] : acc;
         }
 }
@@ -191,4 +216,16 @@ int stoker_linear_vl(void) { return VL; }
 void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw, float *y,
                             int64_t ldy, int64_t K) {
     tile_dispatch(mr, nv, 0, x, ldx, wt, ldw, NULL, y, ldy, K, NULL, 0);
+}
+
+/* What this build was compiled for (build.py's STOKER_CPU_ISA): "avx512", "avx2" (with FMA)
+ * or "sse2"; tests check that a narrower build really took its narrower path. */
+const char *stoker_cpu_target(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "sse2";
+#endif
 }

@@ -164,6 +164,11 @@ def store_kvcache(
 
 
 # ---------------------------------------------------------------- linear (linear.c)
+def target() -> str:
+    """The instruction set the loaded library was built for: "avx512", "avx2" or "sse2"."""
+    return _checked_library().stoker_cpu_target().decode()
+
+
 def panel_width() -> int:
     """NR: the columns of one weight panel of the C linear kernel (64 with AVX-512)."""
     return int(_checked_library().stoker_linear_nr())

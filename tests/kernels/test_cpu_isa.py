@@ -1,0 +1,116 @@
+"""Every instruction-set build of the CPU kernels that this machine can run (issue 12).
+
+`STOKER_CPU_ISA` picks the build once per process (kernels/cpu/build.py), so each narrower
+build runs the kernel tests in a subprocess of its own: on an AVX-512 machine the AVX2 and the
+SSE2-only builds run them too, on an AVX2 machine the SSE2 build. The linear kernel spells out
+its fused multiply-adds, so every FMA build (AVX2, AVX-512, and -march=native whatever its
+tuning) computes each output with the same operations in the same order: their results must be
+equal bit for bit, and the SSE2 build (mul + add, two roundings) within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stoker.kernels.cpu import build
+
+if shutil.which("cc") is None and shutil.which("gcc") is None:
+    pytest.skip("no C compiler: the CPU kernels are not built here", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The kernel tests that hold each C kernel to its twin, plus batch/thread invariance.
+KERNEL_TESTS = [
+    "tests/kernels/test_cpu_linear.py",
+    "tests/kernels/test_cpu_native.py",
+    "tests/kernels/test_cpu_prefill_attention.py",
+    "tests/kernels/test_cpu_rows.py",
+    "tests/model/test_cpu_weight_layout.py",
+]
+NARROWER = [isa for isa in build.supported_isas() if isa != "native"]
+EXPECTED_TARGET = {"avx512": "avx512", "avx2": "avx2", "generic": "sse2"}
+
+
+def _env(isa: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "STOKER_DISABLE_CPU_KERNELS"}
+    return {**env, "STOKER_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
+
+
+def test_this_machine_tests_more_than_the_widest_build() -> None:
+    supported = build.supported_isas()
+    assert supported[0] == "native"
+    if os.uname().machine in ("x86_64", "amd64"):
+        assert "generic" in supported
+        flags = build._cpu_flags().split()
+        assert ("avx2" in supported) == all(f in flags for f in ("avx2", "fma", "f16c", "bmi2"))
+        assert ("avx512" in supported) == ("avx512f" in flags and "avx512bw" in flags and "avx512vl" in flags)
+
+
+def test_an_isa_the_cpu_lacks_is_refused_with_what_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2")
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    with pytest.raises(build.BuildError, match="lacks avx2, fma"):
+        build._target_flags("avx2")
+    with pytest.raises(build.BuildError, match="not one of native, avx512, avx2, generic"):
+        build._target_flags("avx3")
+    assert build._target_flags("generic") == ["-march=x86-64", "-mtune=generic"]
+
+
+@pytest.mark.parametrize("isa", NARROWER)
+def test_kernel_suite_on_each_narrower_build(isa: str) -> None:
+    """The twin and invariance tests of every C kernel, against this ISA's build."""
+    check = "from stoker.kernels.cpu import native; print(native.target())"
+    probe = subprocess.run([sys.executable, "-c", check], env=_env(isa), capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip() == EXPECTED_TARGET[isa], probe.stdout + probe.stderr
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *KERNEL_TESTS]
+    proc = subprocess.run(cmd, env=_env(isa), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+_LINEAR_OUT = """
+import sys, torch
+from stoker.kernels.cpu import build, native
+if len(sys.argv) > 2:  # another -mtune for this ISA's build (before the library loads)
+    flags, needs = build.ISA_TARGETS[build.selected_isa()]
+    build.ISA_TARGETS[build.selected_isa()] = ([*flags, "-mtune=" + sys.argv[2]], needs)
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(300, 200, generator=gen) / 200**0.5
+b = torch.randn(300, generator=gen)
+x = torch.randn(37, 200, generator=gen)
+gate_up = torch.randn(2 * 128, 200, generator=gen) / 200**0.5
+y = native.linear(x, native.pack_linear_weight(w), 300, native.pack_linear_weight(b))
+h = native.linear(x, native.pack_linear_weight(gate_up, gate_up=True), 256, silu_and_mul=True)
+torch.save({"target": native.target(), "linear": y, "silu": h}, sys.argv[1])
+"""
+
+
+def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
+    """Columns in full vector tiles and in the scalar tail, rows in full and partial tiles: the
+    same in-order FMA sum in every FMA build, whatever its vector width or -mtune."""
+    runs = [(isa, None) for isa in build.supported_isas()]
+    if "avx2" in build.supported_isas():
+        # gcc's znver2 tuning avoids FMA chains: before linear.c spelled its FMAs out, it
+        # fused some tiles' sums and not others (issue 12's AVX2 EPYC), on any CPU.
+        runs.append(("avx2", "znver2"))
+    outs = {}
+    for isa, tune in runs:
+        path = tmp_path / f"{isa}-{tune}.pt"
+        cmd = [sys.executable, "-c", _LINEAR_OUT, str(path), *([tune] if tune else [])]
+        proc = subprocess.run(cmd, env=_env(isa), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[isa if tune is None else f"{isa} -mtune={tune}"] = torch.load(path)
+    fma = [isa for isa, out in outs.items() if out["target"] != "sse2"]
+    for isa in fma[1:]:
+        assert torch.equal(outs[isa]["linear"], outs[fma[0]]["linear"]), f"{isa} and {fma[0]} builds differ"
+        # SiLU's exp comes from glibc's vector math library, whose AVX2 and AVX-512 variants
+        # may round differently: close, not necessarily equal.
+        torch.testing.assert_close(outs[isa]["silu"], outs[fma[0]]["silu"], rtol=1e-6, atol=1e-6)
+    for out in outs.values():
+        torch.testing.assert_close(out["linear"], outs["native"]["linear"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["silu"], outs["native"]["silu"], rtol=1e-5, atol=1e-5)
