@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before any subcommand imports torch: libgomp reads its wait policy when it loads.
+    from stoker.cpu_runtime import configure_openmp
+
+    configure_openmp()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

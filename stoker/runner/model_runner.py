@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from stoker import cpu_runtime
 from stoker.config import EngineConfig
 from stoker.core.scheduler import SchedulerOutput
 from stoker.layers.attention import set_attention_metadata
@@ -61,6 +62,7 @@ class ModelRunner:
         self.model = build_model(hf_config, max_position, self.dtype, self.device)
         load_weights(self.model, config.model_config.model)
         if self.device.type == "cpu":
+            logger.info("%s", cpu_runtime.describe())
             # Projections run on the C linear kernel (packed panels) when it is built, else
             # on MKL, which wants the weights column-major (layers/linear.py).
             if self.dtype == torch.float32 and cpu_kernels.available():
