@@ -76,8 +76,9 @@ class EngineSnapshot:
 class RequestStream:
     """The outputs of one request, newest only. Iterate it once; leaving early aborts."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int = 1) -> None:
         self.request_id = request_id
+        self.num_seqs = num_seqs  # n: what it counts against max_waiting_requests
         self._engine = engine
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -181,7 +182,7 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests admitted that have produced no output yet."""
+        """Sequences (n per request) admitted whose request has produced no output yet."""
         return self._num_queued
 
     @property
@@ -206,13 +207,18 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}")
         if not self._accepting:
             raise EngineNotAcceptingError("the server is shutting down")
-        if self.max_waiting_requests is not None and self._num_queued >= self.max_waiting_requests:
-            raise QueueFullError(f"{self._num_queued} requests are already waiting (limit {self.max_waiting_requests})")
+        limit = self.max_waiting_requests
+        if limit is not None and params.n > limit:
+            raise ValueError(f"n = {params.n} sequences can never fit the waiting queue of {limit} sequences "
+                             f"(--max-waiting-requests); ask for n <= {limit}")
+        if limit is not None and self._num_queued + params.n > limit:
+            raise QueueFullError(f"{self._num_queued} sequences are already waiting (limit {limit}, counted as vLLM "
+                                 f"does: n per prompt); this request adds {params.n}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
-        self._num_queued += 1
+        self._num_queued += params.n
         arrival = time.time() if arrival_time is None else arrival_time
         self._commands.append(("add", (request_id, prompt, params, prompt_token_ids, arrival)))
         self._wake.set()
@@ -235,7 +241,7 @@ class AsyncEngine:
     def _dequeue(self, stream: RequestStream) -> None:
         if stream.is_queued:
             stream.is_queued = False
-            self._num_queued -= 1
+            self._num_queued -= stream.num_seqs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """On the loop: hand each output to its stream."""

@@ -146,13 +146,20 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
 
 
+def render_chat_text(
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+) -> str:
+    """The conversation as the model's chat template writes it (BOS included where it wants one)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+
+
 def apply_chat_template(
     tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
 ) -> list[int]:
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-    )
+    text = render_chat_text(tokenizer, conversation, add_generation_prompt, chat_template)
     # The template writes BOS itself where the model wants one.
     return tokenizer.encode(text, add_special_tokens=False)

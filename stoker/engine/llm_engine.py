@@ -65,8 +65,7 @@ class LLMEngine:
         self.max_num_batched_tokens = sched_cfg.token_budget(self.max_model_len)
         self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens)
-        if num_blocks < 1:
-            raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes / gpu_memory_utilization")
+        self._check_kv_capacity(num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA and not enforce_eager only
         block_size = config.cache_config.block_size
@@ -87,6 +86,22 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s on %s); %.2f requests of max_model_len %d fit",
             num_blocks, block_size, num_tokens, num_blocks * self.runner.bytes_per_block / 2**20,
             str(self.runner.dtype).removeprefix("torch."), self.runner.device, num_tokens / self.max_model_len, self.max_model_len,
+        )
+
+    def _check_kv_capacity(self, num_blocks: int) -> None:
+        """Refuse to start when one max_model_len sequence cannot fit the KV cache: such a
+        request would be admitted and then never placed (vLLM refuses the same way)."""
+        block_size = self.config.cache_config.block_size
+        needed = -(-self.max_model_len // block_size)
+        if num_blocks >= needed:
+            return
+        per_block = self.runner.bytes_per_block
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks = {num_blocks * block_size} tokens "
+            f"({num_blocks * per_block / 2**20:.1f} MiB at {per_block // block_size} bytes per token), but one "
+            f"sequence of max_model_len {self.max_model_len} needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB); "
+            f"raise --kv-cache-memory-bytes to at least {needed * per_block} (or --gpu-memory-utilization on a GPU), "
+            f"or lower --max-model-len to {num_blocks * block_size} or less"
         )
 
     def _resolve_max_model_len(self) -> int:

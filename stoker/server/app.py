@@ -27,6 +27,7 @@ from stoker.server.middleware import Gatekeeper
 from stoker.server.routes import router
 from stoker.server.serving import ClientDisconnected
 from stoker.server.state import ServerSettings, ServerState
+from stoker.server.tokenization import ServerTokenizer
 
 logger = logging.getLogger("stoker.server")
 
@@ -61,9 +62,12 @@ def create_app(
             from stoker.engine.tokenizer import load_tokenizer
 
             state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+            worker_tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+            state.tokenization = ServerTokenizer(worker_tokenizer, engine.max_model_len)
             if settings.warmup:
                 await loop.run_in_executor(executor, warm_up, engine)
             state.max_model_len = engine.max_model_len
+            state.max_num_seqs = engine.config.scheduler_config.max_num_seqs
             state.vocab_size = int(engine.hf_config["vocab_size"])
             async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
             async_engine.start(executor=executor)
@@ -99,6 +103,8 @@ def create_app(
             if state.engine is not None:
                 await state.engine.shutdown(drain_timeout_s)
                 logger.info("engine stopped")
+            if state.tokenization is not None:
+                state.tokenization.close()
 
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.state.stoker = state
@@ -128,10 +134,7 @@ def create_app(
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # One request's bug fails that request alone, still in the OpenAI shape.
-        logger.exception("unhandled error while serving %s", request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+    # Anything else is answered by Gatekeeper (middleware.py): a 500 in the OpenAI shape that
+    # closes the connection cleanly.
 
     return app

@@ -56,8 +56,8 @@ class _EngineCollector:
             return
         snap = engine.snapshot
         s = snap.stats
-        yield gauge("vllm:num_requests_running", "Sequences in the running batch", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled", s.num_waiting)
+        yield gauge("vllm:num_requests_running", "Requests with a sequence in the running batch (n > 1 counts once)", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (n > 1 counts once)", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (0-1): share of blocks held by live sequences", s.kv_cache_usage)
         yield counter("vllm:prompt_tokens", "Prompt tokens computed (prefill)", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated", s.generation_tokens)
@@ -66,7 +66,7 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
-        yield gauge("stoker:num_requests_queued", "Requests admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)
+        yield gauge("stoker:num_requests_queued", "Sequences (n per request) admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)
 
 
 @dataclass

@@ -1,12 +1,19 @@
-"""Pure-ASGI gatekeeping before FastAPI sees a request: API key, then body size.
+"""Pure-ASGI gatekeeping before FastAPI sees a request: API key, then body size; and the
+last catch for errors nothing else handled.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
 cancellation pass through untouched and the hot path costs one dict lookup.
+
+An unexpected exception is answered here with a 500 in the OpenAI shape and
+`Connection: close`, and not re-raised: left to Starlette's outermost error middleware, the
+500 was sent and the exception re-raised, and uvicorn then dropped the keep-alive connection
+without saying so, so a pooled client's next (valid) request failed with a reset (issue 20).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +23,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+logger = logging.getLogger("stoker.server")
 
 # Probes and scrapers stay open when an API key is set (see docs/server.md).
 OPEN_PATHS = frozenset({"/health", "/v1/health/live", "/v1/health/ready", "/metrics", "/version",
@@ -55,7 +64,21 @@ class Gatekeeper:
             if declared > self.max_body_bytes:
                 self.on_reject(413)
                 return await send_error(send, 413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes")
-        await self._limited(scope, receive, send)
+        started = False
+
+        async def tracked_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self._limited(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:  # a stream broke mid-way: nothing to answer; uvicorn closes the connection
+                raise
+            logger.exception("unhandled error while serving %s", scope.get("path", ""))
+            self.on_reject(500)
+            await send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}", headers={"Connection": "close"})
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.sampling_params import SamplingParams
 
@@ -23,8 +23,41 @@ TokenId = Annotated[int, Field(**_INT64)]
 SmallInt = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` that is not valid Unicode, or None.
+
+    JSON's \\ud800 escapes decode to Python strings with lone surrogates, which no tokenizer,
+    encoder or log line can take: they are refused at the door instead of failing deep inside."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+            where = f"{path}.{name}" if path else name
+            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data, "")
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate such as \\ud800); send UTF-8 text")
+        return data
 
 
 class StreamOptions(_Body):

@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from stoker.server.chat_render import render_chat
 from stoker.server.errors import ApiError, bad_request
 from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from stoker.server.serving import Serving
@@ -78,9 +77,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        ids = render_chat(st.tokenizer, body.messages, body.add_generation_prompt)
+        ids = await st.tokenization.render_chat(body.messages, body.add_generation_prompt)
     else:
-        ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await st.tokenization.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids})
 
 
@@ -91,4 +90,4 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     serving.check_model(body.model)
     serving.engine()
     serving.check_token_ids(body.tokens, "tokens")
-    return JSONResponse({"prompt": st.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await st.tokenization.decode(body.tokens)})

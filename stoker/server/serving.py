@@ -113,6 +113,12 @@ class Serving:
     def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestStream]:
         """One engine request per prompt; all admitted or none (earlier ones aborted)."""
         engine = self.engine()
+        num_seqs = sum(p.n for p in params)
+        limit = self.state.max_num_seqs
+        if num_seqs > limit:
+            raise bad_request(
+                f"this request asks for {num_seqs} sequences ({len(prompts)} prompt(s) x n); the server runs at most "
+                f"{limit} at once (--max-num-seqs): send fewer prompts or a smaller n", "n")
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), p) in enumerate(zip(prompts, params)):
@@ -127,6 +133,10 @@ class Serving:
             for s in streams:
                 s.abort()
             raise ApiError(503, str(exc)) from None
+        except ValueError as exc:
+            for s in streams:
+                s.abort()
+            raise bad_request(str(exc), "n" if str(exc).startswith("n = ") else None) from None
         return streams
 
     @staticmethod

@@ -9,7 +9,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
-from stoker.server.chat_render import render_chat
 from stoker.server.errors import bad_request
 from stoker.server.protocol import ChatCompletionRequest
 from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
@@ -24,7 +23,7 @@ class OpenAIServingChat(Serving):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
-        ids = render_chat(self.state.tokenizer, req.messages, req.add_generation_prompt)
+        ids = await self.state.tokenization.render_chat(req.messages, req.add_generation_prompt)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)

@@ -23,14 +23,14 @@ def _lp(x: float) -> float:
 
 
 class OpenAIServingCompletion(Serving):
-    def prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        tok = self.state.tokenizer
+    async def prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        tok = self.state.tokenization
         if isinstance(prompt, str):
-            return [(prompt, tok.encode(prompt))]
+            return [(prompt, await tok.encode(prompt))]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if all(isinstance(p, str) for p in prompt):
-            return [(p, tok.encode(p)) for p in prompt]
+            return list(zip(prompt, await tok.encode_all(prompt)))
         if all(isinstance(p, int) for p in prompt):
             self.check_token_ids(prompt, "prompt")
             return [(None, list(prompt))]
@@ -44,7 +44,7 @@ class OpenAIServingCompletion(Serving):
         model = self.check_model(req.model)
         self.engine()
         self.check_logprobs(req.logprobs, "logprobs")
-        prompts = self.prompts(req.prompt)
+        prompts = await self.prompts(req.prompt)
         params = [
             self.sampling_params(req, self.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
             for _, ids in prompts

@@ -42,7 +42,11 @@ class ServerState:
     # The server's own tokenizer: the engine thread uses the engine's, and HF fast
     # tokenizers are not meant to be shared across threads.
     tokenizer: Any = None
+    # Prompt encoding, chat templating and /detokenize, on a worker thread of their own
+    # with a second tokenizer instance (server/tokenization.py).
+    tokenization: Any = None
     max_model_len: int = 0
+    max_num_seqs: int = 0  # the engine's batch limit: also the most sequences one request may ask
     vocab_size: int = 0
     ready: bool = False
     load_error: BaseException | None = None

@@ -177,3 +177,10 @@ def test_find_stop_string_only_searches_the_tail() -> None:
     assert find_stop_string("abc STOP", 2, ["STOP"]) == (4, "STOP")
     assert find_stop_string("STOP and more", 3, ["STOP"]) is None  # matched earlier already
     assert find_stop_string("xx ab", 1, ["b", "ab"]) == (3, "ab")  # earliest start wins
+
+
+def test_kv_cache_smaller_than_one_sequence_is_refused_at_build(tiny_llama) -> None:
+    """Issue 20: the engine must not start when a max_model_len sequence cannot be placed."""
+    with pytest.raises(ValueError, match=r"one sequence of max_model_len 256 needs 16 blocks.*--max-model-len to 240 or less"):
+        LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks_override=15)
+    LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks_override=16)  # exactly one fits: fine

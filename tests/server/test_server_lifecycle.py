@@ -82,3 +82,18 @@ def test_serve_registers_with_light_imports() -> None:
             "print(','.join(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert "fastapi" not in out and "uvicorn" not in out
+
+
+def test_refuses_to_start_when_one_max_model_len_sequence_cannot_fit(tiny_llama: Path) -> None:
+    """Issue 20: a KV cache smaller than one max_model_len sequence used to start, then die on
+    the first long request. Now `stoker serve` exits 1 at once and says what to change."""
+    # tiny_llama: 2 layers x 2 KV heads x head_dim 16, float32 -> 512 bytes per token.
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker", "serve", str(tiny_llama), "--port", str(free_port()),
+         "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 512)],
+        capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker serve: error: the KV cache holds 4 blocks = 64 tokens"), last
+    assert "max_model_len 256 needs 16 blocks" in last
+    assert "--kv-cache-memory-bytes to at least 131072" in last and "--max-model-len to 64 or less" in last

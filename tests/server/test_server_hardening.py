@@ -1,0 +1,115 @@
+"""Issue 20's findings, each through a live server: no input a client can send answers 5xx or
+takes the engine down, and every test ends with all KV blocks free and the engine alive."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, LiveServer
+
+
+def _error(resp: httpx.Response, status: int, *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == status
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+    return err
+
+
+@pytest.fixture(autouse=True)
+def _whole_afterwards(live_server: LiveServer):
+    yield
+    live_server.wait_idle()
+    assert live_server.engine.block_manager.num_free_blocks == live_server.engine.block_manager.num_blocks
+    live_server.engine.check_integrity()
+    assert httpx.get(live_server.url + "/health", timeout=10).status_code == 200
+
+
+# A lone surrogate: valid JSON, not valid Unicode.
+SURROGATE = '"\\ud800"'
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "%s", "prompt": %s}' % (MODEL, SURROGATE)),
+    ("/v1/completions", '{"model": %s, "prompt": "x"}' % SURROGATE),
+    ("/v1/completions", '{"model": "%s", "prompt": ["ok", %s]}' % (MODEL, SURROGATE)),
+    ("/v1/completions", '{"model": "%s", "prompt": "x", "stop": [%s]}' % (MODEL, SURROGATE)),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": %s}]}' % (MODEL, SURROGATE)),
+    ("/v1/chat/completions", '{"model": %s, "messages": [{"role": "user", "content": "x"}]}' % SURROGATE),
+    ("/tokenize", '{"model": "%s", "prompt": %s}' % (MODEL, SURROGATE)),
+    ("/detokenize", '{"model": %s, "tokens": [1]}' % SURROGATE),
+])
+def test_lone_surrogates_are_400(live_server: LiveServer, path: str, body: str) -> None:
+    resp = httpx.post(live_server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    _error(resp, 400, "not valid Unicode")
+
+
+def test_500_closes_the_connection_and_the_pool_carries_on(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An internal bug answers 500 with Connection: close, so a pooled client's next request
+    opens a new connection instead of failing on a reset one."""
+    tokenization = live_server.state.tokenization
+    real = tokenization.encode
+
+    async def broken(text: str, *args, **kwargs):
+        if text == "boom":
+            raise RuntimeError("a planted bug")
+        return await real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenization, "encode", broken)
+    with httpx.Client(base_url=live_server.url, timeout=30) as client:
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 2})
+        assert ok.status_code == 200
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 2})
+        _error(resp, 500, "RuntimeError: a planted bug")
+        assert resp.headers["connection"] == "close"
+        for _ in range(3):
+            assert client.post("/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 2}).status_code == 200
+
+
+def test_sequences_per_request_are_bounded(live_server: LiveServer) -> None:
+    """prompts x n beyond the engine's max_num_seqs is refused before anything is queued."""
+    limit = live_server.state.max_num_seqs
+    prompts = ["x"] * (limit // 2 + 1)
+    resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 1},
+                      timeout=30)
+    err = _error(resp, 400, f"asks for {2 * len(prompts)} sequences", f"at most {limit}")
+    assert err["param"] == "n"
+    ok = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": ["x", "y"], "n": 3, "max_tokens": 1},
+                    timeout=30)
+    assert len(ok.json()["choices"]) == 6
+
+
+def test_waiting_queue_counts_sequences(server_factory) -> None:
+    live = server_factory(max_waiting_requests=4)
+    resp = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 5, "max_tokens": 1}, timeout=30)
+    err = _error(resp, 400, "n = 5 sequences can never fit the waiting queue of 4")
+    assert err["param"] == "n"
+    ok = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 4, "max_tokens": 1}, timeout=30)
+    assert len(ok.json()["choices"]) == 4
+    live.wait_idle()
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_it_all(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenization = live_server.state.tokenization
+    seen: list[tuple[int, str]] = []
+    real_encode = tokenization.tokenizer.encode
+
+    def spy(text: str, *args, **kwargs):
+        seen.append((len(text), threading.current_thread().name))
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenization.tokenizer, "encode", spy)
+    prompt = "lorem ipsum dolor sit amet " * 200_000  # 5.4 MB of text
+    resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=60)
+    _error(resp, 400, "maximum context length is 256 tokens", "your prompt has at least")
+    bound = (256 + 2) * tokenization.max_chars_per_token
+    assert seen and all(n <= bound for n, _ in seen), "only a bounded prefix is tokenized"
+    assert all(name.startswith("stoker-tokenizer") for _, name in seen), "tokenization runs off the event loop"
+    chat = httpx.post(live_server.url + "/v1/chat/completions",
+                      json={"model": MODEL, "messages": [{"role": "user", "content": prompt}]}, timeout=60)
+    err = _error(chat, 400, "your prompt has at least")
+    assert err["param"] == "messages"
