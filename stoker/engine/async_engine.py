@@ -32,11 +32,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stoker.engine.llm_engine import EngineStats, LLMEngine
+from stoker.engine.llm_engine import EngineStats, LLMEngine, StepFailed
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Steps in a row that may fail (each failing only its own requests) before the engine is
+# declared dead: a fault that fails every step is the engine's (a broken device, say).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 def engine_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -308,6 +311,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        consecutive_failures = 0
         try:
             while not self._stop:
                 self._drain_commands()
@@ -316,7 +320,20 @@ class AsyncEngine:
                     self._wake.wait(1.0)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                    consecutive_failures = 0
+                except StepFailed as failed:
+                    # Those requests fail alone; the engine is whole. A fault that fails every
+                    # step is the engine's, not a request's: then the loop dies as before.
+                    consecutive_failures += 1
+                    if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    outputs = failed.outputs
+                    error = RuntimeError(f"generation failed: {failed}")
+                    for request_id in failed.request_ids:
+                        self._notify_failed(request_id)
+                        self._call_loop(self._fail, request_id, error)
                 self._snapshot = self._take_snapshot()
                 if outputs:
                     self._call_loop(self._deliver, outputs)

@@ -129,6 +129,11 @@ class LLM:
                         finished[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:
+            # A failed step (StepFailed) or Ctrl-C: leave no request of this call behind.
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -41,6 +41,18 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+class StepFailed(RuntimeError):
+    """A step raised for some requests: those were aborted (their KV blocks freed, nothing of
+    theirs cached) and the engine is whole; `outputs` are the other requests' outputs of the
+    step. Raised by `LLMEngine.step`; the server fails just those requests and goes on."""
+
+    def __init__(self, cause: BaseException, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -187,32 +199,58 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if s.seq.is_prefill:
                 self._prompt_tokens += s.num_tokens
-        result = self.runner.execute(sched_out, self.eos_token_ids)
+        try:
+            result = self.runner.execute(sched_out, self.eos_token_ids)
+        except Exception as exc:
+            # The forward or the sampler raised: every request in this batch may be the cause.
+            # Nothing of the step is kept (no token appended, no block hashed into the cache).
+            failed = sorted({s.seq.request_id for s in sched_out.scheduled})
+            for request_id in failed:
+                self.abort_request(request_id)
+            logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
+            raise StepFailed(exc, failed, []) from exc
         self.scheduler.update_after_step(sched_out)
-        touched = self._process_samples(result.seq_ids, result.sampler_output)
-        outputs = [self._make_output(req) for req in touched]
+        failures: dict[str, BaseException] = {}
+        touched = self._process_samples(result.seq_ids, result.sampler_output, failures)
+        outputs = [self._make_output(req) for req in touched if req.request_id not in failures]
         for req in touched:
-            if req.finished:
+            if req.finished and req.request_id not in failures:
                 self._finish_request(req)
+        if failures:
+            for request_id in failures:
+                self.abort_request(request_id)
+            cause = next(iter(failures.values()))
+            raise StepFailed(cause, sorted(failures), outputs)
         return outputs
 
-    def _process_samples(self, seq_ids: list[int], out: SamplerOutput) -> list[Request]:
+    def _process_samples(self, seq_ids: list[int], out: SamplerOutput, failures: dict[str, BaseException]) -> list[Request]:
+        """Append each row's token, text and stop checks; a request whose processing raises
+        goes to `failures` (the others carry on)."""
         touched: dict[str, Request] = {}
         now = time.time()
         for row, seq_id in enumerate(seq_ids):
             req = self._seq_to_request[seq_id]
-            seq = next(s for s in req.seqs if s.seq_id == seq_id)
-            token = out.token_ids[row]
-            seq.append_token(token)
-            self._generation_tokens += 1
-            seq.cumulative_logprob += out.logprobs[row]
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(self._logprob_entry(token, out.logprobs[row], out.top_logprobs[row]))
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            self._append_text_and_check_stop(req, seq, token)
+            if req.request_id in failures:
+                continue
+            try:
+                self._process_row(req, seq_id, row, out, now)
+            except Exception as exc:
+                logger.exception("request %s failed while processing its sampled token", req.request_id)
+                failures[req.request_id] = exc
             touched[req.request_id] = req
         return list(touched.values())
+
+    def _process_row(self, req: Request, seq_id: int, row: int, out: SamplerOutput, now: float) -> None:
+        seq = next(s for s in req.seqs if s.seq_id == seq_id)
+        token = out.token_ids[row]
+        seq.append_token(token)
+        self._generation_tokens += 1
+        seq.cumulative_logprob += out.logprobs[row]
+        if seq.sampling_params.logprobs is not None:
+            seq.output_logprobs.append(self._logprob_entry(token, out.logprobs[row], out.top_logprobs[row]))
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        self._append_text_and_check_stop(req, seq, token)
 
     def _logprob_entry(self, token: int, logprob: float, top: tuple[int, list[int], list[float]] | None) -> dict[int, Logprob]:
         decode = self.tokenizer.decode

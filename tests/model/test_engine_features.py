@@ -184,3 +184,57 @@ def test_kv_cache_smaller_than_one_sequence_is_refused_at_build(tiny_llama) -> N
     with pytest.raises(ValueError, match=r"one sequence of max_model_len 256 needs 16 blocks.*--max-model-len to 240 or less"):
         LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks_override=15)
     LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks_override=16)  # exactly one fits: fine
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20: an exception in a step aborts the requests it ran (blocks freed, nothing
+    cached) and raises StepFailed; the engine then serves the next call as before."""
+    from stoker.engine.llm_engine import StepFailed
+
+    engine = llm.engine
+    base = llm.generate("Hello there", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a decode step, after the prompts were cached
+            raise RuntimeError("planted fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    with pytest.raises(StepFailed, match="planted fault") as info:
+        llm.generate(["Hello there", "Another prompt"], GREEDY, use_tqdm=False)
+    assert len(info.value.request_ids) == 2
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert llm.generate("Hello there", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == base
+
+
+def test_a_request_whose_output_processing_fails_fails_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.engine.llm_engine import StepFailed
+
+    engine = llm.engine
+    real = engine._append_text_and_check_stop
+
+    def picky(req, seq, token):
+        if req.prompt == "bad one":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
+        return real(req, seq, token)
+
+    monkeypatch.setattr(engine, "_append_text_and_check_stop", picky)
+    engine.add_request("good", "good one", GREEDY)
+    engine.add_request("bad", "bad one", GREEDY)
+    finished, failed = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except StepFailed as exc:
+            failed += exc.request_ids
+            outs = exc.outputs
+        finished.update({o.request_id: o for o in outs if o.finished})
+    assert failed == ["bad"] and list(finished) == ["good"]
+    assert len(finished["good"].outputs[0].token_ids) == GREEDY.max_tokens
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

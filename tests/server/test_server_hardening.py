@@ -113,3 +113,40 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it_all(live_server: LiveSer
                       json={"model": MODEL, "messages": [{"role": "user", "content": prompt}]}, timeout=60)
     err = _error(chat, 400, "your prompt has at least")
     assert err["param"] == "messages"
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(live_server: LiveServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = live_server.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("planted fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    resp = httpx.post(live_server.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 8, "ignore_eos": True}, timeout=30)
+    _error(resp, 500, "generation failed: RuntimeError: planted fault")
+    assert not live_server.state.engine.is_dead
+    ok = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_an_engine_that_fails_every_step_is_reported_dead(server_factory) -> None:
+    live = server_factory()
+    runner = live.engine.runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device is gone")
+
+    runner.execute = broken
+    for _ in range(3):
+        resp = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert resp.status_code in (500, 503), resp.text
+    assert live.state.engine.is_dead
+    _error(httpx.get(live.url + "/health", timeout=10), 503)
+    _error(httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30), 503, "restart")
