@@ -21,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stoker.engine.async_engine import AsyncEngine, engine_executor
 from stoker.engine.llm_engine import LLMEngine
 from stoker.sampling_params import SamplingParams
+from stoker.server import openapi
 from stoker.server.errors import ApiError, describe_validation_errors, error_body
+from stoker.server.http_limits import install_redaction
 from stoker.server.metrics import EngineLogLine
 from stoker.server.middleware import Gatekeeper
 from stoker.server.routes import router
@@ -109,8 +111,10 @@ def create_app(
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.state.stoker = state
     app.include_router(router)
+    openapi.install(app)  # 400 in OpenAI's shape, not FastAPI's 422; each route's real responses
     app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
-                       on_reject=state.metrics.reject)
+                       on_reject=state.metrics.reject, body_timeout_s=settings.body_read_timeout_s)
+    install_redaction()  # no key or token from a query string in the access log
 
     def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
         state.metrics.reject(status)

@@ -34,7 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=os.environ.get("STOKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the API (default: $STOKER_API_KEY; unset: open)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 + Retry-After when this many admitted requests have no output yet (default: no limit)")
+                   help="answer 503 + Retry-After when this many admitted sequences (n per prompt) have no output yet "
+                        "(default: no limit)")
+    s.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive; slower: 408 and the connection closed (default 10)")
+    s.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="seconds the server waits for each next piece of a request body; longer: 408 (default 30)")
     s.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get 413 (default 16 MiB)")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from stoker.engine.llm import LLM
     from stoker.server.app import create_app
     from stoker.server.demo_model import DEMO_NAME, RANDOM_WEIGHTS_NOTICE, demo_model_dir
+    from stoker.server.http_limits import header_timeout_protocol
     from stoker.server.state import ServerSettings
 
     if args.model_dir is None:
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_logprobs=args.max_logprobs,
         log_interval_s=args.log_interval,
+        body_read_timeout_s=args.body_read_timeout,
+        header_read_timeout_s=args.header_read_timeout,
     )
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -101,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+        http=header_timeout_protocol(settings.header_read_timeout_s),
     )
     server = uvicorn.Server(config)
     server.run()

@@ -12,6 +12,7 @@ without saying so, so a pooled client's next (valid) request failed with a reset
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -40,10 +41,12 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
 
 
 class Gatekeeper:
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, on_reject: Callable[[int], None] | None = None,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.on_reject = on_reject or (lambda status: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,37 +93,50 @@ class Gatekeeper:
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Chunked bodies carry no length up front: count while reading, answer 413 in place
-        of whatever the app answers once the limit is crossed."""
+        of whatever the app answers once the limit is crossed. While the body is incomplete,
+        each next piece must come within body_timeout_s, else 408 (a client that stalls
+        mid-body would otherwise hold its request open for ever)."""
         received = 0
-        too_large = False
+        refusal: tuple[int, str] | None = None  # (status, message) once the body is refused
+        body_done = False
         replaced = False
 
         async def limited_receive() -> Message:
-            nonlocal received, too_large
-            msg = await receive()
+            nonlocal received, refusal, body_done
+            if body_done:  # after the body only http.disconnect comes: no deadline
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                refusal = (408, f"the request body stalled: no data for {self.body_timeout_s:g} s")
+                raise ValueError(refusal[1]) from None
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
+                body_done = not msg.get("more_body", False)
                 if received > self.max_body_bytes:
-                    too_large = True
+                    refusal = (413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
                     raise ValueError("request body too large")
+            else:
+                body_done = True
             return msg
 
-        async def guarded_send(msg: Message) -> None:
+        async def refuse() -> None:
             nonlocal replaced
-            if too_large:
-                if not replaced and msg["type"] == "http.response.start":
-                    replaced = True
-                    self.on_reject(413)
-                    await send_error(send, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            if not replaced and refusal is not None:
+                replaced = True
+                self.on_reject(refusal[0])
+                await send_error(send, refusal[0], refusal[1], headers={"Connection": "close"})
+
+        async def guarded_send(msg: Message) -> None:
+            if refusal is not None:
+                if msg["type"] == "http.response.start":
+                    await refuse()
                 return
             await send(msg)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
         except Exception:
-            if not too_large:
+            if refusal is None:
                 raise
-            if not replaced:
-                replaced = True
-                self.on_reject(413)
-                await send_error(send, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            await refuse()

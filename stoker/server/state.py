@@ -17,6 +17,8 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = 16 * 2**20
+    body_read_timeout_s: float = 30.0  # longest wait for the next piece of a request body (408 after)
+    header_read_timeout_s: float = 10.0  # a request's headers must arrive within this (408 after; http_limits.py)
     max_logprobs: int = 20
     log_interval_s: float = 10.0
     retry_after_s: int = 1
@@ -27,6 +29,8 @@ class ServerSettings:
             raise ValueError("served_model_names must name at least one model")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if not self.body_read_timeout_s > 0:
+            raise ValueError(f"body_read_timeout_s must be > 0, got {self.body_read_timeout_s}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
 

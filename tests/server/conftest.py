@@ -80,9 +80,14 @@ def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **sett
 
     kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}
     base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
-    app = create_app(replace(base, **settings), lambda: LLM(str(ckpt), **kwargs).engine)
+    from stoker.server.http_limits import header_timeout_protocol
+
+    full = replace(base, **settings)
+    app = create_app(full, lambda: LLM(str(ckpt), **kwargs).engine)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    # The protocol `stoker serve` runs (h11 with a deadline for headers).
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                           http=header_timeout_protocol(full.header_read_timeout_s)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app, server, thread)

@@ -150,3 +150,50 @@ def test_an_engine_that_fails_every_step_is_reported_dead(server_factory) -> Non
     assert live.state.engine.is_dead
     _error(httpx.get(live.url + "/health", timeout=10), 503)
     _error(httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30), 503, "restart")
+
+
+def _raw_exchange(url: str, payload: bytes, wait_s: float) -> bytes:
+    """Send raw bytes, then read whatever the server answers until it closes (or wait_s + 10 s)."""
+    import socket
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s + 10) as sock:
+        sock.sendall(payload)
+        start, data = time.monotonic(), b""
+        while time.monotonic() - start < wait_s + 10:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_slow_headers_and_stalled_bodies_get_408(server_factory) -> None:
+    live = server_factory(header_read_timeout_s=0.5, body_read_timeout_s=0.5)
+    partial_headers = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl"
+    answer = _raw_exchange(live.url, partial_headers, 0.5)
+    assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive within 0.5 s" in answer
+    stalled_body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro"
+    answer = _raw_exchange(live.url, stalled_body, 0.5)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request body stalled" in answer and b"connection: close" in answer.lower()
+    # A prompt client on a kept-alive connection is unaffected by either deadline.
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+    live.wait_idle()
+
+
+def test_keys_in_query_strings_never_reach_the_access_log() -> None:
+    import logging
+
+    from stoker.server.http_limits import RedactSecrets, redact
+
+    assert redact("/v1/models?api_key=sk-123&x=1") == "/v1/models?api_key=REDACTED&x=1"
+    assert redact("/v1/models?token=abc;Authorization=Bearer%20q") == "/v1/models?token=REDACTED;Authorization=REDACTED"
+    assert redact("/v1/models?limit=5") == "/v1/models?limit=5"
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:1", "GET", "/v1/models?api_key=sk-live", "1.1", 401), None)
+    RedactSecrets().filter(record)
+    assert "sk-live" not in record.getMessage() and "api_key=REDACTED" in record.getMessage()
+    assert any(isinstance(f, RedactSecrets) for f in logging.getLogger("uvicorn.access").filters)

@@ -1,0 +1,97 @@
+"""HTTP-layer limits uvicorn does not enforce itself: a deadline for a request's headers, and
+an access log that never carries a secret.
+
+Headers: uvicorn (h11) waits for a request's headers for ever, so a client that opens
+connections and trickles bytes (slowloris) holds them open indefinitely. `header_timeout_
+protocol(s)` returns uvicorn's h11 protocol with a deadline: the request line and headers must
+be complete within `s` seconds of the connection opening or of the previous response; else the
+connection gets a 408 and is closed. (The body's deadline is Gatekeeper's, middleware.py.)
+
+Secrets: uvicorn's access log writes the full path with its query string, so a client that
+put its key in `?api_key=` had it written to the log (issue 20; the key is only ever read from
+headers). `RedactSecrets` blanks such query values in the access log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from stoker.server.errors import error_bytes
+
+
+class _H11WithHeaderTimeout(H11Protocol):
+    header_timeout_s: float = 10.0
+    _header_timer: Any = None
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return  # the headers came (a request is being read or answered)
+        if self.conn.our_state is h11.IDLE:
+            body = error_bytes(408, f"the request's headers did not arrive within {self.header_timeout_s:g} s")
+            response = h11.Response(status_code=408, headers=[("content-type", "application/json"),
+                                                              ("content-length", str(len(body))), ("connection", "close")])
+            try:
+                self.transport.write(self.conn.send(response) + self.conn.send(h11.Data(data=body)))
+            except h11.LocalProtocolError:
+                pass
+        self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()  # the next request's headers get the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+
+def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with a `timeout_s` deadline for each request's headers."""
+    return type("H11WithHeaderTimeout", (_H11WithHeaderTimeout,), {"header_timeout_s": float(timeout_s)})
+
+
+_SECRET_PARAM = re.compile(r"((?:^|[?&;])[^=&;]*(?:key|token|secret|password|auth)[^=&;]*=)[^&;\s\"]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    return _SECRET_PARAM.sub(r"\1REDACTED", text)
+
+
+class RedactSecrets(logging.Filter):
+    """Blank the values of query parameters named like keys or tokens in uvicorn's access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) and "=" in a else a for a in record.args)
+        return True
+
+
+def install_redaction() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactSecrets) for f in access.filters):
+        access.addFilter(RedactSecrets())
