@@ -1,9 +1,9 @@
 """OpenMP's wait policy for CPU inference, decided once, before torch is imported.
 
-torch's CPU ops and Stoker's C kernels (kernels/cpu/) each run their parallel regions on an
-OpenMP thread pool (two pools in one process: torch bundles its own libgomp). By default a
-libgomp worker that finishes a region spins for a while (GOMP_SPINCOUNT, 300k iterations)
-waiting for the next one. On a machine with spare cores that saves a wake-up per region; on a
+torch's CPU ops and Stoker's C kernels (kernels/cpu/) run their parallel regions on one
+OpenMP thread pool (the kernels' libgomp.so.1 resolves to the copy torch loaded first). By
+default a libgomp worker that finishes a region spins for a while (GOMP_SPINCOUNT, 300k
+iterations) waiting for the next one. On a machine with spare cores that saves a wake-up per region; on a
 small machine shared with anything else (the HTTP event loop, a load generator, another job)
 the spinning workers take the cores the busy ones need, and every region waits for the
 slowest thread: with one competing busy process on a 2-core VM, a 64-token request went from

@@ -1,5 +1,5 @@
-"""HTTP-layer limits uvicorn does not enforce itself: a deadline for a request's headers, and
-an access log that never carries a secret.
+"""HTTP-layer limits uvicorn does not enforce itself: a deadline for a request's headers,
+malformed HTTP answered in OpenAI's error shape, and an access log that never carries a secret.
 
 Headers: uvicorn (h11) waits for a request's headers for ever, so a client that opens
 connections and trickles bytes (slowloris) holds them open indefinitely. `header_timeout_
@@ -45,12 +45,20 @@ class _H11WithHeaderTimeout(H11Protocol):
         self._header_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return  # the headers came (a request is being read or answered)
-        if self.conn.our_state is h11.IDLE:
-            body = error_bytes(408, f"the request's headers did not arrive within {self.header_timeout_s:g} s")
-            response = h11.Response(status_code=408, headers=[("content-type", "application/json"),
-                                                              ("content-length", str(len(body))), ("connection", "close")])
+        self._send_error_and_close(408, f"the request's headers did not arrive within {self.header_timeout_s:g} s")
+
+    def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP: uvicorn answers plain text; this server answers in OpenAI's error shape."""
+        self._send_error_and_close(400, f"malformed HTTP request: {msg}")
+
+    def _send_error_and_close(self, status: int, message: str) -> None:
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            body = error_bytes(status, message)
+            response = h11.Response(status_code=status, headers=[("content-type", "application/json"),
+                                                                 ("content-length", str(len(body))), ("connection", "close")])
             try:
-                self.transport.write(self.conn.send(response) + self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(response) + self.conn.send(h11.Data(data=body))
+                                     + self.conn.send(h11.EndOfMessage()))
             except h11.LocalProtocolError:
                 pass
         self.transport.close()

@@ -197,3 +197,13 @@ def test_keys_in_query_strings_never_reach_the_access_log() -> None:
     RedactSecrets().filter(record)
     assert "sk-live" not in record.getMessage() and "api_key=REDACTED" in record.getMessage()
     assert any(isinstance(f, RedactSecrets) for f in logging.getLogger("uvicorn.access").filters)
+
+
+def test_malformed_http_gets_the_openai_error_shape(live_server: LiveServer) -> None:
+    import json
+
+    answer = _raw_exchange(live_server.url, b"GARBAGE / NOT-HTTP\r\n\r\n", 5)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == 400 and err["message"].startswith("malformed HTTP request")
