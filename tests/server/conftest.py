@@ -130,3 +130,20 @@ def client(live_server: LiveServer) -> Any:
     from openai import OpenAI
 
     return OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def _shared_server_whole_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Issue 20: after every test that used the shared server, all its KV blocks are free and
+    its engine is alive (a test that leaks a block or kills the engine fails here)."""
+    yield
+    if "live_server" not in request.fixturenames:
+        return
+    live = request.getfixturevalue("live_server")
+    live.wait_idle(30)
+    engine = live.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
+    engine.check_integrity()
+    assert not live.state.engine.is_dead, "the shared server's engine died"
+    with urllib.request.urlopen(live.url + "/health", timeout=10) as resp:
+        assert resp.status == 200

@@ -21,12 +21,9 @@ def _error(resp: httpx.Response, status: int, *needles: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _whole_afterwards(live_server: LiveServer):
-    yield
-    live_server.wait_idle()
-    assert live_server.engine.block_manager.num_free_blocks == live_server.engine.block_manager.num_blocks
-    live_server.engine.check_integrity()
-    assert httpx.get(live_server.url + "/health", timeout=10).status_code == 200
+def _uses_the_shared_server(live_server: LiveServer) -> None:
+    """Every test here is followed by conftest's whole-server check, even those that start
+    their own server."""
 
 
 # A lone surrogate: valid JSON, not valid Unicode.
