@@ -51,6 +51,10 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
 
+
+class _Request(_Body):
+    """A whole request body: checked once, before its parts, for text that is not Unicode."""
+
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -65,7 +69,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Request):
     """The fields completions and chat share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -154,7 +158,7 @@ class ChatCompletionRequest(_SamplingFields):
     user: str | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -162,7 +166,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
 
