@@ -108,12 +108,13 @@ class LLMEngine:
         if num_blocks >= needed:
             return
         per_block = self.runner.bytes_per_block
+        shorter = f", or lower --max-model-len to {num_blocks * block_size} or less" if num_blocks else ""
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks = {num_blocks * block_size} tokens "
             f"({num_blocks * per_block / 2**20:.1f} MiB at {per_block // block_size} bytes per token), but one "
             f"sequence of max_model_len {self.max_model_len} needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB); "
-            f"raise --kv-cache-memory-bytes to at least {needed * per_block} (or --gpu-memory-utilization on a GPU), "
-            f"or lower --max-model-len to {num_blocks * block_size} or less"
+            f"raise --kv-cache-memory-bytes to at least {needed * per_block} (or --gpu-memory-utilization on a GPU)"
+            f"{shorter}"
         )
 
     def _resolve_max_model_len(self) -> int:
