@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
 
@@ -60,7 +61,10 @@ class _Request(_Body):
     def _valid_unicode(cls, data: Any) -> Any:
         where = _lone_surrogate_at(data, "")
         if where is not None:
-            raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate such as \\ud800); send UTF-8 text")
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} is not valid Unicode (a lone UTF-16 surrogate such as \\ud800); send UTF-8 text",
+                {"where": where, "param": where.split(".")[0]},
+            )
         return data
 
 

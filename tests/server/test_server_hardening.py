@@ -42,7 +42,9 @@ SURROGATE = '"\\ud800"'
 ])
 def test_lone_surrogates_are_400(live_server: LiveServer, path: str, body: str) -> None:
     resp = httpx.post(live_server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
-    _error(resp, 400, "not valid Unicode")
+    err = _error(resp, 400, "is not valid Unicode")
+    field = err["message"].split(" ", 1)[0]
+    assert field.split(".")[0] == err["param"] and err["param"] in body.replace("\\ud800", "")
 
 
 def test_500_closes_the_connection_and_the_pool_carries_on(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
