@@ -50,7 +50,7 @@ _SOURCE_CFLAGS = {"linear.c": ["-ffp-contract=off", "-fno-associative-math"]}
 # STOKER_CPU_ISA -> (gcc target flags, the /proc/cpuinfo flags the CPU needs to run that build)
 ISA_TARGETS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
-    "avx512": (["-march=x86-64-v4", "-mtune=generic"], ("avx512f", "avx512bw", "avx512vl", "avx2", "fma")),
+    "avx512": (["-march=x86-64-v4", "-mtune=generic"], ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma")),
     "avx2": (["-march=x86-64-v3", "-mtune=generic"], ("avx2", "fma", "f16c", "bmi2")),
     "generic": (["-march=x86-64", "-mtune=generic"], ()),
 }
