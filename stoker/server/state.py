@@ -29,8 +29,10 @@ class ServerSettings:
             raise ValueError("served_model_names must name at least one model")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        if not self.body_read_timeout_s > 0:
-            raise ValueError(f"body_read_timeout_s must be > 0, got {self.body_read_timeout_s}")
+        for name in ("body_read_timeout_s", "header_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
 

@@ -206,3 +206,12 @@ def test_malformed_http_gets_the_openai_error_shape(live_server: LiveServer) -> 
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
     err = json.loads(body)["error"]
     assert err["code"] == 400 and err["message"].startswith("malformed HTTP request")
+
+
+@pytest.mark.parametrize("field, flag", [("header_read_timeout_s", "--header-read-timeout"),
+                                         ("body_read_timeout_s", "--body-read-timeout")])
+def test_read_timeouts_must_be_positive(field: str, flag: str) -> None:
+    from stoker.server.state import ServerSettings
+
+    with pytest.raises(ValueError, match=f"{flag} must be > 0 seconds"):
+        ServerSettings("m", ("m",), **{field: 0})
