@@ -67,21 +67,7 @@ class Gatekeeper:
             if declared > self.max_body_bytes:
                 self.on_reject(413)
                 return await send_error(send, 413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes")
-        started = False
-
-        async def tracked_send(msg: Message) -> None:
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
-
-        try:
-            await self._limited(scope, receive, tracked_send)
-        except Exception as exc:
-            if started:  # a stream broke mid-way: nothing to answer; uvicorn closes the connection
-                raise
-            logger.exception("unhandled error while serving %s", scope.get("path", ""))
-            self.on_reject(500)
-            await send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}", headers={"Connection": "close"})
+        await self._limited(scope, receive, send)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None
@@ -100,6 +86,7 @@ class Gatekeeper:
         refusal: tuple[int, str] | None = None  # (status, message) once the body is refused
         body_done = False
         replaced = False
+        started = False  # the app has begun its response
 
         async def limited_receive() -> Message:
             nonlocal received, refusal, body_done
@@ -128,15 +115,22 @@ class Gatekeeper:
                 await send_error(send, refusal[0], refusal[1], headers={"Connection": "close"})
 
         async def guarded_send(msg: Message) -> None:
+            nonlocal started
             if refusal is not None:
                 if msg["type"] == "http.response.start":
                     await refuse()
                 return
+            started = started or msg["type"] == "http.response.start"
             await send(msg)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if refusal is None:
+        except Exception as exc:
+            if refusal is not None:
+                await refuse()
+            elif started:  # a stream broke mid-way: nothing to answer; uvicorn closes the connection
                 raise
-            await refuse()
+            else:
+                logger.exception("unhandled error while serving %s", scope.get("path", ""))
+                self.on_reject(500)
+                await send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}", headers={"Connection": "close"})
