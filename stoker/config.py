@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --quantization (vLLM's flag): weights quantized at load; pre-quantized checkpoints say so themselves.
+QUANTIZATION_METHODS = ("fp8", "int8")
+# --kv-cache-dtype: "auto" keeps the model dtype; "fp8" is E4M3 (vLLM's "fp8" and "fp8_e4m3").
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DEVICES = ("auto", "cpu", "cuda")
 # A sensible CPU default: 1 GiB of KV. A float32 model with hidden 512 and 8 layers
 # stores 32 KiB per token, so this holds ~32k tokens.
@@ -28,11 +32,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0
     trust_remote_code: bool = False
+    quantization: str | None = None  # None: float weights, or whatever the checkpoint is quantized as
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _positive("max_model_len", self.max_model_len)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)} "
+                "(or none: a pre-quantized checkpoint is detected from its config.json)"
+            )
 
 
 @dataclass(frozen=True)
@@ -45,17 +55,37 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto' (the model's dtype). "
-                "`stoker plan` can still size FP8-KV deployments"
-            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (E5M2 caches are not supported; fp8 means E4M3)" if self.kv_cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported{hint}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token of KV cache is, as the model describes it (`model.kv_cache_spec()`):
+    K and V of every attention layer. dtype: "float32", "bfloat16", "float16" or "fp8_e4m3"."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The roofline's formula (roofline/modelspec.py), so engine and planner agree."""
+        from stoker.roofline.modelspec import kv_bytes_per_token
+
+        return int(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per replica (only 1 is supported by the engine yet)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV-cache element type; only 'auto' (the model dtype) is supported yet")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, per-layer scales from the checkpoint, else 1.0)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8"],
+                   help="quantize the weights at load, one scale per output channel (a pre-quantized checkpoint needs no flag)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,4 +47,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )

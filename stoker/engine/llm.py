@@ -36,9 +36,10 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
-            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
             cache_config=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -94,10 +94,12 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         num_tokens = num_blocks * block_size
+        kv = self.runner.kv_spec
+        logger.info("weights %s", self.runner.weights_summary())
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s on %s); %.2f requests of max_model_len %d fit",
-            num_blocks, block_size, num_tokens, num_blocks * self.runner.bytes_per_block / 2**20,
-            str(self.runner.dtype).removeprefix("torch."), self.runner.device, num_tokens / self.max_model_len, self.max_model_len,
+            "KV cache: %d blocks of %d tokens = %s tokens (%.1f MiB, %s on %s, %d bytes per token); %.2f requests of max_model_len %d fit",
+            num_blocks, block_size, f"{num_tokens:,}", num_blocks * self.runner.bytes_per_block / 2**20,
+            kv.dtype, self.runner.device, kv.bytes_per_token, num_tokens / self.max_model_len, self.max_model_len,
         )
 
     def _check_kv_capacity(self, num_blocks: int) -> None:

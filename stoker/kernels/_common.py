@@ -52,3 +52,13 @@ def num_sms(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
         return 132
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def kv_inverse_scales(k_scale: float, v_scale: float) -> tuple[float, float]:
+    """1 / scale rounded to float32 once: every FP8 KV store (C, Triton, twin) stores
+    e4m3(clamp(x * inverse, -448, 448)) with these, so all three write the same bits."""
+    return float(torch.tensor(1.0 / k_scale, dtype=torch.float32)), float(torch.tensor(1.0 / v_scale, dtype=torch.float32))

@@ -1,11 +1,11 @@
 """The kernel entry points the model layers call, each with reference.py's signature.
 
 CPU float32 tensors take the C kernels in `kernels/cpu/` (paged decode and prefill
-attention, K/V stores, RMSNorm, SiLU-and-mul, rotary, and the projections whose weights the
-runner packed) when they build (a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is
+attention over float32 or FP8 caches, K/V stores, RMSNorm, SiLU-and-mul, rotary) when they build (a C compiler is present) and `STOKER_DISABLE_CPU_KERNELS` is
 unset; other CPU tensors take the plain-torch twins in `reference.py`. CUDA tensors take the Triton
 kernel when triton imports and `STOKER_DISABLE_TRITON` is unset (or "0"); otherwise the
-twin. The kernel modules import triton at their top, so they are imported here only on the
+twin. Projections are not dispatched here: their weight method binds its kernel when the
+model is built (layers/backends.py). The kernel modules import triton at their top, so they are imported here only on the
 first CUDA call: `import stoker.kernels.ops` works on a machine without triton.
 """
 
@@ -51,12 +51,14 @@ def store_kvcache(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64
+    k_scale: float = 1.0,  # FP8 caches: x is stored as e4m3(clamp(x / scale, +-448))
+    v_scale: float = 1.0,
 ) -> None:
     if use_triton(key):
-        return _kernel("store_kvcache").store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    if cpu_native.supports_rows(key, value, k_cache):
-        return cpu_native.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        return _kernel("store_kvcache").store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if cpu_native.store_supported(key, value, k_cache):
+        return cpu_native.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(
@@ -67,14 +69,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # (B,)
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (B, H, D)
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
     if use_triton(query):
-        return _kernel("paged_decode_attention").paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
-        )
+        return _kernel("paged_decode_attention").paged_decode_attention(*args, k_scale=k_scale, v_scale=v_scale)
     if cpu_native.supports(query, k_cache):
-        return cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
-    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+        return cpu_native.paged_decode_attention(*args, k_scale, v_scale)
+    return reference.paged_decode_attention(*args, k_scale, v_scale)
 
 
 def paged_attention(
@@ -86,32 +89,15 @@ def paged_attention(
     context_lens: list[int] | torch.Tensor,  # (B,)
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (T, H, D)
+    args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window)
     if use_triton(query):
-        return _kernel("paged_prefill_attention").paged_attention(
-            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
-        )
+        return _kernel("paged_prefill_attention").paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
     if cpu_native.prefill_supported(query, k_cache):
-        return cpu_native.paged_attention(
-            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
-        )
-    return reference.paged_attention(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window
-    )
-
-
-def linear_packed(
-    x: torch.Tensor,  # (..., K)
-    packed: torch.Tensor,  # (P, K, NR) from cpu_native.pack_linear_weight
-    out_features: int,
-    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
-    silu_and_mul: bool = False,
-) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
-    """A projection whose weight the CPU runner packed into panels (layers/linear.py)."""
-    # Packed weights are CPU float32 by construction (pack_linear_weight); x decides.
-    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available():
-        return cpu_native.linear(x, packed, out_features, bias, silu_and_mul)
-    return reference.linear_packed(x, packed, out_features, bias, silu_and_mul)
+        return cpu_native.paged_attention(*args, k_scale, v_scale)
+    return reference.paged_attention(*args, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,7 +143,6 @@ __all__ = [
     "store_kvcache",
     "paged_attention",
     "paged_decode_attention",
-    "linear_packed",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

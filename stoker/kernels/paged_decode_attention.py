@@ -12,6 +12,9 @@ K/V at memory speed. Two choices do that:
     processed in parallel; each writes a normalised partial output and its log-sum-exp, and a
     second kernel combines them. The partition size is derived in-kernel from each sequence's
     own context length, so the launch depends on shapes only: no host sync, graph-capturable.
+FP8 caches (float8_e4m3fn): each K/V tile is widened to the query's dtype as it is loaded
+(exact: every E4M3 value is a bf16/fp16/fp32 value); the layer's k scale joins the softmax
+scale and its v scale multiplies the output, so the loop is the float one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from stoker.kernels._common import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     check,
     check_last_dim_contiguous,
     check_same_device,
@@ -44,7 +48,8 @@ def _decode_split_kernel(
     out_ptr,  # (B, H, D): written directly when NUM_SPLITS == 1
     part_out_ptr,  # (B, H, NUM_SPLITS, D) float32: each split's normalised output
     part_lse_ptr,  # (B, H, NUM_SPLITS) float32: each split's log2-sum-exp2 of scores
-    scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    scale_log2,  # softmax scale * k_scale * log2(e): the kernel works with exp2
+    v_scale,  # FP8 caches: multiplies the output (1.0 otherwise)
     window,  # sliding window in tokens (used when USE_WINDOW)
     block_size,
     stride_qb,
@@ -107,11 +112,8 @@ def _decode_split_kernel(
         page = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=valid, other=0)
         offs = page.to(tl.int64)[:, None] * stride_cb + (pos % block_size)[:, None] * stride_cs + kv_base
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -123,7 +125,7 @@ def _decode_split_kernel(
 
     # l_i == 0 only when the window leaves this split empty; such a split reports lse = -inf.
     has_any = l_i > 0
-    out = acc / tl.where(has_any, l_i, 1.0)[:, None]  # (BLOCK_G, BLOCK_D)
+    out = acc * v_scale / tl.where(has_any, l_i, 1.0)[:, None]  # (BLOCK_G, BLOCK_D)
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(
@@ -211,6 +213,8 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,  # (B, H, D) in query's dtype; allocated if None
     num_splits: int | None = None,  # power of two <= 64; chosen from shapes if None
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (B, H, D)
     check(query.dim() == 3, f"query must be (B, H, D), got {tuple(query.shape)}")
     check(k_cache.dim() == 4, f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
@@ -228,11 +232,13 @@ def paged_decode_attention(
     check(context_lens.shape == (num_seqs,), f"context_lens must be ({num_seqs},), got {tuple(context_lens.shape)}")
     check(context_lens.dtype in (torch.int32, torch.int64), f"context_lens must be int32/int64, got {context_lens.dtype}")
     check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
-    check(k_cache.dtype == query.dtype and v_cache.dtype == query.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype}")
+    check(k_cache.dtype in (query.dtype, FP8_KV_DTYPE) and v_cache.dtype == k_cache.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype} (or float8_e4m3fn)")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
     check(context_lens.is_contiguous(), "context_lens must be contiguous")
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
     check_same_device(query=query, k_cache=k_cache, block_tables=block_tables, context_lens=context_lens)
     if out is None:
         out = torch.empty_like(query)
@@ -265,7 +271,8 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         sliding_window or 0,
         block_size,
         query.stride(0),

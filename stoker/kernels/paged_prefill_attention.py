@@ -23,6 +23,7 @@ import triton.language as tl
 
 from stoker.kernels._common import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     check,
     check_last_dim_contiguous,
     check_same_device,
@@ -42,7 +43,8 @@ def _paged_prefill_kernel(
     block_tables_ptr,  # (B, max_blocks) int32
     cu_seqlens_q_ptr,  # (B + 1,) int32
     context_lens_ptr,  # (B,) int32
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * k_scale * log2(e)
+    v_scale,  # FP8 caches: multiplies the output (1.0 otherwise)
     num_seqs,
     window,  # sliding window in tokens (used when USE_WINDOW)
     block_size,
@@ -116,11 +118,8 @@ def _paged_prefill_kernel(
         page = tl.load(bt_row + pos // block_size, mask=in_range, other=0)
         offs = page.to(tl.int64)[:, None] * stride_cb + (pos % block_size)[:, None] * stride_cs + kv_base
         kv_mask = in_range[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
         allowed = pos[None, :] <= q_pos[:, None]  # causal (for valid rows this implies pos < hi)
         if USE_WINDOW:
@@ -134,7 +133,7 @@ def _paged_prefill_kernel(
         m_i = m_new
 
     # Every valid row sees at least its own position, so l_i > 0 there; padding rows are not stored.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -175,6 +174,8 @@ def paged_attention(
     sliding_window: int | None = None,
     *,
     out: torch.Tensor | None = None,  # (T, H, D) in query's dtype; allocated if None
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (T, H, D); rows past cu_seqlens_q[-1] are left untouched
     check(query.dim() == 3, f"query must be (T, H, D), got {tuple(query.shape)}")
     check(k_cache.dim() == 4, f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
@@ -192,11 +193,13 @@ def paged_attention(
     check(cu.shape == (num_seqs + 1,), f"cu_seqlens_q must have B + 1 = {num_seqs + 1} entries, got {cu.shape[0]}")
     check(ctx.shape == (num_seqs,), f"context_lens must have B = {num_seqs} entries, got {ctx.shape[0]}")
     check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
-    check(k_cache.dtype == query.dtype and v_cache.dtype == query.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype}")
+    check(k_cache.dtype in (query.dtype, FP8_KV_DTYPE) and v_cache.dtype == k_cache.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype} (or float8_e4m3fn)")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
     check_same_device(query=query, k_cache=k_cache, block_tables=block_tables)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
     if out is None:
         out = torch.empty_like(query)
     check(out.shape == query.shape and out.dtype == query.dtype, f"out must be {tuple(query.shape)} {query.dtype}")
@@ -218,7 +221,8 @@ def paged_attention(
         block_tables,
         cu,
         ctx,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         num_seqs,
         sliding_window or 0,
         block_size,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stoker.kernels._common import FP8_KV_DTYPE, FP8_MAX, kv_inverse_scales
+
 
 def store_kvcache(
     key: torch.Tensor,  # (T, Hkv, D)
@@ -23,12 +25,28 @@ def store_kvcache(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64
+    k_scale: float = 1.0,  # FP8 caches: x is stored as e4m3(clamp(x / scale, +-448))
+    v_scale: float = 1.0,
 ) -> None:
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if k_cache.dtype == FP8_KV_DTYPE:
+        k_inv, v_inv = kv_inverse_scales(k_scale, v_scale)
+        # index_copy_ has no float8 kernel: the bytes are copied as uint8.
+        for x, cache, inv in ((key, k_cache, k_inv), (value, v_cache, v_inv)):
+            q = (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE).view(torch.uint8)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, q)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache elements -> `dtype`: FP8 as value x scale (computed in float32), others a cast."""
+    if x.dtype == FP8_KV_DTYPE:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 # Reused gather buffers, one per (role, dtype, device): a fresh multi-MB tensor per call
@@ -130,12 +148,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # (B,)
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (B, H, D)
     plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window, query.dtype)
     q_sorted = query.index_select(0, plan.order)
     out_sorted = torch.empty_like(q_sorted)
     for g in plan.groups:
-        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale)
+        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale)
     return out_sorted.index_select(0, plan.inverse)
 
 
@@ -145,6 +165,8 @@ def _decode_group(
     v_cache: torch.Tensor,
     group: _DecodeGroup,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (b, H, D)
     b = query.shape[0]
     rows = group.block_ids.shape[0]
@@ -156,8 +178,8 @@ def _decode_group(
     # materialises the (b, H, L) scores, and does GQA without repeating K/V.
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # (b, H, 1, D)
-        keys.transpose(1, 2).to(query.dtype),  # (b, Hkv, L, D)
-        values.transpose(1, 2).to(query.dtype),
+        dequantize_kv(keys.transpose(1, 2), k_scale, query.dtype),  # (b, Hkv, L, D)
+        dequantize_kv(values.transpose(1, 2), v_scale, query.dtype),
         attn_mask=group.mask,
         scale=scale,
         enable_gqa=query.shape[1] != k_cache.shape[2],
@@ -174,6 +196,8 @@ def paged_attention(
     context_lens: list[int] | torch.Tensor,  # (B,) cached + new tokens per sequence
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (T, H, D)
     """Prefill / extend / decode in one: each sequence's new tokens attend causally to its
     whole cached context (prefix-cache hits and earlier chunks included)."""
@@ -200,8 +224,8 @@ def paged_attention(
                 allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(
             query[q_start:q_end].transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
-            keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # (1, Hkv, L, D)
-            values.transpose(0, 1).unsqueeze(0).to(query.dtype),
+            dequantize_kv(keys.transpose(0, 1).unsqueeze(0), k_scale, query.dtype),  # (1, Hkv, L, D)
+            dequantize_kv(values.transpose(0, 1).unsqueeze(0), v_scale, query.dtype),
             attn_mask=allowed,
             is_causal=plain_causal,
             scale=scale,
@@ -228,6 +252,47 @@ def linear_packed(
     out = panels.permute(1, 0, 2).reshape(rows.shape[0], -1)
     width = out_features // 2 if silu_and_mul else out_features
     return out[:, :width].reshape(*x.shape[:-1], width)
+
+
+def dequantize_panels(packed: torch.Tensor, scales: torch.Tensor, group_k: int) -> torch.Tensor:
+    """(P, K, NR) int8 / float8 panels and (G, P * NR) scales (kernels/cpu/native.pack_scales)
+    -> the (P, K, NR) float32 panels they stand for: w = q * s, as linear.c computes it. FP8
+    panels are read as value / 256, their scales carrying the 256 (linear.c's header)."""
+    num_panels, k, nr = packed.shape
+    q = packed.float()
+    if packed.dtype == torch.float8_e4m3fn:
+        q = q * (1.0 / 256.0)
+    s = scales.view(scales.shape[0], num_panels, nr).permute(1, 0, 2)  # (P, G, NR)
+    s = s.repeat_interleave(group_k, dim=1)[:, :k]  # (P, K, NR)
+    return q * s
+
+
+def linear_packed_q8(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR) int8 or float8_e4m3fn
+    scales: torch.Tensor,  # (G, P * NR) float32
+    group_k: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:
+    """Twin of kernels/cpu/native.linear_q8: dequantize the panels, then linear_packed."""
+    return linear_packed(x, dequantize_panels(packed, scales, group_k), out_features, bias, silu_and_mul)
+
+
+def w8_linear(
+    x: torch.Tensor,  # (..., K)
+    qweight: torch.Tensor,  # (N, K) int8 or float8_e4m3fn
+    scale: torch.Tensor,  # (N, G) float32: one scale per row and group of group_k columns
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """Weight-only quantized linear: dequantize (w = q * s in float32, then x's dtype), then F.linear.
+    Twin of kernels/w8_linear.py; also the fallback where no kernel serves the device."""
+    k = qweight.shape[1]
+    s = scale.float() if scale.shape[1] == 1 else scale.float().repeat_interleave(group_k, dim=1)[:, :k]
+    w = (qweight.float() * s).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

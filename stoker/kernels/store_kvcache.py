@@ -1,7 +1,9 @@
 """KV store: scatter each new token's key and value into the paged cache via slot_mapping.
 
 Twin: `reference.store_kvcache`. slot = block_id * block_size + offset; slot -1 marks a
-padding token whose K/V are dropped. The -1 test happens in the kernel, so, unlike the twin,
+padding token whose K/V are dropped. FP8 caches (float8_e4m3fn) store e4m3(clamp(x *
+inverse scale, +-448)), the inverse scales rounded to float32 once on the host
+(`kv_inverse_scales`), as the twin and the C kernel do. The -1 test happens in the kernel, so, unlike the twin,
 the launcher never synchronises with the host (safe inside a CUDA graph).
 """
 
@@ -11,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stoker.kernels._common import FLOAT_DTYPES, check, check_last_dim_contiguous, check_same_device, next_pow2
+from stoker.kernels._common import FLOAT_DTYPES, FP8_KV_DTYPE, FP8_MAX, check, check_last_dim_contiguous, check_same_device, kv_inverse_scales, next_pow2
 
 
 @triton.jit
@@ -29,10 +31,14 @@ def _store_kvcache_kernel(
     stride_cs,
     stride_ch,
     block_size,
+    k_inv_scale,  # FP8 caches: 1 / k_scale, float32
+    v_inv_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     # One program per token moves all Hkv * D elements of its key and value.
     token = tl.program_id(0).to(tl.int64)
@@ -45,8 +51,12 @@ def _store_kvcache_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d  # (BLOCK_H, BLOCK_D)
-    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    # float32 in registers either way (exact for 16-bit inputs): one type in both branches
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask).to(tl.float32)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask).to(tl.float32)
+    if FP8:
+        k = tl.clamp(k * k_inv_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -57,6 +67,8 @@ def store_kvcache(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64 (int32 accepted), -1 = skip
+    k_scale: float = 1.0,  # FP8 caches only
+    v_scale: float = 1.0,
 ) -> None:
     check(key.dim() == 3, f"key must be (T, Hkv, D), got {tuple(key.shape)}")
     check(value.shape == key.shape, f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
@@ -70,13 +82,14 @@ def store_kvcache(
     check(slot_mapping.shape == (key.shape[0],), f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
     check(slot_mapping.dtype in (torch.int64, torch.int32), f"slot_mapping must be int64/int32, got {slot_mapping.dtype}")
     check(key.dtype in FLOAT_DTYPES and value.dtype == key.dtype, f"key/value dtypes {key.dtype}/{value.dtype}")
-    check(k_cache.dtype in FLOAT_DTYPES and v_cache.dtype == k_cache.dtype, f"cache dtypes {k_cache.dtype}/{v_cache.dtype}")
+    check(k_cache.dtype in (*FLOAT_DTYPES, FP8_KV_DTYPE) and v_cache.dtype == k_cache.dtype, f"cache dtypes {k_cache.dtype}/{v_cache.dtype}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    k_inv, v_inv = kv_inverse_scales(k_scale, v_scale)
     _store_kvcache_kernel[(num_tokens,)](
         key,
         value,
@@ -91,8 +104,12 @@ def store_kvcache(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[1],
+        k_inv,
+        v_inv,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
+        FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8_MAX=FP8_MAX,
     )

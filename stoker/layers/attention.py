@@ -68,21 +68,34 @@ class Attention(nn.Module):
         # (num_blocks, block_size, num_kv_heads, head_dim); bound by the runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # FP8 caches: the layer's K/V dequantization scales (x = e4m3 value * scale), from the
+        # checkpoint where it has them (`checkpoint_kv_scales`), else 1.0. The runner resets
+        # them to 1.0 for a float cache, where they mean nothing.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.checkpoint_kv_scales: dict[str, float] = {}
+
+    def set_checkpoint_kv_scale(self, which: str, value: float) -> None:
+        """Record the checkpoint's k_scale / v_scale (models/loader.py); applied by the runner."""
+        if which not in ("k_scale", "v_scale") or not value > 0:
+            raise ValueError(f"{which} = {value}: a KV-cache scale must be k_scale or v_scale and positive")
+        self.checkpoint_kv_scales[which] = value
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) for this step's tokens -> (T, H, D)."""
         md = get_attention_metadata()
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        kv_scales = (self.k_scale, self.v_scale)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
         nd = md.num_decodes
         if nd == len(md.context_lens_list):  # pure decode step
             return ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window
+                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window, *kv_scales
             )
         out = torch.empty_like(q)
         if nd:
             block_tables, context_lens = md.decode_views()
             out[:nd] = ops.paged_decode_attention(
-                q[:nd], self.k_cache, self.v_cache, block_tables, context_lens, self.scale, self.sliding_window
+                q[:nd], self.k_cache, self.v_cache, block_tables, context_lens, self.scale, self.sliding_window, *kv_scales
             )
         if q.is_cuda and md.prefill_cu_seqlens_q is not None:
             cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
@@ -90,6 +103,7 @@ class Attention(nn.Module):
             cu = md.cu_seqlens_q
             cu_seqlens, context_lens = [x - cu[nd] for x in cu[nd:]], md.context_lens_list[nd:]
         out[nd:] = ops.paged_attention(
-            q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale, self.sliding_window
-        )
+            q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale,
+            self.sliding_window, *kv_scales,
+        )  # fmt: skip
         return out

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stoker.layers.linear import PackableProjection, project
+from stoker.layers.linear import Linear
 
 
 class VocabEmbedding(nn.Module):
@@ -18,16 +18,16 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(PackableProjection, nn.Module):
+class LMHead(Linear):
+    """(num_sampled, hidden) -> (num_sampled, vocab). Never quantized (vLLM and the FP8/INT8
+    checkpoints keep it in the model dtype); tied to the embedding when the config says so,
+    which its method (TiedMethod) honours."""
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = hidden_size, vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.bias = None
-        self.fused_silu_and_mul = False  # see layers/linear.py: pack_cpu_weights
+        super().__init__(hidden_size, vocab_size, bias=False)
+        # Kept out of the module tree (a plain attribute, not a submodule): the embedding's
+        # weight must not appear twice among the parameters the loader fills.
+        self.__dict__["tied_embedding"] = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
-        self.weight = embedding.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (num_sampled, hidden) -> (num_sampled, vocab)
-        return project(self, hidden)
+        self.__dict__["tied_embedding"] = embedding

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stoker.config import KVCacheSpec
 from stoker.layers.activation import get_gated_activation
 from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead, VocabEmbedding
@@ -154,6 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
         return self.model(input_ids, positions)
+
+    def kv_cache_spec(self, dtype: str) -> KVCacheSpec:
+        """What one token of this model's KV cache is, stored as `dtype` (the runner's choice:
+        the model dtype, or "fp8_e4m3")."""
+        layers = self.attention_layers()
+        return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_sampled, hidden) -> (num_sampled, vocab) float32 logits."""

@@ -15,8 +15,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from stoker.layers.linear import Linear
 from stoker.layers.rotary import rope_parameters
 from stoker.models.registry import get_model_class
+from stoker.quantization.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +58,46 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def build_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(
+    hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None
+) -> nn.Module:
+    """The model with every projection's weight method chosen (layers/backends.py) and its
+    parameters created, uninitialised, on `device`."""
+    from stoker.layers.backends import LinearMethodChooser
+
     model_cls = get_model_class(hf_config.get("architectures"))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = model_cls(hf_config, max_position)
+            chooser = LinearMethodChooser(quant, device, dtype, model)
+            for name, module in list(model.named_modules()):
+                if isinstance(module, Linear):
+                    module.attach(chooser(name, module))
     finally:
         torch.set_default_dtype(previous)
+    logger.info("projections: %s", chooser.summary())
     return model.eval().requires_grad_(False)
 
 
+def _checkpoint_name(model: nn.Module, module_name: str, shard: str | None) -> str:
+    """The checkpoint's module name for a merged module's shard (qkv_proj, "q" -> q_proj)."""
+    if shard is None:
+        return module_name
+    parent, _, leaf = module_name.rpartition(".")
+    for ckpt, (merged, s) in getattr(model, "packed_modules", {}).items():
+        if merged == leaf and s == shard:
+            return f"{parent}.{ckpt}" if parent else ckpt
+    return f"{module_name}#{shard}"
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Read every safetensors tensor into its parameter, through each projection's weight
+    method; then check that every expected tensor came, naming the missing ones as the
+    checkpoint would, and let each method re-lay its weights for its backend."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
     filled: set[str] = set()
@@ -78,47 +106,71 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(name)
-                filled.update(_load_one(model, params, packed, name, tensor))
-    expected = expected_loaded_names(model)
-    if tied:
-        expected.discard("lm_head.weight")
-        filled.add("lm_head.weight")
+                if name.endswith(_KV_SCALE_SUFFIXES):
+                    _load_kv_scale(model, name, f.get_tensor(name))
+                    continue
+                filled.add(_load_one(params, linears, packed, name, f.get_tensor(name)))
+    expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in linears)}
+    for module_name, layer in linears.items():
+        assert layer.method is not None
+        names = layer.method.checkpoint_params(layer) + (("bias",) if layer.has_bias else ())
+        for shard in list(layer.shard_offsets) or [None]:
+            expected.update(f"{module_name}.{p}#{shard}" for p in names)
     missing = sorted(expected - filled)
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+        named = []
+        for key in missing[:10]:
+            base, _, shard = key.partition("#")
+            module_name, _, param = base.rpartition(".")
+            named.append(f"{_checkpoint_name(model, module_name, shard or None)}.{param}" if base.rpartition(".")[0] in linears else base)
+        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(named)}" + (" ..." if len(missing) > 10 else ""))
+    for layer in linears.values():
+        assert layer.method is not None
+        layer.method.process_after_loading(layer)
 
 
-def _load_one(model: nn.Module, params: dict[str, nn.Parameter], packed: dict[str, tuple[str, str]], name: str, tensor: torch.Tensor) -> list[str]:
-    """Copy one checkpoint tensor into its parameter (or its shard of a merged one)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in packed:
-            merged, shard = packed[part]
-            module_name = ".".join(parts[:i] + [merged])
-            param_name = ".".join(parts[i + 1 :])
-            module = model.get_submodule(module_name)
-            module.load_shard(param_name, shard, tensor)
-            return [f"{module_name}.{param_name}#{shard}"]
+def _load_one(
+    params: dict[str, nn.Parameter], linears: dict[str, Linear], packed: dict[str, tuple[str, str]], name: str, tensor: torch.Tensor
+) -> str:
+    """Put one checkpoint tensor where it belongs; returns its key in the expected set."""
+    module_name, _, param_name = name.rpartition(".")
+    parent, _, leaf = module_name.rpartition(".")
+    shard = None
+    if leaf in packed:
+        merged, shard = packed[leaf]
+        module_name = f"{parent}.{merged}" if parent else merged
+    layer = linears.get(module_name)
+    if layer is not None:
+        assert layer.method is not None
+        try:
+            layer.method.load(layer, param_name, shard, tensor)
+        except ValueError as exc:  # the method knows what is wrong, the loader which tensor
+            raise ValueError(f"{exc} (checkpoint tensor {name})") from None
+        return f"{module_name}.{param_name}#{shard}"
     if name not in params:
-        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
     param = params[name]
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(tensor)
-    return [name]
+    return name
 
 
-def expected_loaded_names(model: nn.Module) -> set[str]:
-    """Every parameter name, with merged parameters split into `name#shard` entries."""
-    names: set[str] = set()
-    for module_name, module in model.named_modules():
-        shards = getattr(module, "shard_offsets", None)
-        for param_name, _ in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if shards:
-                names.update(f"{full}#{shard}" for shard in shards)
-            else:
-                names.add(full)
-    return names
+# FP8 KV-cache scales: vLLM's and compressed-tensors' names (self_attn.k_scale), older FP8
+# checkpoints' (self_attn.k_proj.k_scale), and some exporters' (self_attn.attn.k_scale).
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    path, _, which = name.rpartition(".")
+    parts = path.split(".")
+    if parts[-1] in ("k_proj", "v_proj", "attn"):
+        parts = parts[:-1]
+    try:
+        attn = model.get_submodule(".".join(parts) + ".attn")
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name!r}: no attention layer at {'.'.join(parts)}") from None
+    if tensor.numel() != 1:
+        raise ValueError(f"{name}: a KV-cache scale must be one value (per tensor), got shape {tuple(tensor.shape)}")
+    attn.set_checkpoint_kv_scale(which, float(tensor.float().reshape(()).item()))

@@ -42,6 +42,17 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPE_ALIASES.get(key, key)
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
+    """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x element bytes.
+    The one formula the planner and the engine's cache sizing both use."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
+
+
+# Quantized weights carry one float32 scale per output row (per-channel, what --quantization
+# fp8/int8 writes): 4 bytes per row of every quantized projection.
+SCALE_BYTES_PER_ROW = {"fp8": 4.0, "int8": 4.0}
+
+
 def dtype_bytes(dtype: str) -> float:
     key = normalize_dtype(dtype)
     if key not in DTYPE_BYTES:
@@ -128,18 +139,26 @@ class ModelSpec:
         return self.num_params - idle_experts
 
     # ---- bytes ---------------------------------------------------------------------------
-    def weight_bytes(self, dtype: str = "bf16") -> float:
-        """Bytes of all weights: transformer-block matmuls in `dtype`, embeddings/norms in 16 bits."""
+    @property
+    def projection_rows(self) -> int:
+        """Output rows of all transformer-block projections (each carries one scale when quantized)."""
+        per_layer = (self.q_dim + 2 * self.kv_dim) + self.hidden_size + 3 * self.intermediate_size * self.num_experts
+        return self.num_layers * per_layer
+
+    def weight_bytes(self, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
+        """Bytes of all weights: transformer-block matmuls in `dtype` (plus one float32 scale per
+        output row when quantized to fp8/int8), embeddings, LM head and norms in `rest_dtype`."""
         c = self.param_counts()
         quantized = c["attention"] + c["mlp"]
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
-        return quantized * dtype_bytes(dtype) + rest * 2.0
+        scales = self.projection_rows * SCALE_BYTES_PER_ROW.get(normalize_dtype(dtype), 0.0)
+        return quantized * dtype_bytes(dtype) + scales + rest * dtype_bytes(rest_dtype)
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16", tp: int = 1) -> float:
         """K and V of every layer for one token; per GPU when tp > 1 (KV heads split, or replicated
         when tp > kv heads, as vLLM does). facts.md: Llama-3-8B bf16 131072 B, 70B 327680 B."""
         kv_heads_per_gpu = math.ceil(self.num_kv_heads / tp)
-        return 2 * self.num_layers * kv_heads_per_gpu * self.head_dim * dtype_bytes(kv_dtype)
+        return kv_bytes_per_token(self.num_layers, kv_heads_per_gpu, self.head_dim, kv_dtype)
 
     # ---- FLOPs ---------------------------------------------------------------------------
     def flops_per_token(self, context_len: float) -> dict[str, float]:

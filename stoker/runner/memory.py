@@ -17,11 +17,6 @@ from stoker.config import DEFAULT_CPU_KV_CACHE_BYTES
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 x layers x block_size x kv_heads x head_dim x element size."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def cpu_num_blocks(bytes_per_block: int, kv_cache_memory_bytes: int | None) -> int:
     budget = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     return budget // bytes_per_block

@@ -12,10 +12,9 @@ from stoker import cpu_runtime
 from stoker.config import EngineConfig
 from stoker.core.scheduler import SchedulerOutput
 from stoker.layers.attention import set_attention_metadata
-from stoker.kernels.cpu import build as cpu_kernels
-from stoker.layers.linear import pack_cpu_weights, use_column_major_weights
-from stoker.models.llama import head_dim_of
+from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
+from stoker.quantization import config as quant_config
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import prepare_inputs
@@ -43,6 +42,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
 @dataclass
 class StepResult:
     seq_ids: list[int]  # sequences that sampled, in row order
@@ -59,28 +65,65 @@ class ModelRunner:
         self.max_model_len = max_model_len
         torch.manual_seed(config.model_config.seed)
         max_position = max(max_model_len, hf_config.get("max_position_embeddings", max_model_len))
-        self.model = build_model(hf_config, max_position, self.dtype, self.device)
-        load_weights(self.model, config.model_config.model)
+        # Quantization is decided once, before any parameter exists (an unsupported scheme is
+        # refused here, before a tensor is read); each projection's method follows from it.
+        self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
-            # Projections run on the C linear kernel (packed panels) when it is built, else
-            # on MKL, which wants the weights column-major (layers/linear.py).
-            if self.dtype == torch.float32 and cpu_kernels.available():
-                pack_cpu_weights(self.model)
-            else:
-                use_column_major_weights(self.model)
+        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant)
+        load_weights(self.model, config.model_config.model)
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
-        self.num_layers = hf_config["num_hidden_layers"]
-        self.num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
-        self.head_dim = head_dim_of(hf_config)
+        cache = config.cache_config
+        self.kv_dtype = FP8_KV_DTYPE if cache.fp8_kv else self.dtype
+        self.kv_spec = self.model.kv_cache_spec("fp8_e4m3" if cache.fp8_kv else str(self.dtype).removeprefix("torch."))
+        self._apply_kv_scales(cache.fp8_kv)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
 
     # ------------------------------------------------------------------ KV cache
+    def _apply_kv_scales(self, fp8: bool) -> None:
+        """FP8 cache: each layer's k/v scales from the checkpoint, else 1.0 (vLLM's default,
+        with the same warning). A float cache uses none."""
+        layers = self.model.attention_layers()
+        with_scales = sum(1 for a in layers if a.checkpoint_kv_scales)
+        for attn in layers:
+            attn.k_scale = attn.checkpoint_kv_scales.get("k_scale", 1.0) if fp8 else 1.0
+            attn.v_scale = attn.checkpoint_kv_scales.get("v_scale", 1.0) if fp8 else 1.0
+        if fp8 and with_scales < len(layers):
+            logger.warning(
+                "FP8 KV cache: %d of %d layers have no k_scale/v_scale in the checkpoint; using 1.0 there "
+                "(values beyond +-448 saturate). Checkpoints calibrated with a kv_cache_scheme carry them.",
+                len(layers) - with_scales, len(layers),
+            )
+        elif not fp8 and with_scales:
+            logger.info("the checkpoint carries FP8 KV-cache scales; --kv-cache-dtype fp8 would use them")
+
+    def weights_summary(self) -> str:
+        """"8.50 GiB (fp8 projections, the rest bfloat16)": roofline's byte count for this model
+        and representation (the planner's formula), beside the bytes actually held."""
+        from stoker.roofline.modelspec import spec_from_config
+
+        rest = str(self.dtype).removeprefix("torch.")
+        projections = self.quant.method if self.quant is not None else rest
+        predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
+        held = self.weight_bytes_held()
+        return (f"{_size(predicted)} ({projections} projections, embeddings/norms/LM head {rest}; "
+                f"{_size(held)} held, panel padding included)")
+
+    def weight_bytes_held(self) -> int:
+        """Bytes of every parameter the model holds (a tied weight counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
     @property
     def bytes_per_block(self) -> int:
-        return memory.kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.kv_spec.bytes_per_token * self.block_size
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         cache = self.config.cache_config
@@ -97,12 +140,12 @@ class ModelRunner:
         return memory.cpu_num_blocks(self.bytes_per_block, cache.kv_cache_memory_bytes)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (num_blocks, self.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         self.kv_caches = []
         self.graph_runner = None  # captured graphs address the old cache
         for attn in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
 

@@ -218,7 +218,7 @@ def test_rejects_mismatched_arguments() -> None:
     batch = make_paged_batch([20, 35], 2, 64, 16, torch.float32, "cpu", gen)
     q = torch.randn(2, 4, 64, generator=gen)
     ctx = batch.context_lens_tensor()
-    with pytest.raises(ValueError, match="float32 only"):
+    with pytest.raises(ValueError, match="float32 or fp8 caches only"):
         native.paged_decode_attention(q, batch.k_cache, batch.v_cache.double(), batch.block_tables, ctx, 0.1)
     with pytest.raises(ValueError, match="2 queries"):
         native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables[:1], ctx, 0.1)

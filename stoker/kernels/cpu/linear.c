@@ -26,6 +26,17 @@
  * in each panel writes silu(gate) * up directly (half as wide), so the pre-activation never
  * goes to memory and the separate SiLU-and-mul pass disappears.
  *
+ * Quantized weights (stoker_linear_q8): panels of one byte per weight, int8 or FP8 E4M3, and a
+ * float scale per column and group of group_k rows of K (per output channel: group_k = K;
+ * 128 x 128 blocks: group_k = 128, the block's scale repeated over its columns). Each weight is
+ * widened in registers and multiplied by its scale, w = q * s, exactly the dequantized weight,
+ * then used as above: a quantized projection computes F.linear(x, dequantized W) in the same
+ * order as the float one, and is batch-invariant by the same argument. Decode reads a quarter
+ * of float32's bytes. FP8 is widened through fp16 bits (the e4m3 bits shifted into an fp16,
+ * which reads value / 256, then vcvtph2ps): the packing folds the 256 into the scale.
+ * At larger M the panel is dequantized once into a per-thread float buffer and the float tiles
+ * run on it: the same w values, so the same results, without widening once per row tile.
+ *
  * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
  * 6 x 4 (+4) of 32 zmm with AVX-512; 3 x 4 (+4) of 16 ymm otherwise.
@@ -33,6 +44,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -59,6 +71,73 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
 
+/* Weight formats: 0 float32, 1 int8, 2 FP8 E4M3 read as value / 256 (see the header). */
+enum { W_F32 = 0, W_I8 = 1, W_FP8 = 2 };
+
+/* e4m3 bits b -> value / 256. The vector paths shift exponent and mantissa into an fp16's
+ * bits, ((b & 0x7F) << 7) | ((b & 0x80) << 8): the bias difference 15 - 7 is the 2^-8, and
+ * e4m3 subnormals land on fp16 subnormals, which vcvtph2ps widens exactly. This scalar form
+ * (tails, and builds without F16C) computes the same value. */
+static inline float fp8_scalar(uint8_t b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    const float mag = e == 0 ? (float)m * 0x1p-17f : ldexpf(1.0f + (float)m * 0.125f, e - 15);
+    return (b & 0x80) ? -mag : mag;
+}
+
+#if !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
+/* Builds without F16C widen FP8 through a table of the 256 values / 256. */
+static float fp8_table[256];
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) fp8_table[b] = fp8_scalar((uint8_t)b);
+}
+#endif
+
+/* VL weights at p, widened to floats (not yet scaled). The plain-C versions (builds without
+ * AVX2) stay out of line: inlined into every tile specialization they made that build 4x slower
+ * to compile, for a path that exists to be tested. */
+#if defined(__AVX2__)
+#define WIDEN_INLINE inline
+#else
+#define WIDEN_INLINE __attribute__((noinline))
+#endif
+static WIDEN_INLINE vf load_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    float f[VL];
+    for (int l = 0; l < VL; l++) f[l] = (float)p[l];
+    return load(f);
+#endif
+}
+
+static WIDEN_INLINE vf load_fp8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return (vf)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    return (vf)_mm256_cvtph_ps(h);
+#else
+    float f[VL];
+    for (int l = 0; l < VL; l++) f[l] = fp8_table[p[l]];
+    return load(f);
+#endif
+}
+
+/* Weight vector at element index i of a panel of format fmt (a constant at every call site). */
+static inline vf load_w(const int fmt, const void *w, int64_t i) {
+    if (fmt == W_I8) return load_i8((const int8_t *)w + i);
+    if (fmt == W_FP8) return load_fp8((const uint8_t *)w + i);
+    return load((const float *)w + i);
+}
+
+
 /* acc + b * a: one rounding where the ISA has FMA, two (mul, then add) where it has not. */
 static inline vf madd(vf acc, vf b, float a) {
 #if defined(__AVX512F__)
@@ -78,29 +157,41 @@ static inline float madd_scalar(float acc, float b, float a) {
 #endif
 }
 
-/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv and silu are constants
- * at each call site, so gcc unrolls the loops and keeps acc in registers.
+/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv, silu and fmt are
+ * constants at each call site, so gcc unrolls the loops and keeps acc in registers.
+ * fmt != W_F32: wt holds bytes, and weight (k, n) is q * sc[(k / group_k) * ldsc + n]; the
+ * K loop runs group by group with that group's NV scale vectors in hand (float: one group).
+ * ldw and the prefetch pointer `ahead` (num_ahead cache lines) count elements of the format.
  * silu: the panel's columns are [gate | up] halves, and y[0:mr, 0:nv*VL/2] gets
  * silu(gate) * up (SiLU-and-mul fused into the gate/up projection: the 2x wider
  * pre-activation never goes to memory). */
-static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int silu,
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int silu, const int fmt,
                                                        const float *restrict x, int64_t ldx,
-                                                       const float *restrict wt, int64_t ldw,
+                                                       const void *restrict wt, int64_t ldw,
+                                                       const float *restrict sc, int64_t ldsc, int64_t group_k,
                                                        const float *restrict bias, float *restrict y, int64_t ldy,
-                                                       int64_t K, const float *ahead, int64_t num_ahead) {
+                                                       int64_t K, const char *ahead, int64_t num_ahead) {
+    const int esize = fmt == W_F32 ? 4 : 1;
+    const int64_t row_bytes = (int64_t)nv * VL * esize;
     vf acc[MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        const float *w = wt + k * ldw;
-        for (int j = 0; j < nv; j += 64 / (VL * 4) > 0 ? 64 / (VL * 4) : 1)
-            __builtin_prefetch(w + PREFETCH_ROWS * ldw + j * VL, 0, 3);
-        if (k < num_ahead) __builtin_prefetch(ahead + 16 * k, 0, 3);
-        vf b[NV];
-        for (int j = 0; j < nv; j++) b[j] = load(w + j * VL);
-        for (int m = 0; m < mr; m++) {
-            const float a = x[m * ldx + k];
-            for (int j = 0; j < nv; j++) acc[m][j] = madd(acc[m][j], b[j], a);
+    const int64_t G = fmt == W_F32 ? K : group_k;
+    for (int64_t k0 = 0; k0 < K; k0 += G) {
+        const int64_t k1 = k0 + G < K ? k0 + G : K;
+        vf s[NV];
+        if (fmt != W_F32)
+            for (int j = 0; j < nv; j++) s[j] = load(sc + (k0 / G) * ldsc + j * VL);
+        for (int64_t k = k0; k < k1; k++) {
+            const char *w = (const char *)wt + k * ldw * esize;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(w + PREFETCH_ROWS * ldw * esize + off, 0, 3);
+            if (k < num_ahead) __builtin_prefetch(ahead + 64 * k, 0, 3);
+            vf b[NV];
+            for (int j = 0; j < nv; j++) b[j] = fmt == W_F32 ? load_w(fmt, w, j * VL) : load_w(fmt, w, j * VL) * s[j];
+            for (int m = 0; m < mr; m++) {
+                const float a = x[m * ldx + k];
+                for (int j = 0; j < nv; j++) acc[m][j] = madd(acc[m][j], b[j], a);
+            }
         }
     }
     if (bias != NULL)
@@ -123,33 +214,46 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         }
 }
 
-#define TILE_CASES(NVC, SILU)                                                           \
-    switch (mr) {                                                                       \
-    case 1: tile(1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
-    case 2: tile(2, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
-    case 3: tile(3, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;                 \
-    case 4: tile(MR >= 4 ? 4 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;   \
-    case 5: tile(MR >= 5 ? 5 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break;   \
-    default: tile(MR >= 6 ? 6 : 1, NVC, SILU, x, ldx, wt, ldw, bias, y, ldy, K, ahead, num_ahead); break; \
+#define TILE_ARGS x, ldx, wt, ldw, sc, ldsc, group_k, bias, y, ldy, K, ahead, num_ahead
+#define TILE_CASES(NVC, SILU, FMT)                                                 \
+    switch (mr) {                                                                  \
+    case 1: tile(1, NVC, SILU, FMT, TILE_ARGS); break;                             \
+    case 2: tile(2, NVC, SILU, FMT, TILE_ARGS); break;                             \
+    case 3: tile(3, NVC, SILU, FMT, TILE_ARGS); break;                             \
+    case 4: tile(MR >= 4 ? 4 : 1, NVC, SILU, FMT, TILE_ARGS); break;               \
+    case 5: tile(MR >= 5 ? 5 : 1, NVC, SILU, FMT, TILE_ARGS); break;               \
+    default: tile(MR >= 6 ? 6 : 1, NVC, SILU, FMT, TILE_ARGS); break;              \
+    }
+#define TILE_NV(FMT)                          \
+    if (silu) {                               \
+        TILE_CASES(NV, 1, FMT);               \
+        return;                               \
+    }                                         \
+    switch (nv) {                             \
+    case 1: TILE_CASES(1, 0, FMT); break;     \
+    case 2: TILE_CASES(2, 0, FMT); break;     \
+    case 3: TILE_CASES(3, 0, FMT); break;     \
+    default: TILE_CASES(NV, 0, FMT); break;   \
     }
 
 /* One tile of mr <= MR rows and nv <= NV vectors of columns (silu: always NV). */
-static void tile_dispatch(int mr, int nv, int silu, const float *x, int64_t ldx, const float *wt, int64_t ldw,
-                          const float *bias, float *y, int64_t ldy, int64_t K, const float *ahead,
-                          int64_t num_ahead) {
-    if (silu) {
-        TILE_CASES(NV, 1);
+static void tile_dispatch(int mr, int nv, int silu, int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw,
+                          const float *sc, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy,
+                          int64_t K, const char *ahead, int64_t num_ahead) {
+    if (fmt == W_F32) {
+        TILE_NV(W_F32);
         return;
     }
-    switch (nv) {
-    case 1: TILE_CASES(1, 0); break;
-    case 2: TILE_CASES(2, 0); break;
-    case 3: TILE_CASES(3, 0); break;
-    default: TILE_CASES(NV, 0); break;
+    /* quantized tiles: whole panels only (linear() dequantizes a partial one first) */
+    if (fmt == W_I8) {
+        if (silu) TILE_CASES(NV, 1, W_I8) else TILE_CASES(NV, 0, W_I8)
+    } else {
+        if (silu) TILE_CASES(NV, 1, W_FP8) else TILE_CASES(NV, 0, W_FP8)
     }
 }
 
-/* Columns [0, cols) with cols < VL of the panel at w: plain scalar code, same summation order. */
+/* Columns [0, cols) with cols < VL of the float panel at w: plain scalar code, same
+ * summation order (quantized panels with such columns are dequantized first). */
 static void columns_scalar(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
                            int64_t ldy, int64_t mr, int64_t cols, int64_t K) {
     for (int64_t m = 0; m < mr; m++)
@@ -160,13 +264,31 @@ static void columns_scalar(const float *x, int64_t ldx, const float *w, int64_t 
         }
 }
 
-/* x (M, K) row stride ldx; wt: W^T in panels of NR columns, panel p at wt + p * panel_stride,
- * its rows ldw floats apart; bias (N,) or NULL; y (M, N) row stride ldy.
- * silu_and_mul: N is a multiple of NR, each panel holds NR/2 gate then NR/2 up columns (and
- * bias is in that order), and y is (M, N/2): panel p's silu(gate) * up at columns p*NR/2... */
-void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
-                       const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
-                       int num_threads) {
+/* At least this many row tiles in a (chunk, panel): a quantized panel is dequantized once into
+ * a float buffer, rather than widened in registers once per tile. The last, partial panel is
+ * always dequantized first, so quantized tiles exist only for whole panels (fewer
+ * specializations to compile). */
+#define DEQUANT_MIN_TILES 3
+
+/* A per-thread float buffer of at least n floats, kept across calls (OpenMP's threads live as
+ * long as the process): decode calls this kernel a few times per layer and step, and a fresh
+ * multi-MB malloc each time would map fresh pages. NULL if memory runs out. */
+static float *thread_buffer(size_t n) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = (float *)malloc(sizeof(float) * n);
+        cap = buf != NULL ? n : 0;
+    }
+    return buf;
+}
+
+/* The shared body of stoker_linear_f32 and stoker_linear_q8 (see those). */
+static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
+                  const float *scale, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy, int64_t M,
+                  int64_t N, int64_t K, int silu_and_mul, int num_threads) {
+    const int64_t esize = fmt == W_F32 ? 4 : 1;
     const int64_t num_panels = (N + NR - 1) / NR;
     /* Row chunks of at most chunk_max rows, so a chunk of x stays in L2 while every panel
      * streams past it; below that, threads split the panels (each weight read once), and the
@@ -177,34 +299,80 @@ void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw
     int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
     chunk_rows = (chunk_rows + MR - 1) / MR * MR;
     num_chunks = (M + chunk_rows - 1) / chunk_rows;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) reduction(| : failed)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++)
         for (int64_t p = 0; p < num_panels; p++) {
             const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
             const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
             const int nv = (int)(cols / VL);
             const int64_t vec_cols = (int64_t)nv * VL;
-            const float *w = wt + p * panel_stride;
+            const void *w = (const char *)wt + p * panel_stride * esize;
+            const float *sc = scale != NULL ? scale + n0 : NULL;
             /* While this panel's tiles run (from L2 after the first), the next panel is
              * prefetched, a share per tile, one cache line per k step: without it each panel's
              * first tile waits on memory (the weights do not stay in L3 between decode steps,
              * the KV cache streams through it). */
             const int64_t m_begin = chunk * chunk_rows, num_tiles = (m_end - m_begin + MR - 1) / MR;
-            const float *next = p + 1 < num_panels ? wt + (p + 1) * panel_stride : NULL;
-            const int64_t next_lines = next != NULL ? K * ldw / 16 : 0;
+            const char *next = p + 1 < num_panels ? (const char *)wt + (p + 1) * panel_stride * esize : NULL;
+            const int64_t next_lines = next != NULL ? K * ldw * esize / 64 : 0;
+            int tile_fmt = fmt;
+            const void *tile_w = w;
+            int64_t tile_ldw = ldw;
+            if (fmt != W_F32 && (num_tiles >= DEQUANT_MIN_TILES || nv != NV)) {
+                /* dequantize the panel once: buf (K, NR) = q * s, the values the tiles would make */
+                float *buf = thread_buffer((size_t)(K * NR));
+                if (buf == NULL) {
+                    failed = 1;
+                    continue;
+                }
+                for (int64_t k = 0; k < K; k++) {
+                    const float *s_row = sc + (k / group_k) * ldsc;
+                    for (int j = 0; j < NR / VL; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
+                }
+                tile_fmt = W_F32;
+                tile_w = buf;
+                tile_ldw = NR;
+            }
             for (int64_t m0 = m_begin; m0 < m_end; m0 += MR) {
                 const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
                 const int64_t t = (m0 - m_begin) / MR;
                 const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
                 const int64_t num_ahead = last - first < K ? last - first : K;
                 if (nv > 0)
-                    tile_dispatch(mr, nv, silu_and_mul, x + m0 * ldx, ldx, w, ldw, bias != NULL ? bias + n0 : NULL,
-                                  y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K, next + 16 * first, num_ahead);
-                if (vec_cols < cols)
-                    columns_scalar(x + m0 * ldx, ldx, w + vec_cols, ldw, bias != NULL ? bias + n0 + vec_cols : NULL,
-                                   y + m0 * ldy + n0 + vec_cols, ldy, mr, cols - vec_cols, K);
+                    tile_dispatch(mr, nv, silu_and_mul, tile_fmt, x + m0 * ldx, ldx, tile_w, tile_ldw, sc, ldsc, group_k,
+                                  bias != NULL ? bias + n0 : NULL, y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K,
+                                  next + 64 * first, num_ahead);
+                if (vec_cols < cols) /* tile_w is float here (see above) */
+                    columns_scalar(x + m0 * ldx, ldx, (const float *)tile_w + vec_cols, tile_ldw,
+                                   bias != NULL ? bias + n0 + vec_cols : NULL, y + m0 * ldy + n0 + vec_cols, ldy, mr,
+                                   cols - vec_cols, K);
             }
         }
+    return failed;
+}
+
+/* x (M, K) row stride ldx; wt: W^T in panels of NR columns, panel p at wt + p * panel_stride,
+ * its rows ldw floats apart; bias (N,) or NULL; y (M, N) row stride ldy.
+ * silu_and_mul: N is a multiple of NR, each panel holds NR/2 gate then NR/2 up columns (and
+ * bias is in that order), and y is (M, N/2): panel p's silu(gate) * up at columns p*NR/2... */
+void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
+                       const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
+                       int num_threads) {
+    linear(W_F32, x, ldx, wt, ldw, panel_stride, NULL, 0, K, bias, y, ldy, M, N, K, silu_and_mul, num_threads);
+}
+
+/* As stoker_linear_f32, with one-byte weights: fmt 1 int8, 2 FP8 E4M3 (bits); ldw and
+ * panel_stride in bytes (= elements). scale (ceil(K / group_k), ldsc) holds each column's scale
+ * per group of group_k rows of K, columns in panel order (ldsc >= the panels' columns); for FP8
+ * it is the true scale x 256 (the header says why). Returns 0, or 1 when the dequantization
+ * buffer could not be allocated (then y is incomplete). */
+int stoker_linear_q8(const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride, int fmt,
+                     const float *scale, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int silu_and_mul, int num_threads) {
+    if (fmt != W_I8 && fmt != W_FP8) return 2;
+    return linear(fmt, x, ldx, wt, ldw, panel_stride, scale, ldsc, group_k, bias, y, ldy, M, N, K, silu_and_mul,
+                  num_threads);
 }
 
 int stoker_linear_nr(void) { return NR; }
@@ -215,7 +383,7 @@ int stoker_linear_mr(void) { return MR; }
 int stoker_linear_vl(void) { return VL; }
 void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw, float *y,
                             int64_t ldy, int64_t K) {
-    tile_dispatch(mr, nv, 0, x, ldx, wt, ldw, NULL, y, ldy, K, NULL, 0);
+    tile_dispatch(mr, nv, 0, W_F32, x, ldx, wt, ldw, NULL, 0, K, NULL, y, ldy, K, NULL, 0);
 }
 
 /* What this build was compiled for (build.py's STOKER_CPU_ISA): "avx512", "avx2" (with FMA)

@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import torch
 
+from stoker.kernels._common import kv_inverse_scales
 from stoker.kernels.cpu.build import BuildError, available, library
 
 
+KV_DTYPES = (torch.float32, torch.float8_e4m3fn)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The C kernel's domain: CPU float32 query and cache. Anything else takes the torch twin."""
+    """The C kernels' domain: CPU float32 query, float32 or FP8 E4M3 cache. Anything else takes the torch twin."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and k_cache.dtype in KV_DTYPES
         and available()
     )
+
+
+def store_supported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The C store's domain: CPU float32 K/V rows into a float32 or FP8 cache."""
+    return supports_rows(key, value) and k_cache.dtype in KV_DTYPES and k_cache.device.type == "cpu"
 
 
 def _checked_library():
@@ -39,9 +48,13 @@ def _check_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
-    if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
-        raise ValueError(f"float32 only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if query.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"float32 query and float32 or fp8 caches only: query {query.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def _is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def _raise_for_status(status: int, kernel: str, bad_lengths: str, num_blocks: int) -> None:
@@ -62,6 +75,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # (B,) int32
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (B, H, D)
     lib = _checked_library()
     num_seqs, num_heads, head_dim = query.shape
@@ -77,11 +92,15 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     # The C code checks every length and block id it will use before reading (return 2, 3).
-    status = lib.stoker_paged_decode_attention_f32(
+    args = (
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
     )  # fmt: skip
+    if _is_fp8(k_cache):
+        status = lib.stoker_paged_decode_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads())
+    else:
+        status = lib.stoker_paged_decode_attention_f32(*args, torch.get_num_threads())
     _raise_for_status(
         status, "paged_decode_attention",
         f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "
@@ -104,6 +123,8 @@ def paged_attention(
     context_lens: list[int] | torch.Tensor,  # (B,)
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (T, H, D)
     """reference.paged_attention's semantics, in C (prefill_attention.c)."""
     lib = _checked_library()
@@ -121,11 +142,15 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    status = lib.stoker_paged_prefill_attention_f32(
+    args = (
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
         block_tables.shape[1], cu.data_ptr(), ctx.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-        head_dim, block_size, scale, sliding_window or 0, torch.get_num_threads(),
+        head_dim, block_size, scale, sliding_window or 0,
     )  # fmt: skip
+    if _is_fp8(k_cache):
+        status = lib.stoker_paged_prefill_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads())
+    else:
+        status = lib.stoker_paged_prefill_attention_f32(*args, torch.get_num_threads())
     _raise_for_status(
         status, "paged_attention",
         f"each sequence needs 0 <= query rows <= context_len <= the block table's {block_tables.shape[1] * block_size} positions",
@@ -141,6 +166,8 @@ def store_kvcache(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64, -1 = not stored
+    k_scale: float = 1.0,  # FP8 caches: x is stored as e4m3(clamp(x / scale, +-448))
+    v_scale: float = 1.0,
 ) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k, k_stride = _head_rows(key, "key")
@@ -152,13 +179,17 @@ def store_kvcache(
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
         raise ValueError("k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)")
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
-        raise ValueError(f"float32 only: key {k.dtype}, value {v.dtype}, cache {k_cache.dtype}")
+    if not (k.dtype == v.dtype == torch.float32 and k_cache.dtype in KV_DTYPES and v_cache.dtype == k_cache.dtype):
+        raise ValueError(f"float32 K/V into a float32 or fp8 cache only: key {k.dtype}, value {v.dtype}, cache {k_cache.dtype}")
     slots = slot_mapping.to(torch.int64).contiguous()
-    bad = library().stoker_store_kvcache_f32(
+    args = (
         k.data_ptr(), k_stride, v.data_ptr(), v_stride, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        k.shape[0], num_kv_heads * head_dim, num_blocks * block_size, _threads(k.numel()),
+        k.shape[0], num_kv_heads * head_dim, num_blocks * block_size,
     )  # fmt: skip
+    if _is_fp8(k_cache):
+        bad = library().stoker_store_kvcache_fp8(*args, *kv_inverse_scales(k_scale, v_scale), _threads(k.numel()))
+    else:
+        bad = library().stoker_store_kvcache_f32(*args, _threads(k.numel()))
     if bad:
         raise ValueError(f"{bad} slot_mapping entries are past the cache's {num_blocks * block_size} slots")
 
@@ -183,8 +214,10 @@ def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Ten
     gate_up: W is [gate; up], (2 * I, K) with I a multiple of NR / 2, and each panel gets
     NR / 2 gate rows then the matching NR / 2 up rows, for `linear(..., silu_and_mul=True)`.
     """
-    if weight.dim() > 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack_linear_weight needs a CPU float32 (N, K) weight, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.dim() > 2 or weight.dtype not in _PANEL_DTYPES or weight.device.type != "cpu":
+        raise ValueError(f"pack_linear_weight needs a CPU float32, int8 or fp8 (N, K) weight, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.dtype == torch.float8_e4m3fn:  # moved as bytes: not every torch op takes float8
+        return pack_linear_weight(weight.view(torch.uint8), gate_up).view(torch.float8_e4m3fn)
     nr = panel_width()
     if gate_up:
         return _pack_gate_up(weight, nr)
@@ -197,6 +230,68 @@ def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Ten
         padded = weight.new_zeros(num_panels * nr, k)
         padded[:n] = weight
     return padded.reshape(num_panels, nr, k).transpose(1, 2).contiguous()
+
+
+_PANEL_DTYPES = (torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn)
+# linear.c's weight formats
+_Q8_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+# FP8 panels are widened through fp16 bits, which read each value / 256 (linear.c's header):
+# their scales carry the 256.
+FP8_SCALE_FOLD = 256.0
+
+
+def pack_scales(scale: torch.Tensor, fmt_dtype: torch.dtype, gate_up: bool = False) -> torch.Tensor:
+    """(N, G) per-row, per-group scales -> (G, P * NR) float32 in the panels' column order
+    (zero past N), times FP8_SCALE_FOLD for FP8 weights: what `linear_q8` takes."""
+    fold = FP8_SCALE_FOLD if fmt_dtype == torch.float8_e4m3fn else 1.0
+    cols = [pack_linear_weight(scale[:, g].float().contiguous() * fold, gate_up=gate_up) for g in range(scale.shape[1])]
+    return torch.stack(cols).contiguous()
+
+
+def linear_q8(
+    x: torch.Tensor,  # (..., K) float32
+    packed: torch.Tensor,  # (P, K, NR) int8 or float8_e4m3fn panels (pack_linear_weight)
+    scales: torch.Tensor,  # (G, P * NR) float32 (pack_scales)
+    group_k: int,  # columns of K per scale group (K for one scale per column)
+    out_features: int,
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
+    """x @ dequantize(W)^T + bias with one-byte weights (linear.c, stoker_linear_q8)."""
+    lib = _checked_library()
+    num_panels, k, nr = packed.shape
+    fmt = _Q8_FORMATS.get(packed.dtype)
+    if fmt is None or not packed.is_contiguous():
+        raise ValueError(f"linear_q8 needs contiguous int8 or float8_e4m3fn panels, got {packed.dtype}")
+    groups = -(-k // group_k) if group_k > 0 else 0
+    if scales.shape != (groups, num_panels * nr) or scales.dtype != torch.float32 or not scales.is_contiguous():
+        raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype}, expected contiguous ({groups}, {num_panels * nr}) float32")
+    _check_linear_args(x, k, nr, num_panels, out_features, bias, silu_and_mul)
+    rows, stride = _as_rows(x)
+    width = out_features // 2 if silu_and_mul else out_features
+    out = torch.empty((rows.shape[0], width), dtype=torch.float32)
+    if rows.shape[0]:
+        status = lib.stoker_linear_q8(
+            rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, fmt, scales.data_ptr(), num_panels * nr, group_k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], out_features, k,
+            int(silu_and_mul), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("linear_q8: could not allocate the dequantization buffer")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
+
+
+def _check_linear_args(
+    x: torch.Tensor, k: int, nr: int, num_panels: int, out_features: int, bias: torch.Tensor | None, silu_and_mul: bool
+) -> None:
+    if x.shape[-1] != k or not (num_panels - 1) * nr < out_features <= num_panels * nr:
+        raise ValueError(f"x {tuple(x.shape)} does not fit packed weight ({num_panels}, {k}, {nr}) with {out_features} outputs")
+    if silu_and_mul and out_features != num_panels * nr:
+        raise ValueError(f"silu_and_mul needs whole panels: {out_features} outputs, panels of {nr}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    if bias is not None and (bias.shape != (num_panels * nr,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}, expected packed ({num_panels * nr},) float32")
 
 
 def gate_up_fusable(intermediate_size: int) -> bool:
@@ -224,14 +319,9 @@ def linear(
     with gate_up=True, N = 2 * I, and the result is silu(gate) * up, (..., I)."""
     lib = _checked_library()
     num_panels, k, nr = packed.shape
-    if x.shape[-1] != k or not (num_panels - 1) * nr < out_features <= num_panels * nr:
-        raise ValueError(f"x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} with {out_features} outputs")
-    if silu_and_mul and out_features != num_panels * nr:
-        raise ValueError(f"silu_and_mul needs whole panels: {out_features} outputs, panels of {nr}")
-    if x.dtype != torch.float32 or packed.dtype != torch.float32 or not packed.is_contiguous():
+    if packed.dtype != torch.float32 or not packed.is_contiguous():
         raise ValueError(f"float32 and contiguous panels only: x {x.dtype}, packed {packed.dtype}")
-    if bias is not None and (bias.shape != (num_panels * nr,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}, expected packed ({num_panels * nr},) float32")
+    _check_linear_args(x, k, nr, num_panels, out_features, bias, silu_and_mul)
     rows, stride = _as_rows(x)
     width = out_features // 2 if silu_and_mul else out_features
     out = torch.empty((rows.shape[0], width), dtype=torch.float32)

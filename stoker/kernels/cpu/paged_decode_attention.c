@@ -19,11 +19,34 @@
  *   out           (num_seqs, num_heads, head_dim)
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA/MQA). With sliding_window
  * > 0 only the last sliding_window positions (the query's own included) are attended.
+ *
+ * FP8 KV cache (stoker_paged_decode_attention_fp8): the caches hold E4M3 bits, widened to
+ * float as each row is read (the same fp16-bit route as linear.c, which reads value / 256);
+ * the k scale (x 256) is folded into the softmax scale and the v scale (x 256) into the
+ * output, so the loops are the float ones.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* e4m3 bits -> value / 256 (see linear.c: fp8_scalar) */
+static inline float fp8_div256(uint8_t b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    const float mag = e == 0 ? (float)m * 0x1p-17f : ldexpf(1.0f + (float)m * 0.125f, e - 15);
+    return (b & 0x80) ? -mag : mag;
+}
+
+/* n elements of a cache row at p (float, or fp8 bits when fp8) as floats in dst. */
+static inline void widen_row(float *restrict dst, const void *p, int64_t n, int fp8) {
+    if (!fp8) {
+        memcpy(dst, p, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint8_t *b = (const uint8_t *)p;
+    for (int64_t i = 0; i < n; i++) dst[i] = fp8_div256(b[i]);
+}
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
@@ -33,15 +56,24 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 }
 
 /* scores[h - h0, pos - start] = q_h . k_pos * scale for the positions [pos, end) of one block
- * (k_block), one dot product each. */
-static inline void score_positions(const float *restrict q, const float *restrict k_block, float *restrict scores,
+ * (k_block, elements of esize bytes), one dot product each; rowbuf: head_dim floats of scratch
+ * for an FP8 row, widened once per KV head and position. */
+static inline void score_positions(const float *restrict q, const char *restrict k_block, float *restrict scores,
                                    int64_t pos, int64_t end, int64_t start, int64_t n, int64_t h0, int64_t h1,
                                    int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
-                                   float scale) {
+                                   float scale, int fp8, float *restrict rowbuf) {
+    const int64_t esize = fp8 ? 1 : 4;
     for (; pos < end; pos++) {
-        const float *k_row = k_block + (pos % block_size) * token_stride;
-        for (int64_t h = h0; h < h1; h++)
-            scores[(h - h0) * n + (pos - start)] = dot(q + h * head_dim, k_row + (h / group) * head_dim, head_dim) * scale;
+        const char *k_row = k_block + (pos % block_size) * token_stride * esize;
+        for (int64_t h = h0; h < h1; h++) {
+            const char *kh = k_row + (h / group) * head_dim * esize;
+            const float *k = (const float *)kh;
+            if (fp8) {
+                if (h == h0 || h % group == 0) widen_row(rowbuf, kh, head_dim, 1);
+                k = rowbuf;
+            }
+            scores[(h - h0) * n + (pos - start)] = dot(q + h * head_dim, k, head_dim) * scale;
+        }
     }
 }
 
@@ -66,21 +98,23 @@ static void softmax_rows(float *scores, int64_t nh, int64_t n) {
 /* One sequence's query heads [h0, h1) against positions [start, ctx). Heads are taken in
  * whole GQA groups. Positions are walked one block, then one token row (all KV heads,
  * contiguous) at a time, so each row is read from memory once for all the heads it serves.
- * work: (h1 - h0) * ((ctx - start) + head_dim) floats of scratch. */
-static void attend(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+ * work: (h1 - h0) * ((ctx - start) + head_dim) + head_dim floats of scratch. */
+static void attend(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                    const int32_t *restrict table, float *restrict out, float *restrict work, int64_t start,
                    int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-                   int64_t token_stride, float scale) {
-    const int64_t n = ctx - start, nh = h1 - h0;
+                   int64_t token_stride, float scale, int fp8, float v_mul) {
+    const int64_t n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;          /* (nh, n) */
     float *acc = work + nh * n;    /* (nh, head_dim) */
+    float *rowbuf = acc + nh * head_dim; /* (head_dim,) */
 
     /* scores[h, i] = q_h . k_{start + i} */
     for (int64_t pos = start; pos < ctx;) {
         const int64_t block_end = pos - pos % block_size + block_size;
         const int64_t end = block_end < ctx ? block_end : ctx;
-        const float *k_block = k_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
-        score_positions(q, k_block, scores, pos, end, start, n, h0, h1, group, head_dim, block_size, token_stride, scale);
+        const char *k_block = (const char *)k_cache + (int64_t)table[pos / block_size] * block_size * token_stride * esize;
+        score_positions(q, k_block, scores, pos, end, start, n, h0, h1, group, head_dim, block_size, token_stride, scale,
+                        fp8, rowbuf);
         pos = end;
     }
 
@@ -91,19 +125,24 @@ static void attend(const float *restrict q, const float *restrict k_cache, const
     for (int64_t pos = start; pos < ctx;) {
         const int64_t block_end = pos - pos % block_size + block_size;
         const int64_t end = block_end < ctx ? block_end : ctx;
-        const float *v_block = v_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
+        const char *v_block = (const char *)v_cache + (int64_t)table[pos / block_size] * block_size * token_stride * esize;
         for (; pos < end; pos++) {
-            const float *v_row = v_block + (pos % block_size) * token_stride;
+            const char *v_row = v_block + (pos % block_size) * token_stride * esize;
             for (int64_t h = h0; h < h1; h++) {
                 const float p = scores[(h - h0) * n + (pos - start)];
-                const float *v = v_row + (h / group) * head_dim;
+                const char *vh = v_row + (h / group) * head_dim * esize;
+                const float *v = (const float *)vh;
+                if (fp8) {
+                    if (h == h0 || h % group == 0) widen_row(rowbuf, vh, head_dim, 1);
+                    v = rowbuf;
+                }
                 float *a = acc + (h - h0) * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
             }
         }
     }
-    memcpy(out + h0 * head_dim, acc, sizeof(float) * nh * head_dim);
+    for (int64_t i = 0; i < nh * head_dim; i++) out[h0 * head_dim + i] = acc[i] * v_mul;
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -120,6 +159,40 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 ld16(const float *p) { return *(const v16u *)p; }
 static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
+
+#if !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
+static float fp8_table[256]; /* builds without F16C: the 256 values / 256 */
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) fp8_table[b] = fp8_div256((uint8_t)b);
+}
+#endif
+
+/* 16 FP8 E4M3 values at p -> floats / 256: their bits moved into fp16s, then widened. */
+static inline v16 ld16_fp8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return (v16)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    float f[16];
+    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+    _mm256_storeu_ps(f + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    return ld16(f);
+#else
+    float f[16];
+    for (int l = 0; l < 16; l++) f[l] = fp8_table[p[l]];
+    return ld16(f);
+#endif
+}
+
+/* 16 cache elements at element index i of base (float, or FP8 bits when fp8: a constant). */
+static inline v16 ldkv16(const int fp8, const void *base, int64_t i) {
+    return fp8 ? ld16_fp8((const uint8_t *)base + i) : ld16((const float *)base + i);
+}
 
 /* Lane i of the result is the sum of the 16 lanes of v[i]. */
 static inline v16 sum16x16(const v16 v[16]) {
@@ -141,44 +214,50 @@ static inline v16 sum16x16(const v16 v[16]) {
     return __builtin_shuffle(c[0], c[1], l4a) + __builtin_shuffle(c[0], c[1], l4b);
 }
 
-/* As attend(), for head_dim = 16 * nd; nd is a constant at each call site. */
-static inline __attribute__((always_inline)) void attend16(const int nd, const float *restrict q,
-                                                           const float *restrict k_cache, const float *restrict v_cache,
+/* As attend(), for head_dim = 16 * nd; nd and fp8 are constants at each call site. */
+static inline __attribute__((always_inline)) void attend16(const int nd, const int fp8, const float *restrict q,
+                                                           const void *restrict k_cache, const void *restrict v_cache,
                                                            const int32_t *restrict table, float *restrict out,
                                                            float *restrict work, int64_t start, int64_t ctx, int64_t h0,
                                                            int64_t h1, int64_t group, int64_t block_size,
-                                                           int64_t token_stride, float scale) {
-    const int64_t head_dim = 16 * nd, n = ctx - start, nh = h1 - h0;
+                                                           int64_t token_stride, float scale, float v_mul) {
+    const int64_t head_dim = 16 * nd, n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;       /* (nh, n) */
     float *acc = work + nh * n; /* (nh, head_dim) */
+    float *rowbuf = acc + nh * head_dim;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    /* element offset of a block's first row; prefetches step 64 bytes = 64 / esize elements */
+    const int64_t block_elems = block_size * token_stride, line = 64 / esize;
 
     /* scores[h, i] = q_h . k_{start + i}: 16 positions of one block at a time */
     for (int64_t pos = start; pos < ctx;) {
         const int64_t block_end = pos - pos % block_size + block_size;
         const int64_t end = block_end < ctx ? block_end : ctx;
-        const float *k_block = k_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
+        const int64_t k_block = (int64_t)table[pos / block_size] * block_elems;
         for (; pos + 16 <= end; pos += 16) {
-            const float *k_rows = k_block + (pos % block_size) * token_stride;
+            const int64_t k_rows = k_block + (pos % block_size) * token_stride;
             /* the next 16 positions' rows: prefetched, one KV head at a time, while these run */
-            const float *k_next = pos + 32 <= end ? k_rows + 16 * token_stride
-                                  : end < ctx ? k_cache + (int64_t)table[end / block_size] * block_size * token_stride
-                                              : NULL;
+            const int64_t k_next = pos + 32 <= end ? k_rows + 16 * token_stride
+                                   : end < ctx     ? (int64_t)table[end / block_size] * block_elems
+                                                   : -1;
             for (int64_t h = h0; h < h1; h++) {
-                if (k_next != NULL && (h - h0) % group == 0)
+                if (k_next >= 0 && (h - h0) % group == 0)
                     for (int t = 0; t < 16; t++)
-                        for (int j = 0; j < nd; j++) __builtin_prefetch(k_next + t * token_stride + (h / group) * head_dim + 16 * j, 0, 3);
+                        for (int64_t j = 0; j < head_dim; j += line)
+                            __builtin_prefetch(kc + (k_next + t * token_stride + (h / group) * head_dim + j) * esize, 0, 3);
                 v16 qv[8], d[16];
                 for (int j = 0; j < nd; j++) qv[j] = ld16(q + h * head_dim + 16 * j);
-                const float *kh = k_rows + (h / group) * head_dim;
+                const int64_t kh = k_rows + (h / group) * head_dim;
                 for (int t = 0; t < 16; t++) {
-                    v16 s = qv[0] * ld16(kh + t * token_stride);
-                    for (int j = 1; j < nd; j++) s += qv[j] * ld16(kh + t * token_stride + 16 * j);
+                    v16 s = qv[0] * ldkv16(fp8, kc, kh + t * token_stride);
+                    for (int j = 1; j < nd; j++) s += qv[j] * ldkv16(fp8, kc, kh + t * token_stride + 16 * j);
                     d[t] = s;
                 }
                 st16(scores + (h - h0) * n + (pos - start), sum16x16(d) * scale);
             }
         }
-        score_positions(q, k_block, scores, pos, end, start, n, h0, h1, group, head_dim, block_size, token_stride, scale);
+        score_positions(q, kc + k_block * esize, scores, pos, end, start, n, h0, h1, group, head_dim, block_size,
+                        token_stride, scale, fp8, rowbuf);
         pos = end;
     }
 
@@ -189,39 +268,37 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const f
     for (int64_t pos = start; pos < ctx;) {
         const int64_t block_end = pos - pos % block_size + block_size;
         const int64_t end = block_end < ctx ? block_end : ctx;
-        const float *v_block = v_cache + (int64_t)table[pos / block_size] * block_size * token_stride;
         const int64_t len = end - pos;
-        const float *v_rows = v_block + (pos % block_size) * token_stride;
-        const float *v_next = end < ctx ? v_cache + (int64_t)table[end / block_size] * block_size * token_stride : NULL;
+        const int64_t v_rows = (int64_t)table[pos / block_size] * block_elems + (pos % block_size) * token_stride;
+        const int64_t v_next = end < ctx ? (int64_t)table[end / block_size] * block_elems : -1;
         const int64_t next_len = ctx - end < block_size ? ctx - end : block_size;
         for (int64_t h = h0; h < h1; h++) {
-            if (v_next != NULL && (h - h0) % group == 0)
+            if (v_next >= 0 && (h - h0) % group == 0)
                 for (int64_t t = 0; t < next_len; t++)
-                    for (int j = 0; j < nd; j++) __builtin_prefetch(v_next + t * token_stride + (h / group) * head_dim + 16 * j, 0, 3);
+                    for (int64_t j = 0; j < head_dim; j += line)
+                        __builtin_prefetch(vc + (v_next + t * token_stride + (h / group) * head_dim + j) * esize, 0, 3);
             const float *p = scores + (h - h0) * n + (pos - start);
-            const float *vh = v_rows + (h / group) * head_dim;
+            const int64_t vh = v_rows + (h / group) * head_dim;
             float *a = acc + (h - h0) * head_dim;
             v16 av[8];
             for (int j = 0; j < nd; j++) av[j] = ld16(a + 16 * j);
             for (int64_t t = 0; t < len; t++)
-                for (int j = 0; j < nd; j++) av[j] += p[t] * ld16(vh + t * token_stride + 16 * j);
+                for (int j = 0; j < nd; j++) av[j] += p[t] * ldkv16(fp8, vc, vh + t * token_stride + 16 * j);
             for (int j = 0; j < nd; j++) st16(a + 16 * j, av[j]);
         }
         pos = end;
     }
-    memcpy(out + h0 * head_dim, acc, sizeof(float) * nh * head_dim);
+    for (int64_t i = 0; i < nh * head_dim; i++) out[h0 * head_dim + i] = acc[i] * v_mul;
 }
 #endif
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 if a context length
- * is negative or needs more blocks than a table row holds, 3 if a block id that would be
- * read is outside [0, num_blocks). Checked here, before any read, rather than in Python:
- * the min/max there cost three host round trips per layer and step. */
-int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, const float *v_cache,
-                                      int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
-                                      const int32_t *context_lens, float *out, int64_t num_seqs,
-                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+/* The body of both entry points below; fp8: the caches hold E4M3 bits. k_mul scales every
+ * score (with the softmax scale), v_mul the output. */
+static int paged_decode(const float *query, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                        const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale, int64_t sliding_window, int num_threads, int fp8,
+                        float v_mul) {
     int64_t max_context_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t ctx = context_lens[s];
@@ -238,7 +315,7 @@ int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, 
      * thread busy, one KV head's group of one sequence. */
     const int64_t splits = num_seqs >= 4 * (int64_t)num_threads ? 1 : num_kv_heads;
     const int64_t heads_per_task = num_heads / splits;
-    const int64_t work_floats = heads_per_task * (max_context_len + head_dim);
+    const int64_t work_floats = heads_per_task * (max_context_len + head_dim) + head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -258,20 +335,51 @@ int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, 
             const float *qs = query + s * num_heads * head_dim;
             const int32_t *table = block_tables + s * max_blocks;
 #ifdef FAST_PATH
+#define ATTEND16(ND)                                                                                                   \
+    (fp8 ? attend16(ND, 1, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
+                    scale, v_mul)                                                                                      \
+         : attend16(ND, 0, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
+                    scale, v_mul))
             if (head_dim == 64)
-                attend16(4, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, scale);
+                ATTEND16(4);
             else if (head_dim == 128)
-                attend16(8, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, scale);
+                ATTEND16(8);
             else if (head_dim == 32)
-                attend16(2, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, scale);
+                ATTEND16(2);
             else if (head_dim == 96)
-                attend16(6, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, scale);
+                ATTEND16(6);
             else
 #endif
                 attend(qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, head_dim, block_size, token_stride,
-                       scale);
+                       scale, fp8, v_mul);
         }
         free(work);
     }
     return failed;
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 if a context length
+ * is negative or needs more blocks than a table row holds, 3 if a block id that would be
+ * read is outside [0, num_blocks). Checked here, before any read, rather than in Python:
+ * the min/max there cost three host round trips per layer and step. */
+int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, const float *v_cache,
+                                      int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                      const int32_t *context_lens, float *out, int64_t num_seqs,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                      int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+    return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
+                        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0, 1.0f);
+}
+
+/* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
+int stoker_paged_decode_attention_fp8(const float *query, const uint8_t *k_cache, const uint8_t *v_cache,
+                                      int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                      const int32_t *context_lens, float *out, int64_t num_seqs,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                      int64_t block_size, float scale, int64_t sliding_window, float k_scale,
+                                      float v_scale, int num_threads) {
+    /* rows widen to value / 256: the 256 goes into both multipliers */
+    return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
+                        num_heads, num_kv_heads, head_dim, block_size, scale * k_scale * 256.0f, sliding_window,
+                        num_threads, 1, v_scale * 256.0f);
 }

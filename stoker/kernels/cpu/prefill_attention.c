@@ -16,6 +16,10 @@
  * cu_seqlens (B + 1,) int64 offsets of each sequence's rows in query; context_lens (B,) int64.
  * Query row i of sequence s sits at position context_lens[s] - q_len + i.
  * D must be a multiple of VL (the caller checks; others take the twin).
+ *
+ * FP8 KV cache (stoker_paged_prefill_attention_fp8): K and V hold E4M3 bits; they are
+ * dequantized (value x k_scale, value x v_scale) as they are packed into the float panels,
+ * so the products are the float ones on the dequantized K/V, as in the twin.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,17 +35,41 @@ void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const f
 /* Query rows per task: a long prompt still gives every thread work. */
 #define Q_CHUNK 64
 
-static const float *kv_row(const float *cache, const int32_t *table, int64_t pos, int64_t block_size,
-                           int64_t token_stride, int64_t g, int64_t head_dim) {
-    return cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+/* Element index of (position pos, KV head g)'s row in a cache. */
+static inline int64_t kv_row(const int32_t *table, int64_t pos, int64_t block_size, int64_t token_stride, int64_t g,
+                             int64_t head_dim) {
+    return ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
 }
 
-/* Returns 0, 1 (no memory), 2 (a length is inconsistent), 3 (a block id outside the cache). */
-int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache, const float *v_cache,
-                                       int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
-                                       const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
-                                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+/* e4m3 bits -> value (exact), for the FP8 cache rows */
+static inline float fp8_value(uint8_t b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    const float mag = e == 0 ? (float)m * 0x1p-9f : ldexpf(1.0f + (float)m * 0.125f, e - 7);
+    return (b & 0x80) ? -mag : mag;
+}
+
+static float fp8_values[256];
+__attribute__((constructor)) static void fill_fp8_values(void) {
+    for (int b = 0; b < 256; b++) fp8_values[b] = fp8_value((uint8_t)b);
+}
+
+/* dst[d * dst_stride] = cache row element d, dequantized (fp8: value x mul), d < n */
+static inline void read_row(float *dst, int64_t dst_stride, const void *cache, int64_t at, int64_t n, int fp8, float mul) {
+    if (fp8) {
+        const uint8_t *src = (const uint8_t *)cache + at;
+        for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = fp8_values[src[d]] * mul;
+    } else {
+        const float *src = (const float *)cache + at;
+        for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = src[d];
+    }
+}
+
+/* The body of both entry points below; fp8: caches of E4M3 bits, dequantized by k_mul / v_mul. */
+static int paged_prefill(const float *query, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                         const int32_t *block_tables, int64_t max_blocks, const int64_t *cu_seqlens,
+                         const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         int64_t sliding_window, int num_threads, int fp8, float k_mul, float v_mul) {
     const int64_t nr = stoker_linear_nr(), mr_max = stoker_linear_mr(), vl = stoker_linear_vl();
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim, ldq = num_heads * head_dim;
     int64_t max_ctx = 0, num_tasks = 0;
@@ -90,8 +118,8 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
                 for (int64_t j = 0; j < nr; j++) {
                     const int64_t key = p * nr + j;
                     if (key < n_keys) {
-                        const float *src = kv_row(k_cache, table, lo + key, block_size, token_stride, g, head_dim);
-                        for (int64_t d = 0; d < head_dim; d++) panel[d * nr + j] = src[d];
+                        read_row(panel + j, nr, k_cache, kv_row(table, lo + key, block_size, token_stride, g, head_dim),
+                                 head_dim, fp8, k_mul);
                     } else {
                         for (int64_t d = 0; d < head_dim; d++) panel[d * nr + j] = 0.0f;
                     }
@@ -99,10 +127,10 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
             }
             /* pack V: panel q holds dims q*nr .. of every key, one row per key */
             for (int64_t key = 0; key < n_keys; key++) {
-                const float *src = kv_row(v_cache, table, lo + key, block_size, token_stride, g, head_dim);
+                const int64_t at = kv_row(table, lo + key, block_size, token_stride, g, head_dim);
                 for (int64_t q = 0; q < d_panels; q++) {
                     const int64_t width = head_dim - q * nr < nr ? head_dim - q * nr : nr;
-                    memcpy(vp + (q * keys_pad + key) * nr, src + q * nr, sizeof(float) * (size_t)width);
+                    read_row(vp + (q * keys_pad + key) * nr, 1, v_cache, at + q * nr, width, fp8, v_mul);
                 }
             }
             for (int64_t h = g * group; h < (g + 1) * group; h++) {
@@ -149,4 +177,27 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
         free(scores);
     }
     return failed;
+}
+
+/* Returns 0, 1 (no memory), 2 (a length is inconsistent), 3 (a block id outside the cache). */
+int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache, const float *v_cache,
+                                       int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                       const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
+                                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+    return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0,
+                         1.0f, 1.0f);
+}
+
+/* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
+int stoker_paged_prefill_attention_fp8(const float *query, const uint8_t *k_cache, const uint8_t *v_cache,
+                                       int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                       const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
+                                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, float scale, int64_t sliding_window, float k_scale,
+                                       float v_scale, int num_threads) {
+    return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 1,
+                         k_scale, v_scale);
 }

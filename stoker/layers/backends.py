@@ -1,0 +1,120 @@
+"""Which weight method and backend each projection gets, decided once when the model is built.
+
+`LinearMethodChooser(name, layer)` is called by `models/loader.build_model` for every
+projection, before its parameters exist:
+
+  * the LM head: tied to the embedding (TiedMethod), else float like the rest;
+  * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
+    with its backend (stoker/quantization/methods.py lists them);
+  * float projections: the C kernels' packed panels on CPU float32 when they are built
+    (PackedCpuMethod, with SiLU-and-mul fused into a [gate; up] layer whose MLP uses SiLU),
+    MKL's column-major layout on CPU without them, F.linear otherwise.
+The environment (STOKER_DISABLE_CPU_KERNELS, STOKER_DISABLE_TRITON) is read here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from stoker.kernels import ops
+from stoker.kernels.cpu import build as cpu_kernels
+from stoker.layers.embedding import LMHead
+from stoker.layers.linear import Linear
+from stoker.layers.weight_method import ColumnMajorMethod, LinearMethod, PackedCpuMethod, TiedMethod, TorchLinearMethod
+from stoker.quantization.config import QuantConfig, QuantizationError, WeightScheme
+
+logger = logging.getLogger(__name__)
+
+
+def fp8_matmul_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantized_backend(scheme: WeightScheme, device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cpu":
+        if dtype == torch.float32 and cpu_kernels.available():
+            return "cpu_q8"
+        if scheme.dtype == "int8" and scheme.strategy in ("tensor", "channel") and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            return "int8pack"
+        return "dequant"
+    if device.type == "cuda":
+        if scheme.dtype == "fp8" and scheme.strategy in ("tensor", "channel") and fp8_matmul_supported(device):
+            return "scaled_mm"
+        if ops.triton_available() and not ops.triton_disabled():
+            return "triton_w8"
+    return "dequant"
+
+
+@dataclass
+class LinearMethodChooser:
+    quant: QuantConfig | None
+    device: torch.device
+    dtype: torch.dtype
+    model: nn.Module
+    chosen: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        # checkpoint shard name of each merged module's shards: qkv_proj -> {"q": "q_proj", ...}
+        self.shard_names: dict[str, dict[str, str]] = {}
+        for ckpt_name, (merged, shard) in getattr(self.model, "packed_modules", {}).items():
+            self.shard_names.setdefault(merged, {})[shard] = ckpt_name
+
+    def checkpoint_module_names(self, name: str, layer: Linear) -> list[str]:
+        """The checkpoint's module names behind `name` (a merged layer has one per shard)."""
+        parent, _, leaf = name.rpartition(".")
+        if layer.shard_offsets and leaf in self.shard_names:
+            prefix = parent + "." if parent else ""
+            return [prefix + self.shard_names[leaf][shard] for shard in layer.shard_offsets]
+        return [name]
+
+    def __call__(self, name: str, layer: Linear) -> LinearMethod:
+        method = self._choose(name, layer)
+        self.chosen[method.describe()] += 1
+        return method
+
+    def _choose(self, name: str, layer: Linear) -> LinearMethod:
+        if isinstance(layer, LMHead):
+            if layer.tied_embedding is not None:
+                return TiedMethod(layer.tied_embedding.weight)
+            return self._float(name, layer)
+        if self.quant is not None:
+            names = self.checkpoint_module_names(name, layer)
+            ignored = [self.quant.is_ignored(n) for n in names]
+            if any(ignored) and not all(ignored):
+                raise QuantizationError(
+                    f"the quantization config ignores {[n for n, i in zip(names, ignored) if i]} but not "
+                    f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"
+                )
+            if not all(ignored):
+                from stoker.quantization.methods import QuantizedLinearMethod
+
+                backend = quantized_backend(self.quant.weights, self.device, self.dtype)
+                return QuantizedLinearMethod(self.quant.weights, self.quant.online, backend, self._fuse_silu(name, layer, backend))
+        return self._float(name, layer)
+
+    def _float(self, name: str, layer: Linear) -> LinearMethod:
+        if self.cpu_kernels:
+            return PackedCpuMethod(self._fuse_silu(name, layer, "cpu"))
+        if self.device.type == "cpu":
+            return ColumnMajorMethod()
+        return TorchLinearMethod()
+
+    def _fuse_silu(self, name: str, layer: Linear, backend: str) -> bool:
+        """A [gate; up] layer whose MLP applies SiLU, on a CPU kernel that can fuse it."""
+        from stoker.kernels.cpu import native
+        from stoker.layers.activation import SiluAndMul
+
+        if backend not in ("cpu", "cpu_q8") or list(layer.shard_offsets) != ["gate", "up"]:
+            return False
+        parent = self.model.get_submodule(name.rpartition(".")[0])
+        return isinstance(getattr(parent, "act", None), SiluAndMul) and native.gate_up_fusable(layer.out_features // 2)
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} x {m}" for m, n in sorted(self.chosen.items()))

@@ -1,0 +1,133 @@
+"""The weight-method seam: how one projection stores, loads and applies its weight.
+
+A model file builds `Linear` / `MergedLinear` / `LMHead` layers knowing only their shapes.
+When the model is built (`models/loader.build_model`), each projection is given one
+`LinearMethod`, chosen once for its representation (float, FP8, INT8) and its backend (the C
+kernels on packed panels, MKL, Triton, torch), and the method creates the layer's parameters:
+
+    create_weights(layer)              parameters in the stored representation
+    load(layer, name, shard, tensor)   one checkpoint tensor (a merged layer's shard, or the whole)
+    process_after_loading(layer)       re-layout for the backend (pack panels, transpose, ...)
+    apply(layer, x)                    x (..., in) -> (..., out)
+
+Nothing tests a weight's shape or dtype to guess its representation, and no call re-reads
+the environment to pick a backend: both are fields of the method.
+
+The next two capabilities plug in here without a reshuffle:
+  * tensor parallelism: the chooser wraps a method with the rank's shard (a column-parallel
+    layer creates N / tp rows and `load` narrows each checkpoint tensor, and its scale, to
+    them; a row-parallel one narrows K and all-reduces after `apply`), the representation
+    and backend unchanged underneath;
+  * LoRA: a wrapper method whose `apply` is the base method's plus x A^T B^T for the adapters
+    of the rows in the batch; the base weight (float or quantized) is untouched.
+The methods here are the float ones; quantized ones live in `stoker/quantization/methods.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from stoker.layers.linear import Linear
+
+
+class LinearMethod:
+    """Base: a float (out, in) weight and optional bias, shard-aware loading."""
+
+    #: the representation, for logs and byte accounting ("float", "fp8", "int8")
+    kind = "float"
+
+    def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
+        """Names the checkpoint must hold for each shard (bias added by the layer when it has one)."""
+        return ("weight",)
+
+    def create_weights(self, layer: Linear) -> None:
+        """Parameters on the current default device and dtype (build_model sets both)."""
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
+
+    def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        if param_name not in ("weight", "bias"):
+            raise ValueError(f"unexpected checkpoint tensor {param_name!r} for an unquantized projection")
+        copy_rows(layer, getattr(layer, param_name), shard, tensor, param_name)
+
+    def process_after_loading(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def copy_rows(layer: Linear, param: torch.Tensor, shard: str | None, tensor: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint tensor into `param`'s rows of `shard` (all rows when shard is None),
+    checking its shape first; the message names the shard and the shapes."""
+    rows = layer.shard_rows(shard)
+    expected = (rows.stop - rows.start, *param.shape[1:])
+    if tuple(tensor.shape) != expected:
+        where = f"shard {shard!r} of {name}" if shard else name
+        raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(tensor.shape)}, expected {expected}")
+    with torch.no_grad():
+        param[rows].copy_(tensor)
+
+
+class TorchLinearMethod(LinearMethod):
+    """Float weights through F.linear: CUDA (cuBLAS), other dtypes, any device."""
+
+
+class ColumnMajorMethod(LinearMethod):
+    """CPU without the C kernels: the (out, in) weight laid out column-major for MKL.
+
+    The weight keeps its (out, in) shape, but its memory becomes (in, out) row-major, so
+    `F.linear` hands MKL a non-transposed B. `benchmarks/cpu_kernels.py`: 1.9x at M = 8 and
+    1.4x at M = 32 for in 512 / out 2816, equal at M = 1 and prefill sizes. Same memory.
+    """
+
+    def process_after_loading(self, layer: Linear) -> None:
+        w = layer.weight.data
+        layer.weight.data = w.t().contiguous().t()
+
+
+class PackedCpuMethod(LinearMethod):
+    """CPU float32 with the C kernels: the weight as (ceil(out / NR), in, NR) panels for
+    `kernels/cpu/linear.c` (NR = 64 with AVX-512), each streamed once, contiguously.
+
+    fuse_silu_and_mul (an MLP's [gate; up] projection whose activation is SiLU): gate and up
+    columns sit side by side in each panel and the kernel writes silu(gate) * up, half as wide.
+    `kernel` is the C kernel, or its torch twin (`reference.linear_packed`, for tests).
+    """
+
+    def __init__(self, fuse_silu_and_mul: bool = False) -> None:
+        from stoker.kernels.cpu import native
+
+        self.fuse_silu_and_mul = fuse_silu_and_mul
+        self.kernel = native.linear
+
+    def process_after_loading(self, layer: Linear) -> None:
+        from stoker.kernels.cpu import native
+
+        layer.weight = nn.Parameter(native.pack_linear_weight(layer.weight.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(native.pack_linear_weight(layer.bias.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.out_features, layer.bias, self.fuse_silu_and_mul)
+
+
+class TiedMethod(LinearMethod):
+    """An LM head that shares the token embedding's (vocab, hidden) weight: nothing to create,
+    load or re-lay (the embedding looks rows up, which wants them contiguous)."""
+
+    def __init__(self, embedding_weight: nn.Parameter) -> None:
+        self.embedding_weight = embedding_weight
+
+    def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
+        return ()
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = self.embedding_weight

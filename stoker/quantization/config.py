@@ -1,0 +1,210 @@
+"""What quantization a model runs with, read once from `--quantization` and config.json. [no torch]
+
+Two sources, one result (`QuantConfig`):
+  * online: `--quantization fp8|int8` (vLLM's flag) on a float checkpoint: every decoder-layer
+    projection is quantized at load, symmetric, one scale per output channel; embeddings and the
+    LM head stay in the model dtype.
+  * a pre-quantized checkpoint, from config.json's `quantization_config`:
+      - compressed-tensors (what llm-compressor writes), formats "float-quantized" (FP8 E4M3),
+        "int-quantized" (int8) and "pack-quantized" (int8 packed four to an int32), weight
+        strategies tensor / channel / group / block, symmetric; the `ignore` list; a
+        `kv_cache_scheme` (FP8 KV with per-layer k/v scales);
+      - `"quant_method": "fp8"` (vLLM / Qwen3-FP8 / DeepSeek): FP8 weights with a per-tensor
+        `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`.
+Anything else is refused here, naming what it found and listing what is supported, before a
+single tensor is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ONLINE_METHODS = ("fp8", "int8")
+SUPPORTED_CHECKPOINTS = (
+    "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric)",
+    "fp8 (per-tensor weight_scale or weight_block_size [128, 128] with weight_scale_inv)",
+)
+_STRATEGIES = ("tensor", "channel", "group", "block")
+
+
+class QuantizationError(ValueError):
+    """A quantization flag or checkpoint config the engine cannot honour; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one projection's weight is stored. Scales are per output channel and group of K."""
+
+    dtype: str  # "fp8" (E4M3) | "int8"
+    strategy: str  # "tensor" | "channel" | "group" | "block"
+    group_size: int | None = None  # group: columns of K per scale
+    block: tuple[int, int] | None = None  # block: (rows of N, columns of K) per scale
+    packed: bool = False  # int8 values packed four to an int32 (compressed-tensors pack-quantized)
+    dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only, GPU)
+    static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp8", "int8"):
+            raise QuantizationError(f"weight dtype {self.dtype!r}: only fp8 (e4m3) and int8 are supported")
+        if self.strategy not in _STRATEGIES:
+            raise QuantizationError(f"weight strategy {self.strategy!r}: supported are {', '.join(_STRATEGIES)}")
+        if self.strategy == "group" and not (self.group_size and self.group_size > 0):
+            raise QuantizationError("weight strategy 'group' needs a positive group_size")
+        if self.strategy == "block" and not (self.block and all(b > 0 for b in self.block)):
+            raise QuantizationError("weight strategy 'block' needs a block structure [rows, columns]")
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint tensor holding the weight scales."""
+        return "weight_scale_inv" if self.strategy == "block" else "weight_scale"
+
+    @property
+    def weight_name(self) -> str:
+        return "weight_packed" if self.packed else "weight"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # "fp8" | "int8": what --quantization would be called for this scheme
+    source: str  # "online" | "compressed-tensors" | "fp8"
+    weights: WeightScheme
+    ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
+    kv_cache_fp8: bool = False  # the checkpoint's scheme quantizes the KV cache to FP8
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def online(self) -> bool:
+        return self.source == "online"
+
+    @property
+    def description(self) -> str:
+        w = self.weights
+        detail = w.strategy + (f" {w.group_size}" if w.group_size else "") + (f" {w.block[0]}x{w.block[1]}" if w.block else "")
+        return f"{self.method} ({self.source}, per-{detail} scales)"
+
+    def is_ignored(self, module_name: str) -> bool:
+        """True if the checkpoint module `module_name` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):  # compressed-tensors' convention: re.match on the name
+                if re.match(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return True
+        return False
+
+
+def online_config(method: str) -> QuantConfig:
+    if method not in ONLINE_METHODS:
+        raise QuantizationError(f"--quantization {method!r} is not supported; choose one of: {', '.join(ONLINE_METHODS)}")
+    return QuantConfig(method=method, source="online", weights=WeightScheme(dtype=method, strategy="channel"),
+                       ignore=("lm_head",))
+
+
+def resolve(hf_config: dict[str, Any], quantization: str | None) -> QuantConfig | None:
+    """The scheme the engine runs: from the checkpoint if it is quantized (then `quantization`,
+    if given, must agree), else from `quantization` (online), else None (float weights)."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return online_config(quantization) if quantization else None
+    found = parse_checkpoint_config(qc)
+    if quantization is not None and quantization != found.method:
+        raise QuantizationError(
+            f"--quantization {quantization} disagrees with the checkpoint, which is already quantized as "
+            f"{found.description}; drop --quantization (or pass --quantization {found.method})"
+        )
+    return found
+
+
+def parse_checkpoint_config(qc: dict[str, Any]) -> QuantConfig:
+    if not isinstance(qc, dict):
+        raise QuantizationError(f"config.json quantization_config must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method == "fp8":
+        return _fp8_checkpoint(qc)
+    raise QuantizationError(
+        f"quantization_config quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED_CHECKPOINTS)}"
+    )
+
+
+def _fp8_checkpoint(qc: dict[str, Any]) -> QuantConfig:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantizationError(f"fp8 checkpoint fmt {fmt!r} is not supported; only e4m3")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise QuantizationError(f"fp8 activation_scheme {scheme!r} is not supported; dynamic or static")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise QuantizationError(f"fp8 weight_block_size must be [rows, columns], got {block!r}")
+        weights = WeightScheme("fp8", "block", block=(block[0], block[1]), dynamic_activations=scheme == "dynamic")
+    else:
+        weights = WeightScheme("fp8", "tensor", dynamic_activations=scheme == "dynamic", static_input_scale=scheme == "static")
+    ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()) + ("lm_head",)
+    return QuantConfig(method="fp8", source="fp8", weights=weights, ignore=ignore, raw=qc)
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"compressed-tensors checkpoints with {len(groups)} config_groups are not supported; one group "
+            "(the same scheme for every quantized Linear) is"
+        )
+    group = next(iter(groups.values()))
+    targets = group.get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise QuantizationError(f"compressed-tensors targets {targets!r} are not supported; only ['Linear']")
+    fmt = group.get("format") or qc.get("format")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise QuantizationError("compressed-tensors config group has no 'weights' scheme (weight quantization is required)")
+    num_bits, wtype = w.get("num_bits"), w.get("type", "int")
+    if num_bits != 8:
+        raise QuantizationError(f"compressed-tensors weights of {num_bits} bits are not supported; only 8-bit (fp8 or int8)")
+    if not w.get("symmetric", True):
+        raise QuantizationError("compressed-tensors asymmetric weights (zero points) are not supported; only symmetric")
+    if w.get("actorder") not in (None, False, "static", "weight", "group") and w.get("actorder"):
+        raise QuantizationError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported")
+    dtype = {"float": "fp8", "int": "int8"}.get(wtype)
+    if dtype is None:
+        raise QuantizationError(f"compressed-tensors weight type {wtype!r} is not supported; float (fp8) or int (int8)")
+    expected_formats = {"fp8": ("float-quantized", "naive-quantized"), "int8": ("int-quantized", "pack-quantized", "naive-quantized")}
+    if fmt not in expected_formats[dtype]:
+        raise QuantizationError(
+            f"compressed-tensors format {fmt!r} for {wtype} weights is not supported; supported: "
+            f"{', '.join(expected_formats[dtype])}"
+        )
+    strategy = w.get("strategy", "tensor")
+    block = w.get("block_structure")
+    if strategy == "block":
+        if isinstance(block, str):  # older files write "128x128"
+            block = [int(b) for b in block.lower().split("x")]
+        if not (isinstance(block, list) and len(block) == 2):
+            raise QuantizationError(f"compressed-tensors block strategy needs block_structure [rows, columns], got {block!r}")
+    if strategy not in _STRATEGIES:
+        raise QuantizationError(f"compressed-tensors weight strategy {strategy!r} is not supported; supported: {', '.join(_STRATEGIES)}")
+    acts = group.get("input_activations")
+    dynamic = static = False
+    if acts:
+        if acts.get("num_bits") != 8 or acts.get("type", "int") != wtype:
+            raise QuantizationError(f"compressed-tensors input_activations {acts!r} are not supported with {wtype} weights")
+        dynamic = bool(acts.get("dynamic", False))
+        static = not dynamic
+    if group.get("output_activations"):
+        raise QuantizationError("compressed-tensors output_activations quantization is not supported")
+    weights = WeightScheme(
+        dtype, strategy, group_size=w.get("group_size") if strategy == "group" else None,
+        block=tuple(block) if strategy == "block" else None, packed=fmt == "pack-quantized",
+        dynamic_activations=dynamic and dtype == "fp8", static_input_scale=static,
+    )  # fmt: skip
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        if kv.get("num_bits") != 8 or kv.get("type") != "float" or kv.get("strategy", "tensor") != "tensor":
+            raise QuantizationError(f"compressed-tensors kv_cache_scheme {kv!r} is not supported; 8-bit float per tensor")
+    return QuantConfig(method=dtype, source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()),
+                       kv_cache_fp8=bool(kv), raw=qc)

@@ -1,0 +1,191 @@
+"""The quantized linear method: FP8 or INT8 weights, per-row and per-group scales.
+
+One method class, its representation fixed by a `WeightScheme` and its backend chosen once
+at build (`layers/backends.py`):
+
+  cpu_q8     CPU float32 activations with the C kernels: one-byte panels (linear.c,
+             stoker_linear_q8), dequantized in registers: a quarter of float32's bytes.
+  int8pack   CPU without the C kernels, INT8 with one scale per row: torch's
+             `_weight_int8pack_mm` (measured far slower than cpu_q8: docs/benchmarks.md).
+  scaled_mm  CUDA with FP8 matrix units (compute capability 8.9+), FP8 with per-row
+             scales: W8A8, activations quantized per token (or with the checkpoint's static
+             input_scale), `torch._scaled_mm`.
+  triton_w8  other CUDA cases (INT8, FP8 blocks, GPUs without FP8 units): weight-only,
+             dequantized inside the Triton GEMM (kernels/w8_linear.py).
+  dequant    anything else: the twin, which dequantizes one layer per call (never the whole
+             model at once).
+
+Loading: online (`--quantization`), each float checkpoint tensor is quantized as it is read,
+per output row (a merged layer's shards are rows, so shard by shard is the same as the
+whole), so no full-precision copy of the model exists at any time. Pre-quantized, every
+strategy's scales are brought to (rows, groups) (`formats.scale_rows`), shard by shard, so
+merged q/k/v and gate/up keep their own scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stoker.kernels import reference
+from stoker.layers.linear import Linear
+from stoker.layers.weight_method import LinearMethod, copy_rows
+from stoker.quantization import formats
+from stoker.quantization.config import WeightScheme
+
+BACKENDS = ("cpu_q8", "int8pack", "scaled_mm", "triton_w8", "dequant")
+
+
+class QuantizedLinearMethod(LinearMethod):
+    def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown quantized backend {backend!r}")
+        self.scheme = scheme
+        self.online = online
+        self.backend = backend
+        self.kind = scheme.dtype
+        self.fuse_silu_and_mul = fuse_silu_and_mul and backend == "cpu_q8"
+        self.storage_dtype = formats.STORAGE_DTYPES[scheme.dtype]
+        self.group_k = 0  # set by create_weights
+        self.kernel = None  # cpu_q8: native.linear_q8 or its twin, bound in process_after_loading
+
+    def describe(self) -> str:
+        return f"{self.scheme.dtype} {self.scheme.strategy} via {self.backend}"
+
+    # ---------------------------------------------------------------- parameters and loading
+    def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
+        if self.online:
+            return ("weight",)
+        names = (self.scheme.weight_name, self.scheme.scale_name)
+        return names + (("input_scale",) if self.scheme.static_input_scale else ())
+
+    def _num_groups(self, in_features: int) -> tuple[int, int]:
+        s = self.scheme
+        if s.strategy == "group":
+            assert s.group_size is not None
+            return -(-in_features // s.group_size), s.group_size
+        if s.strategy == "block":
+            assert s.block is not None
+            return -(-in_features // s.block[1]), s.block[1]
+        return 1, in_features
+
+    def create_weights(self, layer: Linear) -> None:
+        groups, self.group_k = self._num_groups(layer.in_features)
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=self.storage_dtype), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(layer.out_features, groups, dtype=torch.float32), requires_grad=False)
+        # Static activation scale of each shard (W8A8 static); the GEMM takes their max.
+        layer.input_scale = nn.Parameter(torch.zeros(max(1, len(layer.shard_offsets)), dtype=torch.float32), requires_grad=False)
+
+    def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        rows = layer.shard_rows(shard)
+        num_rows, k = rows.stop - rows.start, layer.in_features
+        where = f"{param_name}" + (f" (shard {shard!r})" if shard else "")
+        if param_name == "bias":
+            copy_rows(layer, layer.bias, shard, tensor, "bias")
+        elif param_name == "weight" and self.online:
+            if not tensor.is_floating_point() or tensor.dtype == self.storage_dtype:
+                raise ValueError(f"--quantization {self.scheme.dtype} quantizes a float checkpoint; {where} is {tensor.dtype}")
+            if tuple(tensor.shape) != (num_rows, k):
+                raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(tensor.shape)}, expected {(num_rows, k)}")
+            q, scale = formats.quantize_rows(tensor, self.scheme.dtype)
+            with torch.no_grad():
+                layer.weight[rows].copy_(q)
+                layer.weight_scale[rows].copy_(scale)
+        elif param_name in ("weight", "weight_packed"):
+            if param_name != self.scheme.weight_name:
+                raise ValueError(f"{where}: this checkpoint's scheme stores its weights as {self.scheme.weight_name!r}")
+            q = formats.unpack_int32(tensor, k) if param_name == "weight_packed" else tensor
+            if q.dtype != self.storage_dtype:
+                raise ValueError(f"{where} is {q.dtype}; the checkpoint's quantization_config says {self.storage_dtype}")
+            copy_rows(layer, layer.weight, shard, q, where)
+        elif param_name == self.scheme.scale_name:
+            s = self.scheme
+            try:
+                scale, group_k = formats.scale_rows(tensor, s.strategy, num_rows, k, s.group_size, s.block)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            assert group_k == self.group_k
+            with torch.no_grad():
+                layer.weight_scale[rows].copy_(scale)
+        elif param_name == "input_scale":
+            index = list(layer.shard_offsets).index(shard) if shard else 0
+            with torch.no_grad():
+                layer.input_scale[index] = tensor.float().reshape(-1).max()
+        elif param_name == "weight_shape":
+            if [int(v) for v in tensor.reshape(-1).tolist()] != [num_rows, k]:
+                raise ValueError(f"{where} says {tensor.tolist()}, the layer expects {[num_rows, k]}")
+        elif param_name == "weight_zero_point":
+            if bool(tensor.ne(0).any()):
+                raise ValueError(f"{where} holds non-zero zero points; only symmetric quantization is supported")
+        else:
+            raise ValueError(f"unexpected checkpoint tensor {where} for a {self.scheme.dtype} {self.scheme.strategy} projection")
+
+    def optional_params(self) -> tuple[str, ...]:
+        """Tensors the checkpoint may carry that need no counterpart."""
+        return ("weight_shape", "weight_zero_point", "input_scale")
+
+    # ---------------------------------------------------------------- layout for the backend
+    def process_after_loading(self, layer: Linear) -> None:
+        if self.backend == "cpu_q8":
+            from stoker.kernels.cpu import native
+
+            gate_up = self.fuse_silu_and_mul
+            layer.weight_scale = nn.Parameter(native.pack_scales(layer.weight_scale.data, self.storage_dtype, gate_up), requires_grad=False)
+            layer.weight = nn.Parameter(native.pack_linear_weight(layer.weight.data, gate_up=gate_up), requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(native.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
+            self.kernel = native.linear_q8
+        elif self.backend == "int8pack":
+            layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(-1).contiguous(), requires_grad=False)
+        elif self.backend == "scaled_mm":
+            # _scaled_mm wants B = W^T column-major: the (N, K) row-major weight, transposed.
+            layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(1, -1).contiguous(), requires_grad=False)
+
+    # ---------------------------------------------------------------- forward
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "cpu_q8":
+            assert self.kernel is not None
+            return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, self.fuse_silu_and_mul)
+        if self.backend == "int8pack":
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale.to(x.dtype))
+            if layer.bias is not None:
+                out = out + layer.bias
+            return out.view(*x.shape[:-1], layer.out_features)
+        if self.backend == "scaled_mm":
+            return _scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.scheme.static_input_scale)
+        if self.backend == "triton_w8":
+            from stoker.kernels.w8_linear import w8_linear
+
+            return w8_linear(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
+        return reference.w8_linear(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
+
+
+def _scaled_mm_linear(
+    x: torch.Tensor,  # (..., K) bf16/fp16
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (1, N) float32
+    input_scale: torch.Tensor,  # (shards,) float32, static W8A8 only
+    bias: torch.Tensor | None,
+    static: bool,
+) -> torch.Tensor:
+    """W8A8 FP8: activations quantized per token (dynamic) or with the checkpoint's static
+    scale, then one FP8 GEMM with row-wise scales on both sides (out = (xq sx) (wq sw)^T)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if static:
+        x_scale = input_scale.max().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+    else:
+        x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / formats.FP8_MAX).clamp(min=1e-12)
+    xq = (rows.float() / x_scale).clamp(-formats.FP8_MAX, formats.FP8_MAX).to(formats.FP8_DTYPE)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype,
+                           bias=None if bias is None else bias.to(x.dtype))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def float_reference(layer: Linear) -> torch.Tensor:
+    """The (out, in) float32 weight a quantized layer stands for, before any re-layout (tests)."""
+    method = layer.method
+    assert isinstance(method, QuantizedLinearMethod)
+    return formats.dequantize(layer.weight, layer.weight_scale, method.group_k)
+
+
