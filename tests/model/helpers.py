@@ -28,3 +28,27 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids])).logits[0].float()
+
+
+def engine_logits(llm, ids: list[int]) -> torch.Tensor:
+    """All-position logits of one prompt through the engine's own model and paged cache."""
+    from stoker.layers.attention import AttentionMetadata, set_attention_metadata
+
+    runner = llm.engine.runner
+    n = len(ids)
+    bs = runner.block_size
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32),
+        cu_seqlens_q=[0, n],
+        context_lens_list=[n],
+        num_decodes=0,
+    )
+    set_attention_metadata(metadata)
+    try:
+        with torch.inference_mode():
+            hidden = runner.model(torch.tensor(ids), torch.arange(n))
+            return runner.model.compute_logits(hidden)
+    finally:
+        set_attention_metadata(None)

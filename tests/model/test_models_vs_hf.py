@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from stoker.layers.attention import AttentionMetadata, set_attention_metadata
-from tests.model.helpers import hf_greedy, hf_logits, load_hf
+from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
 
 CONFIGS = {
     "llama": ("llama", {}),
@@ -64,28 +63,6 @@ def prompts() -> list[list[int]]:
     return ps
 
 
-def _engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one prompt through the engine's own model and paged cache."""
-    runner = llm.engine.runner
-    n = len(ids)
-    bs = runner.block_size
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
-        context_lens=torch.tensor([n], dtype=torch.int32),
-        cu_seqlens_q=[0, n],
-        context_lens_list=[n],
-        num_decodes=0,
-    )
-    set_attention_metadata(metadata)
-    try:
-        with torch.inference_mode():
-            hidden = runner.model(torch.tensor(ids), torch.arange(n))
-            return runner.model.compute_logits(hidden)
-    finally:
-        set_attention_metadata(None)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_logits_match_hf(name, tiny_checkpoints, prompts) -> None:
     arch, overrides = CONFIGS[name]
@@ -93,7 +70,7 @@ def test_prefill_logits_match_hf(name, tiny_checkpoints, prompts) -> None:
     llm = LLM(str(path), max_model_len=512, kv_cache_memory_bytes=8 << 20)
     hf = load_hf(path)
     for ids in (prompts[5], prompts[6]):
-        ours = _engine_logits(llm, ids)
+        ours = engine_logits(llm, ids)
         ref = hf_logits(hf, ids)
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
 
