@@ -3,7 +3,10 @@
 Twin: `reference.store_kvcache`. slot = block_id * block_size + offset; slot -1 marks a
 padding token whose K/V are dropped. FP8 caches (float8_e4m3fn) store e4m3(clamp(x *
 inverse scale, +-448)), the inverse scales rounded to float32 once on the host
-(`kv_inverse_scales`), as the twin and the C kernel do. The -1 test happens in the kernel, so, unlike the twin,
+(`kv_inverse_scales`), as the twin and the C kernel do. The E4M3 bits are made here with
+integer arithmetic (`_e4m3_bits`), not by Triton's cast: the interpreter's float -> fp8 cast
+does not carry a rounded-up mantissa into the exponent (1.9375 became 1.0, not 2.0), and the
+same code on the GPU then writes the bytes the twin and the C kernel write. The -1 test happens in the kernel, so, unlike the twin,
 the launcher never synchronises with the host (safe inside a CUDA graph).
 """
 
@@ -14,6 +17,22 @@ import triton
 import triton.language as tl
 
 from stoker.kernels._common import FLOAT_DTYPES, FP8_KV_DTYPE, FP8_MAX, check, check_last_dim_contiguous, check_same_device, kv_inverse_scales, next_pow2
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """float32 x with |x| <= 448 -> its E4M3 (e4m3fn) bits as uint8, rounding half to even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag_bits = bits & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    # Subnormals are multiples of 2^-9: adding 2^23 to mag * 512 rounds it to an integer
+    # (half to even) in the float add itself, and the integer is the low mantissa bits.
+    sub = ((mag * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000) & 0xFF
+    # Normals: keep 3 mantissa bits, rounding half to even on the 20 dropped; re-bias 127 -> 7.
+    r = mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)
+    normal = ((((r >> 23) - 120) << 3) | ((r >> 20) & 7)) & 0x7F
+    return (sign | tl.where(mag < 0.015625, sub, normal)).to(tl.uint8)
 
 
 @triton.jit
@@ -54,11 +73,12 @@ def _store_kvcache_kernel(
     # float32 in registers either way (exact for 16-bit inputs): one type in both branches
     k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask).to(tl.float32)
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask).to(tl.float32)
-    if FP8:
-        k = tl.clamp(k * k_inv_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v * v_inv_scale, -FP8_MAX, FP8_MAX)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the caches are passed as uint8 views
+        tl.store(k_cache_ptr + dst, _e4m3_bits(tl.clamp(k * k_inv_scale, -FP8_MAX, FP8_MAX)), mask=mask)
+        tl.store(v_cache_ptr + dst, _e4m3_bits(tl.clamp(v * v_inv_scale, -FP8_MAX, FP8_MAX)), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(
@@ -90,11 +110,12 @@ def store_kvcache(
     if num_tokens == 0:
         return
     k_inv, v_inv = kv_inverse_scales(k_scale, v_scale)
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
     _store_kvcache_kernel[(num_tokens,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -110,6 +131,6 @@ def store_kvcache(
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
-        FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8=fp8,
         FP8_MAX=FP8_MAX,
     )

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The kernel tests that hold each C kernel to its twin, plus batch/thread invariance.
 KERNEL_TESTS = [
     "tests/kernels/test_cpu_linear.py",
+    "tests/kernels/test_cpu_linear_q8.py",
+    "tests/kernels/test_kv_fp8.py",
     "tests/kernels/test_cpu_native.py",
     "tests/kernels/test_cpu_prefill_attention.py",
     "tests/kernels/test_cpu_rows.py",
@@ -86,7 +88,13 @@ x = torch.randn(37, 200, generator=gen)
 gate_up = torch.randn(2 * 128, 200, generator=gen) / 200**0.5
 y = native.linear(x, native.pack_linear_weight(w), 300, native.pack_linear_weight(b))
 h = native.linear(x, native.pack_linear_weight(gate_up, gate_up=True), 256, silu_and_mul=True)
-torch.save({"target": native.target(), "linear": y, "silu": h}, sys.argv[1])
+q8 = {}
+for dtype in (torch.int8, torch.float8_e4m3fn):
+    q = (w * 300).clamp(-120, 120).to(dtype) if dtype == torch.float8_e4m3fn else (w * 300).round().clamp(-127, 127).to(dtype)
+    s = torch.rand(300, 2, generator=gen) * 0.01
+    for rows in (1, 37):  # widened in registers, and the dequantized-panel path
+        q8[str(dtype), rows] = native.linear_q8(x[:rows], native.pack_linear_weight(q), native.pack_scales(s, dtype), 128, 300)
+torch.save({"target": native.target(), "linear": y, "silu": h, "q8": q8}, sys.argv[1])
 """
 
 
@@ -108,6 +116,8 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
     fma = [isa for isa, out in outs.items() if out["target"] != "sse2"]
     for isa in fma[1:]:
         assert torch.equal(outs[isa]["linear"], outs[fma[0]]["linear"]), f"{isa} and {fma[0]} builds differ"
+        for key, y in outs[isa]["q8"].items():  # int8 / FP8 panels: exact widening in every build
+            assert torch.equal(y, outs[fma[0]]["q8"][key]), f"{isa} and {fma[0]} builds differ on {key}"
         # SiLU's exp comes from glibc's vector math library, whose AVX2 and AVX-512 variants
         # may round differently: close, not necessarily equal.
         torch.testing.assert_close(outs[isa]["silu"], outs[fma[0]]["silu"], rtol=1e-6, atol=1e-6)
