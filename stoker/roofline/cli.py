@@ -149,6 +149,7 @@ def run_plan(args: argparse.Namespace) -> int:
         best = result.feasible[0]
         print(f"\nbest: {best.replicas} x TP{best.tp} {best.weight_dtype} weights / {best.kv_dtype} KV, max batch "
               f"{best.max_batch}: {best.gpus} GPUs, {best.tokens_per_s:,.0f} tokens/s capacity")
+        print(f"run ({best.replicas} replica{'s' if best.replicas > 1 else ''}): {planner.serve_command(args.model, best)}")
     else:
         print("\nno feasible plan: nothing in the search space meets the targets (reasons below)")
     if result.rejected:

@@ -176,3 +176,25 @@ def _pick_reason(reasons: list[str]) -> str | None:
             if marker in r:
                 return r
     return reasons[0] if reasons else None
+
+
+# Weight dtypes the engine runs (`--quantization`), and the flag each needs.
+_ENGINE_QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8"}
+
+
+def serve_command(model: str, c: Candidate) -> str:
+    """The `stoker serve` line that deploys one replica of candidate `c` (vLLM's flag names).
+    `model` is shown as given when it is a checkpoint folder, else as a placeholder for one."""
+    from pathlib import Path
+
+    parts = ["stoker serve", model if Path(model).is_dir() else f"<{model} checkpoint folder>"]
+    if c.weight_dtype not in _ENGINE_QUANTIZATION:
+        parts.append(f"# {c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
+    elif _ENGINE_QUANTIZATION[c.weight_dtype]:
+        parts.append(f"--quantization {_ENGINE_QUANTIZATION[c.weight_dtype]}")
+    if c.kv_dtype == "fp8":
+        parts.append("--kv-cache-dtype fp8")
+    parts.append(f"--max-num-seqs {c.max_batch}")
+    if c.tp > 1:  # issue 14: until then the engine refuses TP > 1 with a clear error
+        parts.append(f"--tensor-parallel-size {c.tp}  # tensor parallelism: not in the engine yet")
+    return " ".join(parts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from stoker.cli import main
 
 
@@ -39,3 +41,17 @@ def test_bench_throughput_reports_each_rate(tiny_llama, capsys, tmp_path) -> Non
     # ignore_eos: every request generates its drawn length, so totals add up exactly.
     assert result["output_tokens"] == round(result["output_throughput"] * result["elapsed_s"])
     assert result["total_token_throughput"] > result["output_throughput"] > 0
+
+
+def test_generate_and_bench_with_quantized_weights_and_fp8_kv(tiny_llama, capsys) -> None:
+    common = ["--model", str(tiny_llama), "--kv-cache-memory-bytes", str(4 << 20), "--kv-cache-dtype", "fp8"]
+    assert main(["generate", *common, "--quantization", "fp8", "--prompt", "Hello", "--max-tokens", "4",
+                 "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(record["outputs"][0]["token_ids"]) == 4
+    assert main(["bench", "throughput", *common, "--quantization", "int8", "--num-prompts", "4", "--input-len", "16",
+                 "--output-len", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["output_tokens"] == 16
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own refusal, naming the choices
+        main(["generate", *common, "--quantization", "int4", "--prompt", "x"])
+    assert exit_info.value.code == 2 and "invalid choice: 'int4' (choose from 'fp8', 'int8')" in capsys.readouterr().err

@@ -68,3 +68,18 @@ def test_prefix_caching_chunked_prefill_and_preemption_with_fp8_kv(tiny_llama, w
     for o_got, o_exp in zip(got, expected):
         for (_, lp_got), (_, lp_exp) in zip(o_got, o_exp):
             torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_exp), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "fp8"])
+def test_weight_bytes_held_are_the_roofline_s(tiny_llama, quantization) -> None:
+    """The engine's weight bytes and the planner's come from one formula (ModelSpec.weight_bytes):
+    projections in the quantized dtype plus one float32 scale per row, the rest float32."""
+    from stoker.roofline.modelspec import spec_from_config
+
+    llm = LLM(str(tiny_llama), device="cpu", quantization=quantization, kv_cache_memory_bytes=4 << 20)
+    predicted = spec_from_config(llm.engine.hf_config).weight_bytes(quantization or "float32", rest_dtype="float32")
+    held = llm.engine.runner.weight_bytes_held()
+    assert abs(held - predicted) / predicted < 0.005, (held, predicted)
+    if quantization:
+        float_bytes = spec_from_config(llm.engine.hf_config).weight_bytes("float32", rest_dtype="float32")
+        assert predicted < float_bytes

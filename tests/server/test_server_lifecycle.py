@@ -97,3 +97,40 @@ def test_refuses_to_start_when_one_max_model_len_sequence_cannot_fit(tiny_llama:
     assert last.startswith("stoker serve: error: the KV cache holds 4 blocks = 64 tokens"), last
     assert "max_model_len 256 needs 16 blocks" in last
     assert "--kv-cache-memory-bytes to at least 131072" in last and "--max-model-len to 64 or less" in last
+
+
+def test_serve_quantized_with_an_fp8_kv_cache(tiny_llama: Path, tmp_path: Path) -> None:
+    """`stoker serve --quantization int8 --kv-cache-dtype fp8` answers the OpenAI client, and its
+    start-up log names the weights' and the cache's representations and sizes."""
+    from openai import OpenAI
+
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stoker", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(4 * 2**20), "--served-model-name", "tiny",
+             "--quantization", "int8", "--kv-cache-dtype", "fp8"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "not ready"
+            time.sleep(0.2)
+        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 6
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    log = log_path.read_text()
+    assert "int8 channel via cpu_q8" in log and "int8 projections" in log
+    # tiny_llama: 2 layers x 2 KV heads x head_dim 16 -> 128 bytes per token in FP8 (512 in float32)
+    assert "fp8_e4m3 on cpu, 128 bytes per token" in log and "32,768 tokens" in log

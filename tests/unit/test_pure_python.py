@@ -12,6 +12,7 @@ PURE_MODULES = [
     "stoker.core.sequence",
     "stoker.core.block_manager",
     "stoker.core.scheduler",
+    "stoker.quantization.config",
 ]
 
 

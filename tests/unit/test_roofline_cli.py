@@ -109,3 +109,25 @@ def test_device_yaml(tmp_path) -> None:
     bad.write_text("devices:\n  - name: X\n")
     with pytest.raises(ValueError, match="missing"):
         load_gpu_yaml(bad)
+
+
+def test_plan_prints_the_serve_command_and_the_engine_takes_it(capsys, tiny_llama) -> None:
+    """The planner's FP8 recommendation is a command line the engine runs (issue 13)."""
+    import shlex
+
+    from stoker.cli import build_parser
+    from stoker.engine.llm import LLM
+    from stoker.roofline.planner import Candidate, serve_command
+    from stoker.server.cli import _llm_kwargs
+
+    args = ["plan", "--model", "llama-3-70b", "--gpu", "H100", "--target-tokens-per-s", "2000", "--ttft-p50-ms", "1000"]
+    assert main(args) == 0
+    run_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run ("))
+    assert "--quantization fp8 --kv-cache-dtype fp8" in run_line and "<llama-3-70b checkpoint folder>" in run_line
+    best = Candidate(gpus=1, tp=1, replicas=1, weight_dtype="fp8", kv_dtype="fp8", max_batch=8, tokens_per_s=1.0,
+                     ttft_ms=1.0, tpot_ms=1.0, memory_per_gpu_gb=1.0, cost_per_million_tokens=1.0, bound="memory")
+    command = serve_command(str(tiny_llama), best)
+    argv = shlex.split(command)[1:]  # drop "stoker"
+    kwargs = _llm_kwargs(build_parser().parse_args(argv + ["--kv-cache-memory-bytes", str(4 << 20), "--device", "cpu"]))
+    llm = LLM(argv[1], **kwargs)
+    assert llm.engine.runner.quant.method == "fp8" and llm.engine.runner.kv_spec.dtype == "fp8_e4m3"

@@ -1,0 +1,71 @@
+"""Reading quantization from --quantization and config.json (stoker/quantization/config.py):
+what each format becomes, and what is refused, with what message."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoker.quantization.config import QuantizationError, online_config, parse_checkpoint_config, resolve
+
+
+def ct(weights: dict, fmt: str = "float-quantized", acts: dict | None = None, **extra) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}, **extra}
+
+
+FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+
+
+def test_online_methods() -> None:
+    q = online_config("int8")
+    assert (q.method, q.source, q.weights.strategy, q.online) == ("int8", "online", "channel", True)
+    assert q.is_ignored("lm_head") and not q.is_ignored("model.layers.0.mlp.down_proj")
+    with pytest.raises(QuantizationError, match="choose one of: fp8, int8"):
+        online_config("gptq")
+
+
+def test_compressed_tensors_schemes() -> None:
+    q = parse_checkpoint_config(ct(FP8_CHANNEL, acts={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}))
+    assert (q.method, q.weights.strategy, q.weights.dynamic_activations, q.weights.scale_name) == ("fp8", "channel", True, "weight_scale")
+    q = parse_checkpoint_config(ct({"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64}, fmt="pack-quantized"))
+    assert (q.method, q.weights.group_size, q.weights.packed, q.weights.weight_name) == ("int8", 64, True, "weight_packed")
+    q = parse_checkpoint_config(ct({**FP8_CHANNEL, "strategy": "block", "block_structure": [128, 128]},
+                                   kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}))
+    assert q.weights.block == (128, 128) and q.kv_cache_fp8
+
+
+def test_fp8_checkpoints() -> None:
+    q = parse_checkpoint_config({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"})
+    assert (q.weights.strategy, q.weights.block, q.weights.scale_name) == ("block", (128, 128), "weight_scale_inv")
+    q = parse_checkpoint_config({"quant_method": "fp8", "activation_scheme": "static"})
+    assert q.weights.strategy == "tensor" and q.weights.static_input_scale
+
+
+def test_ignore_patterns() -> None:
+    q = parse_checkpoint_config(ct(FP8_CHANNEL, ignore=["lm_head", "re:.*mlp\\.down_proj$"]))
+    assert q.is_ignored("model.layers.3.mlp.down_proj") and not q.is_ignored("model.layers.3.mlp.up_proj")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported; supported: compressed-tensors"),
+    (ct({**FP8_CHANNEL, "num_bits": 4}), "4 bits are not supported"),
+    (ct({**FP8_CHANNEL, "symmetric": False}), "asymmetric"),
+    (ct({**FP8_CHANNEL, "type": "int"}), "format 'float-quantized' for int weights is not supported"),
+    (ct({**FP8_CHANNEL, "strategy": "block"}), "block_structure"),
+    (ct(FP8_CHANNEL, kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}), "kv_cache_scheme"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+])
+def test_unsupported_configs_are_refused_by_name(config: dict, message: str) -> None:
+    with pytest.raises(QuantizationError, match=message):
+        parse_checkpoint_config(config)
+
+
+def test_flag_and_checkpoint_must_agree() -> None:
+    hf = {"quantization_config": ct(FP8_CHANNEL)}
+    assert resolve(hf, None).method == "fp8"
+    assert resolve(hf, "fp8").method == "fp8"
+    with pytest.raises(QuantizationError, match="--quantization int8 disagrees with the checkpoint"):
+        resolve(hf, "int8")
+    assert resolve({}, None) is None
+    assert resolve({}, "int8").online
