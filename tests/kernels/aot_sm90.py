@@ -71,7 +71,7 @@ def variants():
     part = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32"}
     for fp8 in (False, True):
         yield (f"store_kvcache bf16 Hkv8 D128{' fp8 cache' if fp8 else ''}", store_kvcache._store_kvcache_kernel,
-               {"*": "bf16", "slot_mapping_ptr": "i64", **(FP8_CACHE if fp8 else {})},
+               {"*": "bf16", "slot_mapping_ptr": "i64", **({"k_cache_ptr": "u8", "v_cache_ptr": "u8"} if fp8 else {})},
                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=fp8, FP8_MAX=448.0), 4)
     for dtype, head_dim, group, splits, window in [
         (torch.bfloat16, 128, 4, 1, False), (torch.bfloat16, 64, 8, 8, True), (torch.bfloat16, 256, 2, 4, False),
