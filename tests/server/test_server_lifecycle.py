@@ -16,27 +16,36 @@ import httpx
 from tests.server.conftest import free_port
 
 
-def test_sigterm_finishes_in_flight_then_exits(tiny_llama: Path, tmp_path: Path) -> None:
+def start_server(model: Path, log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`stoker serve MODEL` (served as "tiny", max_model_len 256, `flags`) on a free port,
+    logging to log_path; returns once /v1/health/ready answers 200."""
     port = free_port()
-    log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stoker", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 * 2**20), "--log-interval", "0.2",
-             "--served-model-name", "tiny"],
+            [sys.executable, "-m", "stoker", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--served-model-name", "tiny", *flags],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(log_path.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("not ready: " + log_path.read_text()[-3000:])
+        time.sleep(0.2)
+
+
+def test_sigterm_finishes_in_flight_then_exits(tiny_llama: Path, tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    proc, url = start_server(tiny_llama, log_path, "--kv-cache-memory-bytes", str(16 * 2**20), "--log-interval", "0.2")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready"
-            time.sleep(0.2)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         lines: list[str] = []
@@ -104,26 +113,10 @@ def test_serve_quantized_with_an_fp8_kv_cache(tiny_llama: Path, tmp_path: Path) 
     start-up log names the weights' and the cache's representations and sizes."""
     from openai import OpenAI
 
-    port = free_port()
     log_path = tmp_path / "server.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stoker", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "256", "--kv-cache-memory-bytes", str(4 * 2**20), "--served-model-name", "tiny",
-             "--quantization", "int8", "--kv-cache-dtype", "fp8"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(tiny_llama, log_path, "--kv-cache-memory-bytes", str(4 * 2**20), "--quantization", "int8",
+                             "--kv-cache-dtype", "fp8")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready"
-            time.sleep(0.2)
         client = OpenAI(base_url=url + "/v1", api_key="unused")
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 6

@@ -34,6 +34,8 @@ from stoker.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c"))
+# Included by the sources: part of the cache key, so an edit rebuilds.
+_HEADERS = (Path(__file__).with_name("fp8.h"),)
 # -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
 # products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
 # given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
@@ -137,7 +139,7 @@ def build(sources: tuple[Path, ...] = _SOURCES, isa: str = "native") -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = [" ".join(_compile_flags(src, isa)) for src in sources]
-    parts = [src.read_text() for src in sources] + [version, *flags, " ".join(_LDFLAGS), _cpu_flags()]
+    parts = [src.read_text() for src in (*sources, *_HEADERS)] + [version, *flags, " ".join(_LDFLAGS), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib = cache_dir() / key / "stoker_cpu.so"
     if lib.exists():

@@ -32,8 +32,8 @@
  * widened in registers and multiplied by its scale, w = q * s, exactly the dequantized weight,
  * then used as above: a quantized projection computes F.linear(x, dequantized W) in the same
  * order as the float one, and is batch-invariant by the same argument. Decode reads a quarter
- * of float32's bytes. FP8 is widened through fp16 bits (the e4m3 bits shifted into an fp16,
- * which reads value / 256, then vcvtph2ps): the packing folds the 256 into the scale.
+ * of float32's bytes. FP8 is widened as value / 256 (fp8.h says why); the packing folds the
+ * 256 into the scale.
  * At larger M the panel is dequantized once into a per-thread float buffer and the float tiles
  * run on it: the same w values, so the same results, without widening once per row tile.
  *
@@ -46,6 +46,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fp8.h"
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -74,24 +76,6 @@ static inline void store(float *p, vf v) { *(vfu *)p = v; }
 /* Weight formats: 0 float32, 1 int8, 2 FP8 E4M3 read as value / 256 (see the header). */
 enum { W_F32 = 0, W_I8 = 1, W_FP8 = 2 };
 
-/* e4m3 bits b -> value / 256. The vector paths shift exponent and mantissa into an fp16's
- * bits, ((b & 0x7F) << 7) | ((b & 0x80) << 8): the bias difference 15 - 7 is the 2^-8, and
- * e4m3 subnormals land on fp16 subnormals, which vcvtph2ps widens exactly. This scalar form
- * (tails, and builds without F16C) computes the same value. */
-static inline float fp8_scalar(uint8_t b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    const float mag = e == 0 ? (float)m * 0x1p-17f : ldexpf(1.0f + (float)m * 0.125f, e - 15);
-    return (b & 0x80) ? -mag : mag;
-}
-
-#if !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
-/* Builds without F16C widen FP8 through a table of the 256 values / 256. */
-static float fp8_table[256];
-__attribute__((constructor)) static void fill_fp8_table(void) {
-    for (int b = 0; b < 256; b++) fp8_table[b] = fp8_scalar((uint8_t)b);
-}
-#endif
-
 /* VL weights at p, widened to floats (not yet scaled). The plain-C versions (builds without
  * AVX2) stay out of line: inlined into every tile specialization they made that build 4x slower
  * to compile, for a path that exists to be tested. */
@@ -114,18 +98,12 @@ static WIDEN_INLINE vf load_i8(const int8_t *p) {
 
 static WIDEN_INLINE vf load_fp8(const uint8_t *p) {
 #if defined(__AVX512F__)
-    /* sign-extended, shifted by 7: exponent and mantissa land in place and the sign at bit
-     * 15, with a copy at bit 14 that the mask clears (3 integer ops, not 6) */
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
-                                       _mm256_set1_epi16((short)0xBFFF));
-    return (vf)_mm512_cvtph_ps(h);
+    return (vf)fp8x16_div256(p);
 #elif defined(__AVX2__) && defined(__F16C__)
-    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
-                                    _mm_set1_epi16((short)0xBFFF));
-    return (vf)_mm256_cvtph_ps(h);
+    return (vf)fp8x8_div256(p);
 #else
     float f[VL];
-    for (int l = 0; l < VL; l++) f[l] = fp8_table[p[l]];
+    for (int l = 0; l < VL; l++) f[l] = fp8_div256_table[p[l]];
     return load(f);
 #endif
 }

@@ -21,7 +21,7 @@
  * > 0 only the last sliding_window positions (the query's own included) are attended.
  *
  * FP8 KV cache (stoker_paged_decode_attention_fp8): the caches hold E4M3 bits, widened to
- * float as each row is read (the same fp16-bit route as linear.c, which reads value / 256);
+ * float as each row is read (fp8.h, which reads value / 256);
  * the k scale (x 256) is folded into the softmax scale and the v scale (x 256) into the
  * output, so the loops are the float ones.
  */
@@ -31,12 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* e4m3 bits -> value / 256 (see linear.c: fp8_scalar) */
-static inline float fp8_div256(uint8_t b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    const float mag = e == 0 ? (float)m * 0x1p-17f : ldexpf(1.0f + (float)m * 0.125f, e - 15);
-    return (b & 0x80) ? -mag : mag;
-}
+#include "fp8.h"
 
 /* n elements of a cache row at p (float, or fp8 bits when fp8) as floats in dst. */
 static inline void widen_row(float *restrict dst, const void *p, int64_t n, int fp8) {
@@ -45,7 +40,7 @@ static inline void widen_row(float *restrict dst, const void *p, int64_t n, int 
         return;
     }
     const uint8_t *b = (const uint8_t *)p;
-    for (int64_t i = 0; i < n; i++) dst[i] = fp8_div256(b[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = fp8_div256_table[b[i]];
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -160,33 +155,18 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 ld16(const float *p) { return *(const v16u *)p; }
 static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
 
-#if !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
-static float fp8_table[256]; /* builds without F16C: the 256 values / 256 */
-__attribute__((constructor)) static void fill_fp8_table(void) {
-    for (int b = 0; b < 256; b++) fp8_table[b] = fp8_div256((uint8_t)b);
-}
-#endif
-
-/* 16 FP8 E4M3 values at p -> floats / 256: their bits moved into fp16s, then widened. */
+/* 16 FP8 E4M3 values at p -> floats / 256 (fp8.h) */
 static inline v16 ld16_fp8(const uint8_t *p) {
 #if defined(__AVX512F__)
-    /* sign-extended, shifted by 7: exponent and mantissa land in place and the sign at bit
-     * 15, with a copy at bit 14 that the mask clears (3 integer ops, not 6) */
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
-                                       _mm256_set1_epi16((short)0xBFFF));
-    return (v16)_mm512_cvtph_ps(h);
+    return (v16)fp8x16_div256(p);
 #elif defined(__AVX2__) && defined(__F16C__)
-    /* sign-extended, shifted by 7: exponent and mantissa land in place and the sign at bit
-     * 15, with a copy at bit 14 that the mask clears (3 integer ops, not 6) */
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
-                                       _mm256_set1_epi16((short)0xBFFF));
     float f[16];
-    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-    _mm256_storeu_ps(f + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    _mm256_storeu_ps(f, fp8x8_div256(p));
+    _mm256_storeu_ps(f + 8, fp8x8_div256(p + 8));
     return ld16(f);
 #else
     float f[16];
-    for (int l = 0; l < 16; l++) f[l] = fp8_table[p[l]];
+    for (int l = 0; l < 16; l++) f[l] = fp8_div256_table[p[l]];
     return ld16(f);
 #endif
 }

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8.h"
+
 int stoker_linear_nr(void);
 int stoker_linear_mr(void);
 int stoker_linear_vl(void);
@@ -41,23 +43,12 @@ static inline int64_t kv_row(const int32_t *table, int64_t pos, int64_t block_si
     return ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
 }
 
-/* e4m3 bits -> value (exact), for the FP8 cache rows */
-static inline float fp8_value(uint8_t b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    const float mag = e == 0 ? (float)m * 0x1p-9f : ldexpf(1.0f + (float)m * 0.125f, e - 7);
-    return (b & 0x80) ? -mag : mag;
-}
-
-static float fp8_values[256];
-__attribute__((constructor)) static void fill_fp8_values(void) {
-    for (int b = 0; b < 256; b++) fp8_values[b] = fp8_value((uint8_t)b);
-}
-
 /* dst[d * dst_stride] = cache row element d, dequantized (fp8: value x mul), d < n */
 static inline void read_row(float *dst, int64_t dst_stride, const void *cache, int64_t at, int64_t n, int fp8, float mul) {
     if (fp8) {
         const uint8_t *src = (const uint8_t *)cache + at;
-        for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = fp8_values[src[d]] * mul;
+        const float mul256 = mul * 256.0f; /* (value / 256) * (mul * 256): value * mul, one rounding */
+        for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = fp8_div256_table[src[d]] * mul256;
     } else {
         const float *src = (const float *)cache + at;
         for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = src[d];

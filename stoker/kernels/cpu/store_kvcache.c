@@ -15,22 +15,15 @@
 #include <stdint.h>
 #include <string.h>
 
+static int64_t store(int fp8, const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                     void *k_cache, void *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row,
+                     int64_t num_slots, float k_inv_scale, float v_inv_scale, int num_threads);
+
 int64_t stoker_store_kvcache_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
                                  float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens,
                                  int64_t row, int64_t num_slots, int num_threads) {
-    int64_t bad = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t s = slots[t];
-        if (s < 0) continue;
-        if (s >= num_slots) {
-            bad++;
-            continue;
-        }
-        memcpy(k_cache + s * row, key + t * key_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + s * row, value + t * value_stride, sizeof(float) * (size_t)row);
-    }
-    return bad;
+    return store(0, key, key_stride, value, value_stride, k_cache, v_cache, slots, num_tokens, row, num_slots, 1.0f, 1.0f,
+                 num_threads);
 }
 
 /* float -> FP8 E4M3 (e4m3fn) bits, rounding to nearest even, for |x| <= 448 (the caller
@@ -57,6 +50,13 @@ int64_t stoker_store_kvcache_fp8(const float *key, int64_t key_stride, const flo
                                  uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, int64_t num_tokens,
                                  int64_t row, int64_t num_slots, float k_inv_scale, float v_inv_scale,
                                  int num_threads) {
+    return store(1, key, key_stride, value, value_stride, k_cache, v_cache, slots, num_tokens, row, num_slots,
+                 k_inv_scale, v_inv_scale, num_threads);
+}
+
+static int64_t store(int fp8, const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                     void *k_cache, void *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row,
+                     int64_t num_slots, float k_inv_scale, float v_inv_scale, int num_threads) {
     int64_t bad = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -66,11 +66,17 @@ int64_t stoker_store_kvcache_fp8(const float *key, int64_t key_stride, const flo
             bad++;
             continue;
         }
+        if (!fp8) {
+            memcpy((float *)k_cache + s * row, key + t * key_stride, sizeof(float) * (size_t)row);
+            memcpy((float *)v_cache + s * row, value + t * value_stride, sizeof(float) * (size_t)row);
+            continue;
+        }
+        uint8_t *k_dst = (uint8_t *)k_cache + s * row, *v_dst = (uint8_t *)v_cache + s * row;
         for (int64_t i = 0; i < row; i++) {
             const float k = fminf(fmaxf(key[t * key_stride + i] * k_inv_scale, -448.0f), 448.0f);
             const float v = fminf(fmaxf(value[t * value_stride + i] * v_inv_scale, -448.0f), 448.0f);
-            k_cache[s * row + i] = e4m3_from_float(k);
-            v_cache[s * row + i] = e4m3_from_float(v);
+            k_dst[i] = e4m3_from_float(k);
+            v_dst[i] = e4m3_from_float(v);
         }
     }
     return bad;
