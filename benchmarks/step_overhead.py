@@ -7,6 +7,7 @@ post-process, medians over pure-decode steps, per batch size.
     python benchmarks/step_overhead.py --shape llama3-8b --device cuda   # builds an 8B-shaped random
                                                                          # bf16 checkpoint first (minutes)
     ... --enforce-eager      # decode without CUDA graphs;   --json out.json
+    ... --quantization fp8 --kv-cache-dtype fp8     # issue 13: FP8 weights and KV cache
 
 The engine is not modified: the script wraps, on one engine instance, Scheduler.schedule,
 runner.execute, inputs.prepare_inputs, the model forward (or the CUDA-graph replay), the
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3, help="pure-decode steps skipped per batch size")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="quantize the weights at load")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU runs)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--json", help="write the results here")
@@ -185,7 +188,8 @@ def main() -> None:
         max_model_len = args.input_len + args.output_len
         kv_bytes = args.kv_cache_memory_bytes
         llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
-                  max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=kv_bytes, enforce_eager=args.enforce_eager)
+                  max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=kv_bytes, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         runner = llm.engine.runner
         graphs = runner.graph_runner is not None
         timer = StepTimer(llm)
@@ -196,6 +200,7 @@ def main() -> None:
 
     machine = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
     print(f"# step overhead: model {args.model or args.shape}, {runner.device} ({machine}), {str(runner.dtype).removeprefix('torch.')}, "
+          f"weights {args.quantization or 'unquantized'}, KV {runner.kv_spec.dtype}, "
           f"CUDA graphs {'on' if graphs else 'off'}, input {args.input_len}, output {args.output_len}; median ms over pure-decode steps")
     cols = ["B", "steps"] + PHASES + ["host %"]
     print("| " + " | ".join(cols) + " |")
