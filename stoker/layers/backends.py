@@ -44,7 +44,7 @@ def quantized_backend(scheme: WeightScheme, device: torch.device, dtype: torch.d
             return "int8pack"
         return "dequant"
     if device.type == "cuda":
-        if scheme.dtype == "fp8" and scheme.strategy in ("tensor", "channel") and fp8_matmul_supported(device):
+        if scheme.dtype == "fp8" and scheme.quantized_activations and scheme.strategy in ("tensor", "channel") and fp8_matmul_supported(device):
             return "scaled_mm"
         if ops.triton_available() and not ops.triton_disabled():
             return "triton_w8"
@@ -58,21 +58,10 @@ class LinearMethodChooser:
     dtype: torch.dtype
     model: nn.Module
     chosen: Counter = field(default_factory=Counter)
+    weight_only_said: bool = False
 
     def __post_init__(self) -> None:
         self.cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
-        # checkpoint shard name of each merged module's shards: qkv_proj -> {"q": "q_proj", ...}
-        self.shard_names: dict[str, dict[str, str]] = {}
-        for ckpt_name, (merged, shard) in getattr(self.model, "packed_modules", {}).items():
-            self.shard_names.setdefault(merged, {})[shard] = ckpt_name
-
-    def checkpoint_module_names(self, name: str, layer: Linear) -> list[str]:
-        """The checkpoint's module names behind `name` (a merged layer has one per shard)."""
-        parent, _, leaf = name.rpartition(".")
-        if layer.shard_offsets and leaf in self.shard_names:
-            prefix = parent + "." if parent else ""
-            return [prefix + self.shard_names[leaf][shard] for shard in layer.shard_offsets]
-        return [name]
 
     def __call__(self, name: str, layer: Linear) -> LinearMethod:
         method = self._choose(name, layer)
@@ -85,7 +74,9 @@ class LinearMethodChooser:
                 return TiedMethod(layer.tied_embedding.weight)
             return self._float(name, layer)
         if self.quant is not None:
-            names = self.checkpoint_module_names(name, layer)
+            from stoker.models.loader import checkpoint_module_name
+
+            names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
                 raise QuantizationError(
@@ -96,6 +87,12 @@ class LinearMethodChooser:
                 from stoker.quantization.methods import QuantizedLinearMethod
 
                 backend = quantized_backend(self.quant.weights, self.device, self.dtype)
+                if self.quant.weights.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
+                    # Not dropped silently: the activations stay in the model dtype, which only
+                    # removes a rounding the scheme allowed (W8A16 instead of W8A8).
+                    logger.info("the %s scheme quantizes activations too; on %s (%s) Stoker runs it weight-only, "
+                                "activations in %s", self.quant.method, self.device, backend, str(self.dtype).removeprefix("torch."))
+                    self.weight_only_said = True
                 return QuantizedLinearMethod(self.quant.weights, self.quant.online, backend, self._fuse_silu(name, layer, backend))
         return self._float(name, layer)
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.quantization.formats import FLOAT_CHECKPOINT_DTYPES
+
 if TYPE_CHECKING:
     from stoker.layers.linear import Linear
 
@@ -52,6 +54,11 @@ class LinearMethod:
     def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
         if param_name not in ("weight", "bias"):
             raise ValueError(f"unexpected checkpoint tensor {param_name!r} for an unquantized projection")
+        if tensor.dtype not in FLOAT_CHECKPOINT_DTYPES:
+            raise ValueError(
+                f"{param_name} is {tensor.dtype}, but this projection runs unquantized (the config ignores it, or "
+                "declares no quantization): an 8-bit weight would be read without its scale"
+            )
         copy_rows(layer, getattr(layer, param_name), shard, tensor, param_name)
 
     def process_after_loading(self, layer: Linear) -> None:

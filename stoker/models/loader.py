@@ -81,8 +81,9 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _checkpoint_name(model: nn.Module, module_name: str, shard: str | None) -> str:
-    """The checkpoint's module name for a merged module's shard (qkv_proj, "q" -> q_proj)."""
+def checkpoint_module_name(model: nn.Module, module_name: str, shard: str | None) -> str:
+    """The checkpoint's module name for a merged module's shard (model.layers.0.self_attn.qkv_proj,
+    "q" -> model.layers.0.self_attn.q_proj); the name itself for an unmerged module."""
     if shard is None:
         return module_name
     parent, _, leaf = module_name.rpartition(".")
@@ -122,7 +123,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         for key in missing[:10]:
             base, _, shard = key.partition("#")
             module_name, _, param = base.rpartition(".")
-            named.append(f"{_checkpoint_name(model, module_name, shard or None)}.{param}" if base.rpartition(".")[0] in linears else base)
+            named.append(f"{checkpoint_module_name(model, module_name, shard or None)}.{param}" if base.rpartition(".")[0] in linears else base)
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(named)}" + (" ..." if len(missing) > 10 else ""))
     for layer in linears.values():
         assert layer.method is not None

@@ -18,7 +18,7 @@ single tensor is read.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ONLINE_METHODS = ("fp8", "int8")
@@ -42,8 +42,13 @@ class WeightScheme:
     group_size: int | None = None  # group: columns of K per scale
     block: tuple[int, int] | None = None  # block: (rows of N, columns of K) per scale
     packed: bool = False  # int8 values packed four to an int32 (compressed-tensors pack-quantized)
-    dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only, GPU)
+    dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only)
     static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
+
+    @property
+    def quantized_activations(self) -> bool:
+        """The scheme asks for 8-bit activations too (W8A8); otherwise it is weight-only (W8A16)."""
+        return self.dynamic_activations or self.static_input_scale
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "int8"):
@@ -72,7 +77,6 @@ class QuantConfig:
     weights: WeightScheme
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
     kv_cache_fp8: bool = False  # the checkpoint's scheme quantizes the KV cache to FP8
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def online(self) -> bool:
@@ -98,8 +102,10 @@ class QuantConfig:
 def online_config(method: str) -> QuantConfig:
     if method not in ONLINE_METHODS:
         raise QuantizationError(f"--quantization {method!r} is not supported; choose one of: {', '.join(ONLINE_METHODS)}")
-    return QuantConfig(method=method, source="online", weights=WeightScheme(dtype=method, strategy="channel"),
-                       ignore=("lm_head",))
+    # Online FP8 is W8A8 with per-token activation scales where FP8 matrix units exist (as
+    # vLLM's); online INT8 is weight-only.
+    weights = WeightScheme(dtype=method, strategy="channel", dynamic_activations=method == "fp8")
+    return QuantConfig(method=method, source="online", weights=weights, ignore=("lm_head",))
 
 
 def resolve(hf_config: dict[str, Any], quantization: str | None) -> QuantConfig | None:
@@ -145,7 +151,7 @@ def _fp8_checkpoint(qc: dict[str, Any]) -> QuantConfig:
     else:
         weights = WeightScheme("fp8", "tensor", dynamic_activations=scheme == "dynamic", static_input_scale=scheme == "static")
     ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()) + ("lm_head",)
-    return QuantConfig(method="fp8", source="fp8", weights=weights, ignore=ignore, raw=qc)
+    return QuantConfig(method="fp8", source="fp8", weights=weights, ignore=ignore)
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
@@ -168,8 +174,9 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
         raise QuantizationError(f"compressed-tensors weights of {num_bits} bits are not supported; only 8-bit (fp8 or int8)")
     if not w.get("symmetric", True):
         raise QuantizationError("compressed-tensors asymmetric weights (zero points) are not supported; only symmetric")
-    if w.get("actorder") not in (None, False, "static", "weight", "group") and w.get("actorder"):
-        raise QuantizationError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        # "group" stores a column permutation (weight_g_idx) the kernels do not apply
+        raise QuantizationError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported; none, static or weight")
     dtype = {"float": "fp8", "int": "int8"}.get(wtype)
     if dtype is None:
         raise QuantizationError(f"compressed-tensors weight type {wtype!r} is not supported; float (fp8) or int (int8)")
@@ -191,8 +198,11 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     acts = group.get("input_activations")
     dynamic = static = False
     if acts:
-        if acts.get("num_bits") != 8 or acts.get("type", "int") != wtype:
-            raise QuantizationError(f"compressed-tensors input_activations {acts!r} are not supported with {wtype} weights")
+        if acts.get("num_bits") != 8 or acts.get("type", "int") != wtype or acts.get("strategy", "tensor") not in ("token", "tensor"):
+            raise QuantizationError(
+                f"compressed-tensors input_activations {acts!r} are not supported with {wtype} weights; "
+                "8-bit, the weights' type, per token or per tensor"
+            )
         dynamic = bool(acts.get("dynamic", False))
         static = not dynamic
     if group.get("output_activations"):
@@ -207,4 +217,4 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
         if kv.get("num_bits") != 8 or kv.get("type") != "float" or kv.get("strategy", "tensor") != "tensor":
             raise QuantizationError(f"compressed-tensors kv_cache_scheme {kv!r} is not supported; 8-bit float per tensor")
     return QuantConfig(method=dtype, source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()),
-                       kv_cache_fp8=bool(kv), raw=qc)
+                       kv_cache_fp8=bool(kv))

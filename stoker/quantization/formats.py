@@ -15,6 +15,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MAX = 127.0
 STORAGE_DTYPES = {"fp8": FP8_DTYPE, "int8": torch.int8}
+# What a float checkpoint holds: what --quantization quantizes, and what an unquantized
+# projection loads (an 8-bit tensor there would be cast without its scale).
+FLOAT_CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantize_rows(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,10 +47,16 @@ class QuantizedLinearMethod(LinearMethod):
         self.fuse_silu_and_mul = fuse_silu_and_mul and backend == "cpu_q8"
         self.storage_dtype = formats.STORAGE_DTYPES[scheme.dtype]
         self.group_k = 0  # set by create_weights
-        self.kernel = None  # cpu_q8: native.linear_q8 or its twin, bound in process_after_loading
+        # bound in process_after_loading: the kernel (or its twin, which tests may swap in) and
+        # the forward of this backend
+        self.kernel = None
+        self._forward = self._not_loaded
 
     def describe(self) -> str:
         return f"{self.scheme.dtype} {self.scheme.strategy} via {self.backend}"
+
+    def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a quantized projection runs only after models.loader.load_weights")
 
     # ---------------------------------------------------------------- parameters and loading
     def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
@@ -73,8 +79,9 @@ class QuantizedLinearMethod(LinearMethod):
         groups, self.group_k = self._num_groups(layer.in_features)
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=self.storage_dtype), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.ones(layer.out_features, groups, dtype=torch.float32), requires_grad=False)
-        # Static activation scale of each shard (W8A8 static); the GEMM takes their max.
-        layer.input_scale = nn.Parameter(torch.zeros(max(1, len(layer.shard_offsets)), dtype=torch.float32), requires_grad=False)
+        if self.scheme.static_input_scale:
+            # Static activation scale of each shard (W8A8 static); the GEMM takes their max.
+            layer.input_scale = nn.Parameter(torch.zeros(max(1, len(layer.shard_offsets)), dtype=torch.float32), requires_grad=False)
 
     def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
         rows = layer.shard_rows(shard)
@@ -83,7 +90,7 @@ class QuantizedLinearMethod(LinearMethod):
         if param_name == "bias":
             copy_rows(layer, layer.bias, shard, tensor, "bias")
         elif param_name == "weight" and self.online:
-            if not tensor.is_floating_point() or tensor.dtype == self.storage_dtype:
+            if tensor.dtype not in formats.FLOAT_CHECKPOINT_DTYPES:
                 raise ValueError(f"--quantization {self.scheme.dtype} quantizes a float checkpoint; {where} is {tensor.dtype}")
             if tuple(tensor.shape) != (num_rows, k):
                 raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(tensor.shape)}, expected {(num_rows, k)}")
@@ -107,7 +114,7 @@ class QuantizedLinearMethod(LinearMethod):
             assert group_k == self.group_k
             with torch.no_grad():
                 layer.weight_scale[rows].copy_(scale)
-        elif param_name == "input_scale":
+        elif param_name == "input_scale" and self.scheme.static_input_scale:
             index = list(layer.shard_offsets).index(shard) if shard else 0
             with torch.no_grad():
                 layer.input_scale[index] = tensor.float().reshape(-1).max()
@@ -120,12 +127,9 @@ class QuantizedLinearMethod(LinearMethod):
         else:
             raise ValueError(f"unexpected checkpoint tensor {where} for a {self.scheme.dtype} {self.scheme.strategy} projection")
 
-    def optional_params(self) -> tuple[str, ...]:
-        """Tensors the checkpoint may carry that need no counterpart."""
-        return ("weight_shape", "weight_zero_point", "input_scale")
-
     # ---------------------------------------------------------------- layout for the backend
     def process_after_loading(self, layer: Linear) -> None:
+        """Re-lay the weights for the backend and bind the forward once (apply only calls it)."""
         if self.backend == "cpu_q8":
             from stoker.kernels.cpu import native
 
@@ -135,57 +139,62 @@ class QuantizedLinearMethod(LinearMethod):
             if layer.bias is not None:
                 layer.bias = nn.Parameter(native.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
             self.kernel = native.linear_q8
+            self._forward = self._cpu_q8
         elif self.backend == "int8pack":
             layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(-1).contiguous(), requires_grad=False)
+            self._forward = self._int8pack
         elif self.backend == "scaled_mm":
             # _scaled_mm wants B = W^T column-major: the (N, K) row-major weight, transposed.
             layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(1, -1).contiguous(), requires_grad=False)
+            if self.scheme.static_input_scale:  # one activation scale for the merged GEMM: the shards' largest
+                layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1, 1), requires_grad=False)
+            self._forward = self._scaled_mm
+        elif self.backend == "triton_w8":
+            from stoker.kernels.w8_linear import w8_linear
+
+            self.kernel = w8_linear
+            self._forward = self._weight_only
+        else:
+            self.kernel = reference.w8_linear
+            self._forward = self._weight_only
 
     # ---------------------------------------------------------------- forward
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "cpu_q8":
-            assert self.kernel is not None
-            return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, self.fuse_silu_and_mul)
-        if self.backend == "int8pack":
-            rows = x.reshape(-1, x.shape[-1])
-            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale.to(x.dtype))
-            if layer.bias is not None:
-                out = out + layer.bias
-            return out.view(*x.shape[:-1], layer.out_features)
-        if self.backend == "scaled_mm":
-            return _scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.scheme.static_input_scale)
-        if self.backend == "triton_w8":
-            from stoker.kernels.w8_linear import w8_linear
+        return self._forward(layer, x)
 
-            return w8_linear(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
-        return reference.w8_linear(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
+    def _cpu_q8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, self.fuse_silu_and_mul)
+
+    def _int8pack(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale.to(x.dtype))
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.view(*x.shape[:-1], layer.out_features)
+
+    def _scaled_mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        static = layer.input_scale if self.scheme.static_input_scale else None
+        return _scaled_mm_linear(x, layer.weight, layer.weight_scale, static, layer.bias)
+
+    def _weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
 
 
 def _scaled_mm_linear(
     x: torch.Tensor,  # (..., K) bf16/fp16
     weight: torch.Tensor,  # (N, K) float8_e4m3fn
     weight_scale: torch.Tensor,  # (1, N) float32
-    input_scale: torch.Tensor,  # (shards,) float32, static W8A8 only
+    input_scale: torch.Tensor | None,  # (1, 1) float32: static W8A8; None: per-token dynamic
     bias: torch.Tensor | None,
-    static: bool,
 ) -> torch.Tensor:
     """W8A8 FP8: activations quantized per token (dynamic) or with the checkpoint's static
     scale, then one FP8 GEMM with row-wise scales on both sides (out = (xq sx) (wq sw)^T)."""
     rows = x.reshape(-1, x.shape[-1])
-    if static:
-        x_scale = input_scale.max().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+    if input_scale is not None:
+        x_scale = input_scale.expand(rows.shape[0], 1).contiguous()  # row-wise scaling wants (M, 1) for A too
     else:
         x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / formats.FP8_MAX).clamp(min=1e-12)
     xq = (rows.float() / x_scale).clamp(-formats.FP8_MAX, formats.FP8_MAX).to(formats.FP8_DTYPE)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype,
                            bias=None if bias is None else bias.to(x.dtype))
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def float_reference(layer: Linear) -> torch.Tensor:
-    """The (out, in) float32 weight a quantized layer stands for, before any re-layout (tests)."""
-    method = layer.method
-    assert isinstance(method, QuantizedLinearMethod)
-    return formats.dequantize(layer.weight, layer.weight_scale, method.group_k)
-
-

@@ -96,8 +96,9 @@ class ModelRunner:
                 "(values beyond +-448 saturate). Checkpoints calibrated with a kv_cache_scheme carry them.",
                 len(layers) - with_scales, len(layers),
             )
-        elif not fp8 and with_scales:
-            logger.info("the checkpoint carries FP8 KV-cache scales; --kv-cache-dtype fp8 would use them")
+        elif not fp8 and (with_scales or (self.quant is not None and self.quant.kv_cache_fp8)):
+            logger.info("the checkpoint is calibrated for an FP8 KV cache (kv_cache_scheme, k/v scales); "
+                        "the cache stays %s unless --kv-cache-dtype fp8", str(self.dtype).removeprefix("torch."))
 
     def weights_summary(self) -> str:
         """"8.50 GiB (fp8 projections, the rest bfloat16)": roofline's byte count for this model

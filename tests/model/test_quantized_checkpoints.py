@@ -173,3 +173,21 @@ def test_partly_ignored_merged_projection_is_refused(tiny_checkpoints, tmp_path)
     q = quantize_checkpoint(tiny_checkpoints("llama"), tmp_path / "q", "ct-fp8-channel", ignore=("lm_head", "re:.*q_proj"))
     with pytest.raises(ValueError, match="must agree"):
         LLM(str(q), device="cpu")
+
+
+def test_an_8bit_weight_where_the_config_expects_floats_is_refused(quantized, tmp_path) -> None:
+    """A quantized tensor for a projection the config leaves unquantized would be read without
+    its scale: refused, naming the tensor."""
+    qpath, _ = quantized("llama", "ct-fp8-channel")
+    path = _edit(qpath, tmp_path, lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*o_proj"]))
+    with pytest.raises(ValueError, match=r"runs unquantized.*model\.layers\.\d\.self_attn\.o_proj"):
+        LLM(path, device="cpu")
+
+
+def test_activation_quantization_run_weight_only_is_said(quantized, caplog) -> None:
+    import logging
+
+    qpath, _ = quantized("llama", "ct-fp8-channel-static")
+    with caplog.at_level(logging.INFO, logger="stoker.layers.backends"):
+        LLM(str(qpath), device="cpu", kv_cache_memory_bytes=4 << 20)
+    assert "quantizes activations too" in caplog.text and "weight-only" in caplog.text

@@ -69,3 +69,30 @@ def test_flag_and_checkpoint_must_agree() -> None:
         resolve(hf, "int8")
     assert resolve({}, None) is None
     assert resolve({}, "int8").online
+
+
+@pytest.mark.parametrize("config, message", [
+    (ct({**FP8_CHANNEL, "actorder": "group"}), "actorder 'group' is not supported"),
+    (ct(FP8_CHANNEL, acts={"num_bits": 8, "type": "float", "strategy": "group", "dynamic": True}), "input_activations"),
+])
+def test_schemes_the_kernels_cannot_apply_are_refused(config: dict, message: str) -> None:
+    with pytest.raises(QuantizationError, match=message):
+        parse_checkpoint_config(config)
+
+
+def test_w8a8_runs_only_where_the_scheme_quantizes_activations(monkeypatch) -> None:
+    """A weight-only FP8 checkpoint must not get its activations quantized on an FP8 GPU;
+    online FP8 (vLLM's: dynamic per-token) and W8A8 checkpoints do."""
+    import torch
+
+    from stoker.layers import backends
+
+    monkeypatch.setattr(backends, "fp8_matmul_supported", lambda device: True)
+    monkeypatch.setattr(backends.ops, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    weight_only = parse_checkpoint_config(ct(FP8_CHANNEL)).weights
+    w8a8 = parse_checkpoint_config(ct(FP8_CHANNEL, acts={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True})).weights
+    assert backends.quantized_backend(weight_only, cuda, torch.bfloat16) == "triton_w8"
+    assert backends.quantized_backend(w8a8, cuda, torch.bfloat16) == "scaled_mm"
+    assert backends.quantized_backend(online_config("fp8").weights, cuda, torch.bfloat16) == "scaled_mm"
+    assert backends.quantized_backend(online_config("int8").weights, cuda, torch.bfloat16) == "triton_w8"

@@ -266,11 +266,8 @@ def linear_q8(
     groups = -(-k // group_k) if group_k > 0 else 0
     if scales.shape != (groups, num_panels * nr) or scales.dtype != torch.float32 or not scales.is_contiguous():
         raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype}, expected contiguous ({groups}, {num_panels * nr}) float32")
-    _check_linear_args(x, k, nr, num_panels, out_features, bias, silu_and_mul)
-    rows, stride = _as_rows(x)
-    width = out_features // 2 if silu_and_mul else out_features
-    out = torch.empty((rows.shape[0], width), dtype=torch.float32)
-    if rows.shape[0]:
+
+    def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
         status = lib.stoker_linear_q8(
             rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, fmt, scales.data_ptr(), num_panels * nr, group_k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], out_features, k,
@@ -278,6 +275,22 @@ def linear_q8(
         )  # fmt: skip
         if status:
             raise MemoryError("linear_q8: could not allocate the dequantization buffer")
+
+    return _run_linear(x, packed, out_features, bias, silu_and_mul, call)
+
+
+def _run_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, silu_and_mul: bool, call
+) -> torch.Tensor:
+    """What linear and linear_q8 share: check x and bias against the panels, view x as rows,
+    allocate the output, `call(rows, row_stride, out, width)` the kernel unless x is empty."""
+    num_panels, k, nr = packed.shape
+    _check_linear_args(x, k, nr, num_panels, out_features, bias, silu_and_mul)
+    rows, stride = _as_rows(x)
+    width = out_features // 2 if silu_and_mul else out_features
+    out = torch.empty((rows.shape[0], width), dtype=torch.float32)
+    if rows.shape[0]:
+        call(rows, stride, out, width)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
 
 
@@ -321,16 +334,14 @@ def linear(
     num_panels, k, nr = packed.shape
     if packed.dtype != torch.float32 or not packed.is_contiguous():
         raise ValueError(f"float32 and contiguous panels only: x {x.dtype}, packed {packed.dtype}")
-    _check_linear_args(x, k, nr, num_panels, out_features, bias, silu_and_mul)
-    rows, stride = _as_rows(x)
-    width = out_features // 2 if silu_and_mul else out_features
-    out = torch.empty((rows.shape[0], width), dtype=torch.float32)
-    if rows.shape[0]:
+
+    def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
         lib.stoker_linear_f32(
             rows.data_ptr(), stride, packed.data_ptr(), nr, k * nr, None if bias is None else bias.data_ptr(),
             out.data_ptr(), width, rows.shape[0], out_features, k, int(silu_and_mul), torch.get_num_threads(),
         )  # fmt: skip
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
+
+    return _run_linear(x, packed, out_features, bias, silu_and_mul, call)
 
 
 # ---------------------------------------------------------------- row-wise kernels (elementwise.c)
