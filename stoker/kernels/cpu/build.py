@@ -5,7 +5,8 @@ system C compiler (`$CC`, else `cc`/`gcc`: `-O3 -fopenmp -ffast-math` and the ta
 `STOKER_CPU_ISA`, see `ISA_TARGETS`) into `<cache root>/kernels/<hash>/`
 (`stoker.paths.cache_root()`: `$STOKER_CACHE_DIR`, default `~/.cache/stoker`), keyed by the
 sources, the compiler's version, the flags and this CPU's flags, and loaded with ctypes.
-Building takes ~1.2 s (docs/benchmarks.md); later processes load the cached library.
+Building takes ~3.6 s for -march=native (docs/benchmarks.md, `benchmarks/kernel_build_time.py`);
+later processes load the cached library.
 
 `STOKER_CPU_ISA` is read once, when the library is first loaded: `native` (the default,
 `-march=native`), `avx512`, `avx2` or `generic` (x86-64 with SSE2 only). The narrower builds
