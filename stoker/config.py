@@ -110,10 +110,41 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism over torch.distributed (vLLM's flag names). Ranks are laid out node by
+    node: node k holds ranks [k * ranks_per_node, (k + 1) * ranks_per_node). The rendezvous is
+    env://: master_addr / master_port (MASTER_ADDR / MASTER_PORT when torchrun or Kubernetes
+    set them); master_port None on one node: a free port is picked."""
+
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    # A collective (or a worker's wait for the next step) longer than this marks the engine dead.
+    distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("nnodes", self.nnodes)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes {self.nnodes} "
+                             "(every node runs the same number of ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks that run on this node."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -128,8 +159,3 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
-        if self.parallel_config.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet by the engine; use 1 "
-                "(`stoker plan` can still size tensor-parallel deployments)"
-            )

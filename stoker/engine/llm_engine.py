@@ -19,7 +19,8 @@ from stoker.engine.detokenizer import DetokenizerState, decode_increment, find_s
 from stoker.engine.tokenizer import eos_token_ids, load_tokenizer
 from stoker.models.loader import read_hf_config
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from stoker.runner.model_runner import ModelRunner
+from stoker.core.step import build_step
+from stoker.engine.executor import WorkerFailedError, make_executor
 from stoker.sampling.sampler import SamplerOutput
 from stoker.sampling_params import SamplingParams
 
@@ -75,11 +76,15 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         sched_cfg = config.scheduler_config
         self.max_num_batched_tokens = sched_cfg.token_budget(self.max_model_len)
-        self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
-        num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens)
-        self._check_kv_capacity(num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()  # CUDA and not enforce_eager only
+        self.executor = make_executor(config, self.hf_config, self.max_model_len)
+        try:
+            self.runner = self.executor.runner  # this process's (rank 0's): for logs and introspection
+            num_blocks = self.executor.determine_num_blocks(self.max_num_batched_tokens)
+            self._check_kv_capacity(num_blocks)
+            self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives a failed start
+            raise
         block_size = config.cache_config.block_size
         self.block_manager = BlockManager(num_blocks, block_size, config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -203,7 +208,9 @@ class LLMEngine:
             if s.seq.is_prefill:
                 self._prompt_tokens += s.num_tokens
         try:
-            result = self.runner.execute(sched_out, self.eos_token_ids)
+            result = self.executor.execute(build_step(sched_out, self.eos_token_ids))
+        except WorkerFailedError:
+            raise  # not this batch's fault: the engine is dead (the caller fails every request)
         except Exception as exc:
             # The forward or the sampler raised: every request in this batch may be the cause.
             # Nothing of the step is kept (no token appended, no block hashed into the cache).
@@ -294,7 +301,7 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, status)
-        self.runner.release(seq.seq_id)
+        self.executor.release(seq.seq_id)
 
     def _finish_request(self, req: Request) -> RequestOutput:
         req.metrics.finished_time = time.time()
@@ -302,7 +309,7 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         for seq in req.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
-            self.runner.release(seq.seq_id)
+            self.executor.release(seq.seq_id)
         return output
 
     def _make_output(self, req: Request) -> RequestOutput:
@@ -345,6 +352,14 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
         )
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError when a tensor-parallel rank is gone (the idle loop asks)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); safe to call more than once."""
+        self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -13,13 +13,13 @@ kernels on packed panels, MKL, Triton, torch), and the method creates the layer'
 Nothing tests a weight's shape or dtype to guess its representation, and no call re-reads
 the environment to pick a backend: both are fields of the method.
 
-The next two capabilities plug in here without a reshuffle:
-  * tensor parallelism: the chooser wraps a method with the rank's shard (a column-parallel
-    layer creates N / tp rows and `load` narrows each checkpoint tensor, and its scale, to
-    them; a row-parallel one narrows K and all-reduces after `apply`), the representation
-    and backend unchanged underneath;
-  * LoRA: a wrapper method whose `apply` is the base method's plus x A^T B^T for the adapters
-    of the rows in the batch; the base weight (float or quantized) is untouched.
+Tensor parallelism is the layer's shape, not a method: a sharded layer is built with this
+rank's rows or columns (layers/linear.py), every method creates its parameters from that
+shape, and `checkpoint_slice` says which part of each checkpoint tensor the rank reads (a
+method knows its own scales' layout: per channel they follow the rows, per group or block
+also the columns). The row-parallel all-reduce is the layer's, after any method.
+LoRA plugs in as a wrapper method whose `apply` is the base method's plus x A^T B^T for the
+adapters of the rows in the batch; the base weight (float or quantized) is untouched.
 The methods here are the float ones; quantized ones live in `stoker/quantization/methods.py`.
 """
 
@@ -51,6 +51,23 @@ class LinearMethod:
         """Parameters on the current default device and dtype (build_model sets both)."""
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
 
+    def checkpoint_slice(
+        self, layer: Linear, param_name: str, shard: str | None, shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        """The part of the checkpoint tensor `param_name` (of `shard`, whole shape `shape`) this
+        rank reads; None: all of it (always, for a layer that is not split). A part is cut only
+        from a tensor of the whole shape the layer expects (else the error names both)."""
+        if not layer.is_split:
+            return None
+        rows, k = layer.checkpoint_shape(shard)
+        if param_name == "weight":
+            expect_shape(shape, (rows, k), param_name, shard)
+            return layer.checkpoint_rows(shard), layer.checkpoint_cols()
+        if param_name == "bias":
+            expect_shape(shape, (rows,), param_name, shard)
+            return (layer.checkpoint_rows(shard),)
+        return None
+
     def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
         if param_name not in ("weight", "bias"):
             raise ValueError(f"unexpected checkpoint tensor {param_name!r} for an unquantized projection")
@@ -71,16 +88,26 @@ class LinearMethod:
         return type(self).__name__
 
 
+def expect_shape(got: tuple[int, ...], expected: tuple[int, ...], name: str, shard: str | None) -> None:
+    if tuple(got) != tuple(expected):
+        where = f"shard {shard!r} of {name}" if shard else name
+        raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(got)}, expected {tuple(expected)}")
+
+
 def copy_rows(layer: Linear, param: torch.Tensor, shard: str | None, tensor: torch.Tensor, name: str) -> None:
     """Copy a checkpoint tensor into `param`'s rows of `shard` (all rows when shard is None),
-    checking its shape first; the message names the shard and the shapes."""
+    checking its shape first; the message names the shard and the shapes. A vocabulary-parallel
+    layer's last part may get fewer rows than it holds: the rest are zeroed."""
     rows = layer.shard_rows(shard)
     expected = (rows.stop - rows.start, *param.shape[1:])
-    if tuple(tensor.shape) != expected:
+    got = tuple(tensor.shape)
+    short = layer.is_padded and len(got) == len(expected) and got[1:] == expected[1:] and got[0] < expected[0]
+    if got != expected and not short:
         where = f"shard {shard!r} of {name}" if shard else name
-        raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(tensor.shape)}, expected {expected}")
+        raise ValueError(f"shape mismatch for {where}: checkpoint {got}, expected {expected}")
     with torch.no_grad():
-        param[rows].copy_(tensor)
+        param[rows][: got[0]].copy_(tensor)
+        param[rows][got[0] :].zero_()
 
 
 class TorchLinearMethod(LinearMethod):

@@ -7,6 +7,11 @@ num_attention_heads, num_key_value_heads (GQA), head_dim, hidden_act, rms_norm_e
 rope_theta / rope_scaling / rope_parameters (default, linear, llama3, yarn),
 max_position_embeddings, attention_bias, mlp_bias, tie_word_embeddings, sliding_window /
 layer_types where a family uses them.
+
+Tensor parallelism (`tp`, this rank's group; Megatron-LM's layout): q/k/v and gate/up are
+column-parallel (each rank holds num_heads / tp query heads, its KV heads, and
+intermediate_size / tp MLP columns), o_proj and down_proj row-parallel (one all-reduce each
+per layer), embedding and LM head vocabulary-parallel; norms and rotary are replicated.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from torch import nn
 
 from stoker.config import KVCacheSpec
+from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.distributed.partition import Partition, kv_head_partition
 from stoker.layers.activation import get_gated_activation
 from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead, VocabEmbedding
@@ -29,17 +36,33 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
+def split_evenly(total: int, field: str, tp: TensorParallelGroup) -> Partition:
+    if total % tp.world_size:
+        raise ValueError(f"{field} {total} is not divisible by tensor_parallel_size {tp.world_size}; choose a size that divides it")
+    return Partition(tp.world_size, tp.rank)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, sliding_window: int | None) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, sliding_window: int | None,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
         self.head_dim = head_dim_of(cfg)
+        q_part = split_evenly(total_heads, "num_attention_heads", tp)
+        kv_part = kv_head_partition(total_kv_heads, tp.world_size, tp.rank)
+        # This rank's heads: (T, num_heads, head_dim) queries over (T, num_kv_heads, head_dim) keys.
+        self.num_heads = q_part.size(total_heads)
+        self.num_kv_heads = kv_part.size(total_kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)))
+        q_rows, kv_rows = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias=qkv_bias,
+                                     out_splits={"q": q_part, "k": kv_part, "v": kv_part})
+        self.o_proj = Linear(q_rows, hidden, bias=bool(cfg.get("attention_bias", False)), in_split=q_part, tp=tp)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
 
@@ -61,12 +84,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         bias = bool(cfg.get("mlp_bias", False))
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        part = split_evenly(inter, "intermediate_size", tp)
+        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias, out_splits={"gate": part, "up": part})
+        self.down_proj = Linear(inter, hidden, bias=bias, in_split=part, tp=tp)
         self.act = get_gated_activation(cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,11 +99,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, cfg: dict[str, Any]) -> None:
+    def __init__(self, self_attn: nn.Module, cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -97,9 +121,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: dict[str, Any], layers: list[nn.Module], tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
@@ -123,18 +147,19 @@ class LlamaForCausalLM(nn.Module):
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+    def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup.single()
         self.config = cfg
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         layers = [
             LlamaDecoderLayer(
-                self.attention_cls(cfg, i, self.rotary, self.qkv_bias(cfg), self.sliding_window(cfg, i)), cfg
+                self.attention_cls(cfg, i, self.rotary, self.qkv_bias(cfg), self.sliding_window(cfg, i), tp), cfg, tp
             )
             for i in range(cfg["num_hidden_layers"])
         ]
-        self.model = LlamaModel(cfg, layers)
-        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.model = LlamaModel(cfg, layers, tp)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -157,14 +182,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def kv_cache_spec(self, dtype: str) -> KVCacheSpec:
-        """What one token of this model's KV cache is, stored as `dtype` (the runner's choice:
-        the model dtype, or "fp8_e4m3")."""
+        """What one token of this rank's KV cache is, stored as `dtype` (the runner's choice:
+        the model dtype, or "fp8_e4m3"); with tensor parallelism, this rank's KV heads."""
         layers = self.attention_layers()
         return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(num_sampled, hidden) -> (num_sampled, vocab) float32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(num_sampled, hidden) -> (num_sampled, vocab) float32 logits on the rank that
+        samples (rank 0); None on the other tensor-parallel ranks."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -2,6 +2,10 @@
 
 Every tensor in the checkpoint must land in a parameter of the right shape and every
 parameter must be filled; anything else is an error that names the tensor.
+
+With tensor parallelism each rank reads only its part of each tensor (safetensors'
+`get_slice` reads those bytes of the memory-mapped file), as its layers and their weight
+methods say (`checkpoint_slice`): no rank holds the whole model in memory at any time.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.layers.embedding import VocabEmbedding
 from stoker.layers.linear import Linear
 from stoker.layers.rotary import rope_parameters
 from stoker.models.registry import get_model_class
@@ -59,10 +65,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def build_model(
-    hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None
+    hf_config: dict[str, Any],
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
-    """The model with every projection's weight method chosen (layers/backends.py) and its
-    parameters created, uninitialised, on `device`."""
+    """The model (this rank's shard of it under tensor parallelism) with every projection's
+    weight method chosen (layers/backends.py) and its parameters created, uninitialised, on
+    `device`."""
     from stoker.layers.backends import LinearMethodChooser
 
     model_cls = get_model_class(hf_config.get("architectures"))
@@ -70,7 +82,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, max_position)
+            model = model_cls(hf_config, max_position, tp)
             chooser = LinearMethodChooser(quant, device, dtype, model)
             for name, module in list(model.named_modules()):
                 if isinstance(module, Linear):
@@ -99,6 +111,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     checkpoint would, and let each method re-lay its weights for its backend."""
     params = dict(model.named_parameters(remove_duplicate=False))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    embeddings = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, VocabEmbedding)}
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
     filled: set[str] = set()
@@ -110,7 +123,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 if name.endswith(_KV_SCALE_SUFFIXES):
                     _load_kv_scale(model, name, f.get_tensor(name))
                     continue
-                filled.add(_load_one(params, linears, packed, name, f.get_tensor(name)))
+                filled.add(_load_one(params, linears, embeddings, packed, name, f))
     expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in linears)}
     for module_name, layer in linears.items():
         assert layer.method is not None
@@ -130,10 +143,26 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         layer.method.process_after_loading(layer)
 
 
+def _shape(f: Any, name: str) -> tuple[int, ...]:
+    """A checkpoint tensor's shape, read from the header (no data)."""
+    return tuple(f.get_slice(name).get_shape())
+
+
+def _read(f: Any, name: str, part: tuple[slice, ...] | None) -> torch.Tensor:
+    """The whole tensor, or only `part` of it (a tensor-parallel rank's rows / columns)."""
+    return f.get_tensor(name) if part is None else f.get_slice(name)[part]
+
+
 def _load_one(
-    params: dict[str, nn.Parameter], linears: dict[str, Linear], packed: dict[str, tuple[str, str]], name: str, tensor: torch.Tensor
+    params: dict[str, nn.Parameter],
+    linears: dict[str, Linear],
+    embeddings: dict[str, VocabEmbedding],
+    packed: dict[str, tuple[str, str]],
+    name: str,
+    f: Any,
 ) -> str:
-    """Put one checkpoint tensor where it belongs; returns its key in the expected set."""
+    """Put one checkpoint tensor (this rank's part of it) where it belongs; returns its key in
+    the expected set."""
     module_name, _, param_name = name.rpartition(".")
     parent, _, leaf = module_name.rpartition(".")
     shard = None
@@ -144,13 +173,23 @@ def _load_one(
     if layer is not None:
         assert layer.method is not None
         try:
+            tensor = _read(f, name, layer.method.checkpoint_slice(layer, param_name, shard, _shape(f, name)))
+            if param_name == "bias" and layer.reduce is not None and not layer.reduce.is_first:
+                tensor = torch.zeros_like(tensor)  # a row-parallel bias is added once, by rank 0's partial sum
             layer.method.load(layer, param_name, shard, tensor)
         except ValueError as exc:  # the method knows what is wrong, the loader which tensor
             raise ValueError(f"{exc} (checkpoint tensor {name})") from None
         return f"{module_name}.{param_name}#{shard}"
+    if name in embeddings:
+        try:
+            embeddings[name].load(_read(f, name, embeddings[name].checkpoint_slice(_shape(f, name))))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return name
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
     param = params[name]
+    tensor = f.get_tensor(name)
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
     with torch.no_grad():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.models.llama import LlamaForCausalLM
 
 
@@ -27,6 +28,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def sliding_window(cls, cfg: dict[str, Any], layer_idx: int) -> int | None:
         return qwen_sliding_window(cfg, layer_idx)
 
-    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+    def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
         # Qwen2's o_proj has no bias whatever `attention_bias` says (the config has no such field).
-        super().__init__({**cfg, "attention_bias": False}, max_position)
+        super().__init__({**cfg, "attention_bias": False}, max_position, tp)

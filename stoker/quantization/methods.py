@@ -29,7 +29,7 @@ from torch import nn
 
 from stoker.kernels import reference
 from stoker.layers.linear import Linear
-from stoker.layers.weight_method import LinearMethod, copy_rows
+from stoker.layers.weight_method import LinearMethod, copy_rows, expect_shape
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
 
@@ -75,6 +75,36 @@ class QuantizedLinearMethod(LinearMethod):
             return -(-in_features // s.block[1]), s.block[1]
         return 1, in_features
 
+    def checkpoint_slice(
+        self, layer: Linear, param_name: str, shard: str | None, shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        """A tensor-parallel rank's part of each checkpoint tensor: weights by rows and columns
+        (packed int32 by four columns per value), per-channel scales by rows, per-group and
+        per-block scales by rows and the groups / blocks of its columns; a per-tensor scale,
+        input_scale, weight_shape and zero points whole. A cut that splits a group or block is
+        refused: its scale would belong to two ranks."""
+        if not layer.is_split or param_name in ("weight", "bias"):
+            return super().checkpoint_slice(layer, param_name, shard, shape)
+        rows, cols = layer.checkpoint_rows(shard), layer.checkpoint_cols()
+        num_rows, k = layer.checkpoint_shape(shard)
+        s = self.scheme
+        if param_name == "weight_packed":
+            expect_shape(shape, (num_rows, -(-k // 4)), param_name, shard)
+            return rows, _aligned(cols, 4, "packed int32 columns", k)
+        if param_name != s.scale_name or s.strategy == "tensor":
+            return None
+        if s.strategy == "channel":
+            expect_shape(shape[:1], (num_rows,), param_name, shard)
+            return (rows,)
+        if s.strategy == "group":
+            assert s.group_size is not None
+            expect_shape(shape, (num_rows, -(-k // s.group_size)), param_name, shard)
+            return rows, _aligned(cols, s.group_size, f"groups of {s.group_size}", k)
+        assert s.block is not None
+        bn, bk = s.block
+        expect_shape(shape, (-(-num_rows // bn), -(-k // bk)), param_name, shard)
+        return _aligned(rows, bn, f"blocks of {bn} rows", num_rows), _aligned(cols, bk, f"blocks of {bk} columns", k)
+
     def create_weights(self, layer: Linear) -> None:
         groups, self.group_k = self._num_groups(layer.in_features)
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=self.storage_dtype), requires_grad=False)
@@ -118,9 +148,10 @@ class QuantizedLinearMethod(LinearMethod):
             index = list(layer.shard_offsets).index(shard) if shard else 0
             with torch.no_grad():
                 layer.input_scale[index] = tensor.float().reshape(-1).max()
-        elif param_name == "weight_shape":
-            if [int(v) for v in tensor.reshape(-1).tolist()] != [num_rows, k]:
-                raise ValueError(f"{where} says {tensor.tolist()}, the layer expects {[num_rows, k]}")
+        elif param_name == "weight_shape":  # the checkpoint's whole shape, whatever this rank holds
+            whole = list(layer.checkpoint_shape(shard))
+            if [int(v) for v in tensor.reshape(-1).tolist()] != whole:
+                raise ValueError(f"{where} says {tensor.tolist()}, the layer expects {whole}")
         elif param_name == "weight_zero_point":
             if bool(tensor.ne(0).any()):
                 raise ValueError(f"{where} holds non-zero zero points; only symmetric quantization is supported")
@@ -178,6 +209,15 @@ class QuantizedLinearMethod(LinearMethod):
 
     def _weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
+
+
+def _aligned(part: slice, unit: int, what: str, total: int | None = None) -> slice:
+    """`part` of a dimension in units of `unit` (its groups or blocks); it must start on a unit
+    boundary and end on one, or at the dimension's end (`total`: the last group may be short)."""
+    if part.start % unit or (part.stop % unit and part.stop != total):
+        raise ValueError(f"tensor parallelism cuts this projection at [{part.start}, {part.stop}), which splits {what}; "
+                         "choose a tensor_parallel_size whose parts align with the checkpoint's quantization")
+    return slice(part.start // unit, -(-part.stop // unit))
 
 
 def _scaled_mm_linear(

@@ -1,8 +1,8 @@
-"""SchedulerOutput -> the flat tensors one packed forward needs.
+"""StepMessage -> the flat tensors one packed forward needs.
 
 No padding to the longest sequence: the step's tokens are concatenated (T = sum of each
-sequence's new tokens). Sequences with one new token (decodes) are put first so attention
-can run them as a single batched paged-decode call.
+sequence's new tokens). The message lists sequences with one new token (decodes) first, so
+attention can run them as a single batched paged-decode call.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stoker.core.scheduler import ScheduledSequence, SchedulerOutput
+from stoker.core.step import SeqStep, StepMessage
 from stoker.layers.attention import AttentionMetadata
 
 
@@ -21,12 +21,12 @@ class ModelInputs:
     positions: torch.Tensor  # (T,) int64
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
-    sampled: list[ScheduledSequence]  # the S sequences that sample, in row order
-    ordered: list[ScheduledSequence]  # all scheduled sequences, decodes first
+    sampled: list[SeqStep]  # the S sequences that sample, in row order
+    ordered: list[SeqStep]  # all scheduled sequences, decodes first
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    ordered = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
+def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> ModelInputs:
+    ordered = step.seqs
     num_decodes = sum(1 for s in ordered if s.num_tokens == 1)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -34,7 +34,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     cu_seqlens_q = [0]
     context_lens: list[int] = []
     logits_indices: list[int] = []
-    sampled: list[ScheduledSequence] = []
+    sampled: list[SeqStep] = []
     for s in ordered:
         input_ids.extend(s.token_ids)
         table = s.block_table

@@ -1,4 +1,9 @@
-"""Executes one scheduler step: inputs -> forward over the packed batch -> logits -> tokens."""
+"""Executes one step message: inputs -> forward over the packed batch -> logits -> tokens.
+
+One runner per tensor-parallel rank, each holding its shard of the weights and of the KV
+cache (its KV heads). Every rank runs the same forward on the same message; the LM head
+gathers the logits on rank 0, which alone samples (`execute` returns None elsewhere).
+"""
 
 from __future__ import annotations
 
@@ -10,26 +15,31 @@ import torch
 
 from stoker import cpu_runtime
 from stoker.config import EngineConfig
-from stoker.core.scheduler import SchedulerOutput
+from stoker.core.step import SampleSpec, SeqStep, StepMessage
+from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.attention import set_attention_metadata
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
 from stoker.quantization import config as quant_config
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
-from stoker.runner.inputs import prepare_inputs
+from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from stoker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0, tp_size: int = 1) -> torch.device:
+    """The device this rank runs on: with tensor parallelism, GPU `local_rank` of its node."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
+    if device == "cuda" and tp_size > 1:
+        return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
@@ -56,10 +66,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int, tp: TensorParallelGroup | None = None
+    ) -> None:
         self.config = config
         self.hf_config = hf_config
-        self.device = resolve_device(config.device)
+        self.tp = tp or TensorParallelGroup.single()
+        self.device = resolve_device(config.device, self.tp.local_rank, self.tp.world_size)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
         self.block_size = config.cache_config.block_size
         self.max_model_len = max_model_len
@@ -70,7 +85,7 @@ class ModelRunner:
         self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
-        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant)
+        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
         load_weights(self.model, config.model_config.model)
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
@@ -102,15 +117,18 @@ class ModelRunner:
 
     def weights_summary(self) -> str:
         """"8.50 GiB (fp8 projections, the rest bfloat16)": roofline's byte count for this model
-        and representation (the planner's formula), beside the bytes actually held."""
+        and representation (the planner's formula), beside the bytes actually held (by this
+        rank: a tensor-parallel rank holds its shard)."""
         from stoker.roofline.modelspec import spec_from_config
 
         rest = str(self.dtype).removeprefix("torch.")
         projections = self.quant.method if self.quant is not None else rest
         predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
+        tp = self.tp.world_size
+        by = f"{_size(held)} held by rank {self.tp.rank} of {tp}" if tp > 1 else f"{_size(held)} held"
         return (f"{_size(predicted)} ({projections} projections, embeddings/norms/LM head {rest}; "
-                f"{_size(held)} held, panel padding included)")
+                f"{by}, panel padding included)")
 
     def weight_bytes_held(self) -> int:
         """Bytes of every parameter the model holds (a tied weight counted once)."""
@@ -153,26 +171,25 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_forward(self, num_tokens: int) -> None:
         """A forward of `num_tokens` dummy prompt tokens with a scratch cache, for the memory peak."""
-        from stoker.core.scheduler import ScheduledSequence
-        from stoker.core.sequence import Sequence
-        from stoker.sampling_params import SamplingParams
-
         num_tokens = min(num_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
-        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
-        out = SchedulerOutput([ScheduledSequence(seq, 0, num_tokens, list(range(num_blocks)))])
-        self.execute(out, eos_token_ids=())
+        seq = SeqStep(-1, [0] * num_tokens, 0, list(range(num_blocks)), do_sample=True)
+        self.execute(StepMessage([seq], {-1: SampleSpec(SamplingParams(max_tokens=1), 0, 0)}))
         self.kv_caches = []
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
-        self.release(seq.seq_id)
+        self.release(-1)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (after allocate_kv_cache); a no-op on CPU or with enforce_eager."""
         if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        if self.tp.world_size > 1:
+            # Capturing NCCL collectives is possible (vLLM does) but not yet verified here.
+            logger.warning("CUDA graphs off under tensor parallelism (not yet verified with NCCL in the graph)")
             return
         ok, why_not = graphs_supported(self.device)
         if not ok:
@@ -187,9 +204,16 @@ class ModelRunner:
         self.graph_runner = graph_runner
 
     # ------------------------------------------------------------------ step
+    def execute(self, step: StepMessage) -> StepResult | None:
+        """Run one step; the sampled tokens on rank 0, None on the other ranks."""
+        inputs, logits = self.forward(step)
+        return self.sample(step, inputs, logits)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepResult:
-        inputs = prepare_inputs(out, self.block_size, self.device)
+    def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
+        """The forward (every rank, in lockstep: it holds the collectives) -> (S, vocab) float32
+        logits of the rows that sample, on rank 0; None on the other ranks or when none samples."""
+        inputs = prepare_inputs(step, self.block_size, self.device)
         md = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(len(inputs.ordered), md):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
@@ -200,25 +224,34 @@ class ModelRunner:
             finally:
                 set_attention_metadata(None)
         if not inputs.sampled:
-            return StepResult([], SamplerOutput([], [], []))
-        # Logits only for the positions that sample: (S, hidden) -> (S, vocab).
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        rows = [
-            SamplingRow(s.seq.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids, self._generator(s.seq), eos_token_ids)
-            for s in inputs.sampled
-        ]
-        return StepResult([s.seq.seq_id for s in inputs.sampled], self.sampler(logits, rows))
+            return inputs, None
+        return inputs, self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def _generator(self, seq: Any) -> torch.Generator | None:
-        seed = seq.sampling_params.seed
+    @torch.inference_mode()
+    def sample(self, step: StepMessage, inputs: ModelInputs, logits: torch.Tensor | None) -> StepResult | None:
+        """Rank 0 only (no collective): one token per sampling row."""
+        if not self.tp.is_first:
+            return None
+        if logits is None:
+            return StepResult([], SamplerOutput([], [], []))
+        rows = []
+        for s in inputs.sampled:
+            spec = step.sampling[s.seq_id]
+            prompt_ids, output_ids = spec.penalty_ids or ([], [])
+            rows.append(SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
+                                    self._generator(s.seq_id, spec), step.eos_token_ids))
+        return StepResult([s.seq_id for s in inputs.sampled], self.sampler(logits, rows))
+
+    def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
+        seed = spec.params.seed
         if seed is None:
             return None
-        gen = self.generators.get(seq.seq_id)
+        gen = self.generators.get(seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
             # n > 1: completion i draws from seed + i, so the completions differ but repeat.
-            gen.manual_seed(seed + seq.index)
-            self.generators[seq.seq_id] = gen
+            gen.manual_seed(seed + spec.index)
+            self.generators[seq_id] = gen
         return gen
 
     def release(self, seq_id: int) -> None:

@@ -20,8 +20,9 @@ from stoker.sampling_params import SamplingParams
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: list[int]  # penalties only: empty when the row uses none
+    output_ids: list[int]  # penalties only: empty when the row uses none
+    num_output_tokens: int  # min_tokens
     generator: torch.Generator | None  # a seeded request's own stream; None: the shared one
     eos_token_ids: tuple[int, ...]
 
@@ -139,7 +140,7 @@ class Sampler:
         """Below min_tokens, EOS and stop_token_ids cannot be sampled."""
         for i, r in enumerate(rows):
             p = r.params
-            if len(r.output_ids) < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")

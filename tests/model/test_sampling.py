@@ -15,7 +15,7 @@ PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 
 
 def rows(params: SamplingParams, n: int, gen=None) -> list[SamplingRow]:
-    return [SamplingRow(params, [], [], gen, (4,)) for _ in range(n)]
+    return [SamplingRow(params, [], [], 0, gen, (4,)) for _ in range(n)]
 
 
 def frequencies(params: SamplingParams, n: int = 20000, seed: int = 0) -> list[float]:
@@ -81,9 +81,9 @@ def test_penalties_by_hand() -> None:
 def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 10.0, 9.0]])
     p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
-    out = Sampler(0, torch.device("cpu"))(logits.clone(), [SamplingRow(p, [], [7], None, (4,))])
+    out = Sampler(0, torch.device("cpu"))(logits.clone(), [SamplingRow(p, [], [7], 1, None, (4,))])
     assert out.token_ids[0] not in (4, 5)
-    out = Sampler(0, torch.device("cpu"))(logits.clone(), [SamplingRow(p, [], [7, 8], None, (4,))])
+    out = Sampler(0, torch.device("cpu"))(logits.clone(), [SamplingRow(p, [], [7, 8], 2, None, (4,))])
     assert out.token_ids == [4]
 
 
@@ -96,7 +96,7 @@ def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
         sampler = Sampler(123, torch.device("cpu"))
         tokens = []
         for _ in range(20):
-            rs = rows(SamplingParams(temperature=1.0), batch_extra) + [SamplingRow(p, [], [], gen, ())]
+            rs = rows(SamplingParams(temperature=1.0), batch_extra) + [SamplingRow(p, [], [], 0, gen, ())]
             batch = torch.cat([torch.randn(batch_extra, 50), logits]) if batch_extra else logits.clone()
             tokens.append(sampler(batch, rs).token_ids[-1])
         return tokens

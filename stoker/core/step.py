@@ -1,0 +1,87 @@
+"""The step message: what the scheduler's plan becomes when it crosses into a runner. [no torch]
+
+One contract for every runner (DESIGN.md, seam 17): the in-process runner at TP=1, and every
+tensor-parallel rank, which receives it pickled over torch.distributed. It holds plain values
+only (ints, lists, the request's SamplingParams), never a `Sequence` or the scheduler.
+
+Forward part (every rank needs it): per scheduled sequence its new token ids, the position of
+the first one, its block table and whether its last position samples.
+Sampling part (only the rank that samples, rank 0, needs it): per sampling row its params,
+which of the request's n completions it is (seeds its generator), how many tokens it has
+generated (min_tokens) and, only when a penalty is on, the prompt and output ids the penalty
+counts. `for_workers()` drops the sampling part, so a broadcast carries the forward only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from stoker.core.scheduler import SchedulerOutput
+from stoker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    params: SamplingParams
+    index: int  # which of the request's n completions: a seeded row draws from seed + index
+    num_output_tokens: int
+    # (prompt ids, output ids) when a repetition/frequency/presence penalty needs them, else None
+    penalty_ids: tuple[list[int], list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    token_ids: list[int]  # the tokens computed this step: positions [start_pos, start_pos + len)
+    start_pos: int
+    block_table: list[int]
+    do_sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    seqs: list[SeqStep]  # decodes (one new token) first, then prefills: attention's order
+    # seq_id -> how it samples; only for seqs with do_sample, and only on the sampling rank
+    sampling: dict[int, SampleSpec] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def sampled_seq_ids(self) -> list[int]:
+        """The sequences that sample, in row order of the sampler's output."""
+        return [s.seq_id for s in self.seqs if s.do_sample]
+
+    def for_workers(self) -> StepMessage:
+        """The forward part alone: what a rank that does not sample needs."""
+        return dataclasses.replace(self, sampling={}, eos_token_ids=())
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMessage:
+    """The message for one planned step (decodes first; stable otherwise)."""
+    ordered = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
+    seqs: list[SeqStep] = []
+    sampling: dict[int, SampleSpec] = {}
+    for s in ordered:
+        seq = s.seq
+        seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample))
+        if s.do_sample:
+            p = seq.sampling_params
+            penalty_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _uses_penalties(p) else None
+            sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, penalty_ids)
+    return StepMessage(seqs, sampling, tuple(eos_token_ids))

@@ -1,0 +1,162 @@
+"""The tensor-parallel executor: this process is rank 0, the driver; ranks 1..N-1 are workers.
+
+Rank 0 holds the scheduler and its own shard. Each step it broadcasts the message's forward
+part (`StepMessage.for_workers()`: ids, positions, block tables, which rows sample; no
+sampling parameters) on the CPU group, runs its forward in lockstep with the workers (the
+all-reduces and the logits gather are the collectives of the device group), and samples
+alone. Only the sampled ids leave the forward, and they never leave this process.
+
+Failure: a worker that raises exits (worker.py), and gloo/NCCL calls on its peers fail at
+once ("connection closed"); a worker that hangs makes rank 0's next collective time out
+(`distributed_timeout_s`); a spawned worker's exit is also seen by a watchdog thread while
+idle, and `check_health` (called by the server's idle loop) pings every rank. Any of these
+marks the executor dead: `execute` raises WorkerFailedError from then on. A failure inside
+rank 0's forward is fatal too (the workers would be left inside a collective); one in
+sampling is not (no collective there: only that step's requests fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+from typing import Any
+
+import torch
+
+from stoker.config import EngineConfig
+from stoker.core.step import StepMessage
+from stoker.distributed import launch
+from stoker.engine.executor import Executor, WorkerFailedError
+from stoker.runner.model_runner import ModelRunner, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedExecutor(Executor):
+    def __init__(self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int) -> None:
+        pc = config.parallel_config
+        self.procs: list[subprocess.Popen] = []
+        self.tp: Any = None
+        self._failure: str | None = None
+        self._closing = False
+        self._threads_before = torch.get_num_threads()
+        env = launch.Rendezvous.from_env()
+        if env is not None:  # torchrun / Kubernetes started every rank
+            if env.world_size != pc.tensor_parallel_size or env.rank != 0:
+                raise ValueError(f"WORLD_SIZE {env.world_size} / RANK {env.rank} in the environment do not match "
+                                 f"--tensor-parallel-size {pc.tensor_parallel_size} on the driver (rank 0)")
+            rdzv = env
+        else:
+            if pc.node_rank != 0:
+                raise ValueError("only node 0 runs the engine; start the other nodes with --headless")
+            if pc.nnodes > 1 and pc.master_port is None:
+                raise ValueError("--nnodes > 1 needs --master-port (and --master-addr reachable from every node)")
+            port = pc.master_port or launch.free_port(pc.master_addr)
+            rdzv = launch.Rendezvous(pc.master_addr, port, pc.tensor_parallel_size, 0, 0)
+            if config.device != "cuda" and launch.device_backend(config.device) == "gloo":
+                torch.set_num_threads(launch.threads_per_rank(pc.ranks_per_node))
+            self.procs = launch.spawn_workers(rdzv, list(pc.node_ranks)[1:], 1, config.device, pc.distributed_timeout_s,
+                                              launch.threads_per_rank(pc.ranks_per_node))
+            for rank, proc in zip(list(pc.node_ranks)[1:], self.procs):
+                threading.Thread(target=self._watch, args=(proc, rank), name=f"stoker-tp-watch{rank}", daemon=True).start()
+        logger.info("tensor parallelism: %d ranks over %d node(s), rendezvous %s:%d", rdzv.world_size, pc.nnodes,
+                    rdzv.master_addr, rdzv.master_port)
+        try:
+            self.tp = launch.init_group(rdzv, config.device, pc.distributed_timeout_s, waiting=self._raise_if_failed)
+            self.tp.broadcast_object(("init", (config, hf_config, max_model_len)))
+            self.runner = ModelRunner(config, hf_config, max_model_len, self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ failure
+    def _watch(self, proc: subprocess.Popen, rank: int) -> None:
+        """Note a spawned worker's exit (unless we are shutting down)."""
+        code = proc.wait()
+        if not self._closing:
+            self._fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+            logger.error("the engine is dead: %s", why)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise WorkerFailedError(self._failure)
+
+    def _collective(self, what: str, fn: Any, *args: Any) -> Any:
+        """Run a step of the protocol; any failure of it is the group's: the executor is dead."""
+        self._raise_if_failed()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._fail(f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise WorkerFailedError(self._failure) from exc
+
+    # ------------------------------------------------------------------ executor contract
+    def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
+        def agree() -> int:
+            self.tp.broadcast_object(("num_blocks", max_num_batched_tokens))
+            return self.tp.min_int(self.runner.determine_num_blocks(max_num_batched_tokens))
+
+        return self._collective("sizing the KV cache", agree)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        def allocate() -> None:
+            self.tp.broadcast_object(("init_cache", num_blocks))
+            super(DistributedExecutor, self).initialize_cache(num_blocks)
+
+        self._collective("allocating the KV cache", allocate)
+
+    def execute(self, step: StepMessage) -> StepResult:
+        def forward() -> Any:
+            self.tp.broadcast_object(("step", step.for_workers()))
+            return self.runner.forward(step)
+
+        inputs, logits = self._collective("a tensor-parallel step", forward)
+        result = self.runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
+        assert result is not None
+        return result
+
+    def check_health(self) -> None:
+        self._collective("a ping of the tensor-parallel ranks", self.tp.broadcast_object, ("ping", None))
+
+    def collective_summary(self) -> str | None:
+        from stoker.distributed.collective_stats import summarize
+
+        return summarize(self.tp)
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, then make sure they did (terminate, then kill)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.tp is not None and self._failure is None:
+            try:
+                self.tp.broadcast_object(("shutdown", None))
+            except Exception:
+                logger.warning("could not tell the tensor-parallel workers to stop; stopping them", exc_info=True)
+        for p in self.procs:
+            _stop(p)
+        if self.tp is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.debug("destroy_process_group", exc_info=True)
+        torch.set_num_threads(self._threads_before)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Wait for a worker to exit after the shutdown message; terminate, then kill, if it does not."""
+    for action, wait_s in ((None, 10.0), (proc.terminate, 5.0), (proc.kill, 5.0)):
+        if action is not None:
+            action()
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
