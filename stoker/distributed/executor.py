@@ -17,6 +17,7 @@ sampling is not (no collective there: only that step's requests fail).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import subprocess
 import threading
@@ -36,6 +37,11 @@ logger = logging.getLogger(__name__)
 class DistributedExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int) -> None:
         pc = config.parallel_config
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a tensor-parallel group: shut that engine down "
+                               "(LLM.shutdown()) before starting another one with tensor_parallel_size > 1")
         self.procs: list[subprocess.Popen] = []
         self.tp: Any = None
         self._failure: str | None = None
@@ -62,6 +68,7 @@ class DistributedExecutor(Executor):
                 threading.Thread(target=self._watch, args=(proc, rank), name=f"stoker-tp-watch{rank}", daemon=True).start()
         logger.info("tensor parallelism: %d ranks over %d node(s), rendezvous %s:%d", rdzv.world_size, pc.nnodes,
                     rdzv.master_addr, rdzv.master_port)
+        atexit.register(self.shutdown)  # no worker outlives this process, even if nobody calls shutdown
         try:
             self.tp = launch.init_group(rdzv, config.device, pc.distributed_timeout_s, waiting=self._raise_if_failed)
             self.tp.broadcast_object(("init", (config, hf_config, max_model_len)))
@@ -133,13 +140,14 @@ class DistributedExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         if self.tp is not None and self._failure is None:
             try:
                 self.tp.broadcast_object(("shutdown", None))
             except Exception:
                 logger.warning("could not tell the tensor-parallel workers to stop; stopping them", exc_info=True)
         for p in self.procs:
-            _stop(p)
+            _stop(p, graceful=self._failure is None)
         if self.tp is not None:
             import torch.distributed as dist
 
@@ -150,9 +158,11 @@ class DistributedExecutor(Executor):
         torch.set_num_threads(self._threads_before)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Wait for a worker to exit after the shutdown message; terminate, then kill, if it does not."""
-    for action, wait_s in ((None, 10.0), (proc.terminate, 5.0), (proc.kill, 5.0)):
+def _stop(proc: subprocess.Popen, graceful: bool) -> None:
+    """Wait for a worker to exit after the shutdown message; terminate, then kill, if it does not.
+    After a failure nothing was sent and the worker may be hung (or stopped): kill it at once."""
+    steps = ((None, 10.0), (proc.terminate, 5.0), (proc.kill, 5.0)) if graceful else ((proc.kill, 5.0),)
+    for action, wait_s in steps:
         if action is not None:
             action()
         try:

@@ -23,11 +23,21 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="turn chunked prefill off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per replica (only 1 is supported by the engine yet)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks per replica (GPUs, or CPU processes): the weights and KV cache are sharded across them")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, per-layer scales from the checkpoint, else 1.0)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8"],
                    help="quantize the weights at load, one scale per output channel (a pre-quantized checkpoint needs no flag)")
+
+
+    d = parser.add_argument_group("distributed (tensor parallelism across processes and nodes; env:// rendezvous)")
+    d.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans (each runs tp / nnodes ranks)")
+    d.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 runs the engine, the others --headless")
+    d.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node (MASTER_ADDR)")
+    d.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (MASTER_PORT; default on one node: a free port)")
+    d.add_argument("--distributed-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait for a rank before the engine is declared dead (default 600)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,6 +56,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        distributed_timeout_s=args.distributed_timeout,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
     )

@@ -319,6 +319,7 @@ class AsyncEngine:
                     self._snapshot = self._take_snapshot()
                     self._wake.wait(1.0)
                     self._wake.clear()
+                    engine.check_health()  # tensor parallelism: a lost rank kills the loop while idle too
                     continue
                 try:
                     outputs = engine.step()

@@ -64,8 +64,16 @@ class InProcessExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, hf_config: dict[str, Any], max_model_len: int) -> Executor:
+    """In-process at TP=1; else this process is rank 0 of a group. Started by torchrun (RANK in
+    the environment), a process of rank > 0 becomes a worker here and exits when rank 0 is done."""
     if config.parallel_config.tensor_parallel_size == 1:
         return InProcessExecutor(config, hf_config, max_model_len)
     from stoker.distributed.executor import DistributedExecutor
+    from stoker.distributed.launch import Rendezvous
+    from stoker.distributed.worker import worker_main
+
+    env = Rendezvous.from_env()
+    if env is not None and env.rank != 0:
+        worker_main(env, config.device, config.parallel_config.distributed_timeout_s)  # does not return
 
     return DistributedExecutor(config, hf_config, max_model_len)

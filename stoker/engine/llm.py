@@ -35,6 +35,11 @@ class LLM:
         enforce_eager: bool = False,
         num_gpu_blocks_override: int | None = None,
         tensor_parallel_size: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        distributed_timeout_s: float = 600.0,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
     ) -> None:
@@ -53,12 +58,23 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                nnodes=nnodes,
+                node_rank=node_rank,
+                master_addr=master_addr,
+                master_port=master_port,
+                distributed_timeout_s=distributed_timeout_s,
+            ),
             device=device,
             enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -57,10 +57,13 @@ def create_app(
     # Loading, warm-up and every step run on this one thread (see AsyncEngine's docstring).
     executor = engine_executor()
 
+    engines: list[LLMEngine] = []  # the engine once built, for its shutdown (workers) whatever happens next
+
     async def load() -> None:
         try:
             loop = asyncio.get_running_loop()
             engine = await loop.run_in_executor(executor, engine_factory)
+            engines.append(engine)
             from stoker.engine.tokenizer import load_tokenizer
 
             state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
@@ -105,6 +108,8 @@ def create_app(
             if state.engine is not None:
                 await state.engine.shutdown(drain_timeout_s)
                 logger.info("engine stopped")
+            for engine in engines:  # tensor-parallel workers stop here, also when loading failed
+                await asyncio.to_thread(engine.shutdown)
             if state.tokenization is not None:
                 state.tokenization.close()
 

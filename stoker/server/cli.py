@@ -46,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access log line")
+    s.add_argument("--headless", action="store_true",
+                   help="run only this node's tensor-parallel ranks, no server (nodes other than 0 of --nnodes)")
     s.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run)
 
@@ -65,8 +67,20 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _run_headless(args: argparse.Namespace) -> int:
+    from stoker.config import ParallelConfig
+    from stoker.distributed.headless import run_node
+
+    pc = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                        master_addr=args.master_addr, master_port=args.master_port,
+                        distributed_timeout_s=args.distributed_timeout)
+    return run_node(pc, args.device)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.headless or os.environ.get("RANK", "0") not in ("", "0"):
+        return _run_headless(args)  # torchrun / Kubernetes: a rank > 0 serves the group, not HTTP
     import uvicorn
 
     from stoker.engine.llm import LLM
