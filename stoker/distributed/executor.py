@@ -21,6 +21,7 @@ import atexit
 import logging
 import subprocess
 import threading
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from stoker.config import EngineConfig
 from stoker.core.step import StepMessage
 from stoker.distributed import launch
+from stoker.distributed.collective_stats import CollectiveMonitor, calibrate
 from stoker.engine.executor import Executor, WorkerFailedError
 from stoker.runner.model_runner import ModelRunner, StepResult
 
@@ -73,6 +75,8 @@ class DistributedExecutor(Executor):
             self.tp = launch.init_group(rdzv, config.device, pc.distributed_timeout_s, waiting=self._raise_if_failed)
             self.tp.broadcast_object(("init", (config, hf_config, max_model_len)))
             self.runner = ModelRunner(config, hf_config, max_model_len, self.tp)
+            self.tp.broadcast_object(("calibrate", None))
+            self.collectives = CollectiveMonitor(self.tp, calibrate(self.tp, self.runner.device))
         except BaseException:
             self.shutdown()
             raise
@@ -122,7 +126,9 @@ class DistributedExecutor(Executor):
             self.tp.broadcast_object(("step", step.for_workers()))
             return self.runner.forward(step)
 
+        start = time.perf_counter()
         inputs, logits = self._collective("a tensor-parallel step", forward)
+        self.collectives.after_step(time.perf_counter() - start)
         result = self.runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
         assert result is not None
         return result
@@ -131,9 +137,7 @@ class DistributedExecutor(Executor):
         self._collective("a ping of the tensor-parallel ranks", self.tp.broadcast_object, ("ping", None))
 
     def collective_summary(self) -> str | None:
-        from stoker.distributed.collective_stats import summarize
-
-        return summarize(self.tp)
+        return self.collectives.summary()
 
     def shutdown(self) -> None:
         """Tell the workers to stop, then make sure they did (terminate, then kill)."""

@@ -6,6 +6,7 @@ The loop takes one control message at a time from rank 0 (broadcast on the CPU g
     ("num_blocks", tokens)                             profile; all ranks agree on the minimum
     ("init_cache", num_blocks)                         allocate this rank's KV cache
     ("step", StepMessage)                              one forward (its collectives included)
+    ("calibrate", None)                                the all-reduce microbenchmark (collective_stats)
     ("ping", None)                                     rank 0 checks that everyone is there
     ("shutdown", None)                                 leave the group and exit 0
 
@@ -92,6 +93,10 @@ def serve(tp: Any) -> None:
         elif kind == "init_cache":
             runner.allocate_kv_cache(payload)
             runner.capture_cuda_graphs()
+        elif kind == "calibrate":
+            from stoker.distributed.collective_stats import calibrate
+
+            calibrate(tp, runner.device)
         elif kind == "ping":
             pass
         elif kind == "shutdown":

@@ -110,3 +110,30 @@ def all_reduce_time(size_bytes: float, n: int, link: Interconnect, *, efficiency
     ring = collective_time("all_reduce", size_bytes, n, link, algorithm="ring", efficiency=efficiency)
     tree = collective_time("all_reduce", size_bytes, n, link, algorithm="tree", efficiency=efficiency)
     return min(ring, tree, key=lambda c: c.time_s)
+
+
+def alpha_beta_time(collective: str, size_bytes: float, n: int, alpha_s: float, beta_bytes_per_s: float,
+                    algorithm: str = "ring") -> float:
+    """The alpha-beta model with a measured link (facts.md: ring all-reduce
+    T = 2(n-1) alpha + 2(n-1)/n x S / beta): alpha per hop, beta the link's bytes/s. For a
+    transport NCCL's tuning table does not describe (gloo over TCP, say), fitted by
+    `fit_alpha_beta` from a microbenchmark of the same collective."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return _hops(collective, algorithm, n) * alpha_s + bus_factor(collective, n) * size_bytes / beta_bytes_per_s
+
+
+def fit_alpha_beta(samples: list[tuple[float, float]], collective: str, n: int, algorithm: str = "ring") -> tuple[float, float]:
+    """Least-squares (alpha_s, beta_bytes_per_s) from (size_bytes, seconds) samples of one
+    collective on n ranks: T = hops x alpha + factor x S x (1 / beta) is linear in both."""
+    if len({s for s, _ in samples}) < 2:
+        raise ValueError("fitting alpha and beta needs samples of at least two message sizes")
+    hops, factor = _hops(collective, algorithm, n), bus_factor(collective, n)
+    xs = [factor * s for s, _ in samples]
+    ts = [t for _, t in samples]
+    m = len(xs)
+    mean_x, mean_t = sum(xs) / m, sum(ts) / m
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, ts)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_t - slope * mean_x
+    slope = max(slope, 1e-15)  # a flat fit (noise) still gives a finite bandwidth
+    return max(intercept, 0.0) / hops, 1.0 / slope

@@ -162,7 +162,11 @@ class EngineLogLine:
         if idle:
             return None
         hit_rate = 100.0 * (s.prefix_cache_hits - last[4]) / queries if queries else 0.0
+        # Tensor parallelism: the step's all-reduces, measured vs the fitted collective model
+        # (totals of plain floats kept by the engine thread; a racy read is off by a step at most).
+        collectives = engine.engine.executor.collective_summary()
         return (
             f"engine: running {s.num_running}, waiting {s.num_waiting}, KV usage {100 * s.kv_cache_usage:.1f}%, "
             f"prefix-cache hit rate {hit_rate:.1f}%, prompt {prompt_rate:.1f} tokens/s, generation {gen_rate:.1f} tokens/s"
+            + (f", {collectives}" if collectives else "")
         )

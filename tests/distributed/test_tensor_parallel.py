@@ -78,6 +78,12 @@ def test_each_rank_holds_its_shard(tiny_checkpoints) -> None:
         held = llm.engine.runner.weight_bytes_held()
         norms = sum(p.numel() * 4 for n, p in llm.engine.runner.model.named_parameters() if "norm" in n)
         assert held - norms == pytest.approx((whole - norms) / 2, rel=0.02)
+        # the collective log: per step one all-reduce after the embedding, two per layer
+        monitor = llm.engine.executor.collectives
+        run(llm, GREEDY)
+        assert monitor.steps > 0 and monitor.calls == monitor.steps * (1 + 2 * 2)
+        assert monitor.model is not None and monitor.model.backend == "gloo"
+        assert "ms/step measured vs" in llm.engine.executor.collective_summary()
 
 
 def test_engine_features_at_tp2_match_tp1(tiny_checkpoints) -> None:

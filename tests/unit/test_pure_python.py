@@ -13,6 +13,8 @@ PURE_MODULES = [
     "stoker.core.block_manager",
     "stoker.core.scheduler",
     "stoker.quantization.config",
+    "stoker.core.step",
+    "stoker.distributed.partition",
 ]
 
 
