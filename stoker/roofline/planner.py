@@ -195,6 +195,6 @@ def serve_command(model: str, c: Candidate) -> str:
     if c.kv_dtype == "fp8":
         parts.append("--kv-cache-dtype fp8")
     parts.append(f"--max-num-seqs {c.max_batch}")
-    if c.tp > 1:  # issue 14: until then the engine refuses TP > 1 with a clear error
-        parts.append(f"--tensor-parallel-size {c.tp}  # tensor parallelism: not in the engine yet")
+    if c.tp > 1:
+        parts.append(f"--tensor-parallel-size {c.tp}")
     return " ".join(parts)

@@ -38,7 +38,10 @@ def resolve_device(device: str, local_rank: int = 0, tp_size: int = 1) -> torch.
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
-    if device == "cuda" and tp_size > 1:
+    if device.startswith("cuda") and tp_size > 1:
+        if device != "cuda":
+            raise ValueError(f"device {device!r} names one GPU, but tensor parallelism puts rank r on GPU LOCAL_RANK: "
+                             "pass device 'cuda' (choose the GPUs with CUDA_VISIBLE_DEVICES)")
         return torch.device("cuda", local_rank)
     return torch.device(device)
 

@@ -24,7 +24,7 @@ KV = 1 << 22
 
 @contextmanager
 def engine(path: Path, **kw) -> Iterator[LLM]:
-    llm = LLM(str(path), **{"kv_cache_memory_bytes": KV, "max_model_len": 256, **kw})
+    llm = LLM(str(path), **{"kv_cache_memory_bytes": KV, "max_model_len": 256, "device": "cpu", **kw})
     try:
         yield llm
     finally:
@@ -145,7 +145,7 @@ def test_online_fp8_at_tp2_is_as_close_to_float_as_tp1(tiny_checkpoints) -> None
 
 def test_a_killed_worker_kills_the_engine_and_leaves_no_process(tiny_checkpoints) -> None:
     path = tiny_checkpoints("llama")
-    llm = LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, tensor_parallel_size=2)
+    llm = LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
     executor = llm.engine.executor
     worker = executor.procs[0]
     try:
@@ -172,7 +172,8 @@ def test_a_hung_worker_times_out(tiny_checkpoints) -> None:
     import signal
 
     path = tiny_checkpoints("llama")
-    llm = LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, tensor_parallel_size=2, distributed_timeout_s=3)
+    llm = LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2,
+              distributed_timeout_s=3)
     worker = llm.engine.executor.procs[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)
@@ -190,11 +191,11 @@ def test_a_hung_worker_times_out(tiny_checkpoints) -> None:
 def test_one_group_per_process_is_refused_clearly(tiny_checkpoints) -> None:
     path = tiny_checkpoints("llama")
     with engine(path, tensor_parallel_size=2), pytest.raises(RuntimeError, match="already belongs"):
-        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, tensor_parallel_size=2)
+        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
 
 
 def test_heads_that_do_not_split_are_refused(tiny_checkpoints) -> None:
     path = tiny_checkpoints("llama")  # 4 heads
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor_parallel_size 3"):
-        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, tensor_parallel_size=3)
+        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=3)
     assert not torch.distributed.is_initialized()

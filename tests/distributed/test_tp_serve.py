@@ -15,7 +15,7 @@ import httpx
 from tests.server.conftest import free_port
 from tests.server.test_server_lifecycle import start_server
 
-KV = ("--kv-cache-memory-bytes", str(1 << 22))
+KV = ("--kv-cache-memory-bytes", str(1 << 22), "--device", "cpu")  # gloo, also on a GPU machine
 
 
 def _children(pid: int) -> list[int]:
