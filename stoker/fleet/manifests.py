@@ -5,7 +5,8 @@ config name to a list of `{devices, mig-enabled, mig-devices}` entries; we emit 
 per node, named `stoker-<node>`, which the GPU operator's mig-manager applies when the node
 carries the label `nvidia.com/mig.config=stoker-<node>`.
 
-Kubernetes: one Deployment per (deployment, slice kind) running `stoker serve`, asking for
+Kubernetes: one Deployment per (deployment, slice kind) running `stoker serve` (a replica
+spanning nodes: a LeaderWorkerSet instead, stoker/fleet/lws.py), asking for
 `nvidia.com/mig-<profile>` (device plugin `mixed` strategy; `+me` becomes `.me`) or
 `nvidia.com/gpu`, with requests == limits (extended resources may not be overcommitted),
 node affinity on the nodes the plan put it on, probes on Stoker's health endpoints, and one
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from stoker.fleet.lws import leaderworkerset
 from stoker.fleet.plan import FleetPlan, ReplicaPlan
 from stoker.fleet.spec import DeploymentSpec
 
@@ -90,21 +92,23 @@ def _probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
 
 def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list[dict[str, Any]]:
     """Kubernetes objects for one deployment: a Deployment per slice kind, then a Service."""
-    groups: dict[tuple[str, int], list[ReplicaPlan]] = {}
+    groups: dict[tuple[str, int, int], list[ReplicaPlan]] = {}
     for r in replicas:
-        groups.setdefault((r.resource_name, r.resource_count), []).append(r)
+        groups.setdefault((r.resource_name, r.resource_count, max(1, len(r.nodes))), []).append(r)
     labels = {"app.kubernetes.io/name": dep.name, "app.kubernetes.io/part-of": "stoker"}
     objects: list[dict[str, Any]] = []
-    for (resource, count), members in sorted(groups.items()):
+    for (resource, count, num_nodes), members in sorted(groups.items()):
         suffix = resource.removeprefix("nvidia.com/").replace(".", "-").replace("+", "-")
+        if num_nodes > 1:
+            suffix += f"-{num_nodes}nodes"
         name = dep.name if len(groups) == 1 else f"{dep.name}-{suffix}"[:63].rstrip("-")
         pod_labels = {**labels, "stoker.dev/slice": suffix}
-        nodes = sorted({r.node for r in members})
+        nodes = sorted({n for r in members for n in (r.nodes or (r.node,))})
         container = {
             "name": "stoker",
             "image": dep.image,
             "command": ["stoker", "serve"],
-            "args": _serve_args(dep, count if resource == "nvidia.com/gpu" else 1),
+            "args": _serve_args(dep, members[0].tensor_parallel_size),
             "ports": [{"name": "http", "containerPort": dep.port}],
             # Quantities are strings in the API schema; requests == limits for extended resources.
             "resources": {"requests": {resource: str(count)}, "limits": {resource: str(count)}},
@@ -114,6 +118,15 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
             "livenessProbe": _probe(LIVE_PATH, dep.port, 10, 3),
             "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
         }
+        pod_spec = {
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]}]}}},
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_PVC, "readOnly": True}}],
+        }
+        if num_nodes > 1:
+            objects.append(leaderworkerset(name, pod_labels, container["args"], num_nodes, container, pod_spec, len(members)))
+            continue
         objects.append({
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -121,16 +134,9 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
             "spec": {
                 "replicas": len(members),
                 "selector": {"matchLabels": pod_labels},
-                "template": {
-                    "metadata": {"labels": pod_labels},
-                    "spec": {
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [
-                                {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]}]}}},
-                        "containers": [container],
-                        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_PVC, "readOnly": True}}],
-                    },
-                },
+                "template": {"metadata": {"labels": pod_labels}, "spec": {"affinity": pod_spec["affinity"],
+                                                                          "containers": [container],
+                                                                          "volumes": pod_spec["volumes"]}},
             },
         })
     objects.append({

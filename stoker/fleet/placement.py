@@ -42,11 +42,15 @@ class DeploymentNeed:
 class SliceOption:
     gpu_model: str
     profile: str | None  # MIG profile name, or None for whole GPUs
-    num_gpus: int = 1
+    num_gpus: int = 1  # in all, over num_nodes nodes (num_gpus / num_nodes on each)
+    num_nodes: int = 1  # > 1: a tensor-parallel replica spanning whole nodes (a LeaderWorkerSet)
 
     @property
     def label(self) -> str:
-        return f"{self.gpu_model}:{self.profile}" if self.profile else f"{self.gpu_model}:{self.num_gpus}xGPU"
+        if self.profile:
+            return f"{self.gpu_model}:{self.profile}"
+        nodes = f" over {self.num_nodes} nodes" if self.num_nodes > 1 else ""
+        return f"{self.gpu_model}:{self.num_gpus}xGPU{nodes}"
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,12 @@ class FleetGpu:
     hourly_price: float = 0.0
 
 
-def slice_options(gpu_model: str, need: DeploymentNeed, max_gpus_per_node: int) -> tuple[SliceOption, ...]:
-    """Ways to host a replica with `need` on `gpu_model`: MIG profiles that fit, else whole GPUs.
+def slice_options(
+    gpu_model: str, need: DeploymentNeed, max_gpus_per_node: int, num_full_nodes: int = 1
+) -> tuple[SliceOption, ...]:
+    """Ways to host a replica with `need` on `gpu_model`: MIG profiles that fit, else whole GPUs
+    on one node, else whole nodes (2, 4, ... of the `num_full_nodes` nodes that have
+    `max_gpus_per_node` GPUs): tensor parallelism across nodes.
 
     `+me` and 7g profiles are left out: an LLM server needs no media engines, and a 7g slice
     is a whole GPU, which the whole-GPU option covers without MIG mode.
@@ -87,8 +95,15 @@ def slice_options(gpu_model: str, need: DeploymentNeed, max_gpus_per_node: int) 
     while n <= max_gpus_per_node:
         if n * model.memory_bytes >= need.memory_bytes and n >= need.compute_share:
             out.append(SliceOption(model.name, WHOLE, n))
-            break
+            return tuple(out)
         n *= 2
+    nodes = 2
+    while nodes <= num_full_nodes:
+        n = nodes * max_gpus_per_node
+        if n * model.memory_bytes >= need.memory_bytes and n >= need.compute_share:
+            out.append(SliceOption(model.name, WHOLE, n, nodes))
+            break
+        nodes *= 2
     return tuple(out)
 
 
@@ -171,9 +186,13 @@ class _Search:
                 for i, s in enumerate(self.states):
                     if s.gpu.gpu_model == opt.gpu_model and not s.is_open:
                         by_node.setdefault(s.gpu.node, []).append(i)
-                for node, free in by_node.items():
-                    if len(free) < opt.num_gpus:
-                        continue
+                per_node = opt.num_gpus // opt.num_nodes
+                fits = [free for free in by_node.values() if len(free) >= per_node]
+                if opt.num_nodes > 1:  # the first whole nodes free enough, leader first
+                    if len(fits) >= opt.num_nodes:
+                        out.append((opt, tuple(i for free in fits[: opt.num_nodes] for i in free[:per_node])))
+                    continue
+                for free in fits:
                     sig = (opt, len(free), self.states[free[0]].gpu.hourly_price)
                     if dedupe and sig in seen:
                         continue

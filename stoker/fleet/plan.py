@@ -54,8 +54,9 @@ class ReplicaPlan:
     index: int
     node: str
     gpu_model: str
-    gpu_indices: tuple[int, ...]
+    gpu_indices: tuple[int, ...]  # device indices, node by node
     profile: str | None  # None: whole GPUs
+    nodes: tuple[str, ...] = ()  # a replica over several nodes (tensor parallel): all of them, leader first
 
     @property
     def resource_name(self) -> str:
@@ -65,6 +66,11 @@ class ReplicaPlan:
 
     @property
     def resource_count(self) -> int:
+        """Per pod: GPUs (or one slice) on each node the replica spans."""
+        return len(self.gpu_indices) // max(1, len(self.nodes)) if self.profile is None else 1
+
+    @property
+    def tensor_parallel_size(self) -> int:
         return len(self.gpu_indices) if self.profile is None else 1
 
 
@@ -107,6 +113,7 @@ def _fleet_gpus(fleet: FleetSpec) -> list[FleetGpu]:
 def build_replicas(fleet: FleetSpec, deployments: tuple[DeploymentSpec, ...]) -> list[Replica]:
     models = sorted({n.gpu_model for n in fleet.nodes})
     max_per_node = {m: max(n.num_gpus for n in fleet.nodes if n.gpu_model == m) for m in models}
+    full_nodes = {m: sum(1 for n in fleet.nodes if n.gpu_model == m and n.num_gpus == max_per_node[m]) for m in models}
     out: list[Replica] = []
     for dep in deployments:
         options: list[SliceOption] = []
@@ -114,7 +121,7 @@ def build_replicas(fleet: FleetSpec, deployments: tuple[DeploymentSpec, ...]) ->
         for m in models:
             need = need_for(dep, m)
             needs.append(f"{m}: {need.memory_bytes / GiB:.1f} GiB, {need.compute_share:.2f} of a GPU")
-            options.extend(slice_options(m, need, max_per_node[m]))
+            options.extend(slice_options(m, need, max_per_node[m], full_nodes[m]))
         reason = "" if options else (
             "no GPU model in the fleet can host it (" + "; ".join(needs) + "); "
             "lower max_model_len/max_num_seqs or the throughput target, use a smaller dtype, "
@@ -151,8 +158,9 @@ def plan_fleet(fleet: FleetSpec, deployments: tuple[DeploymentSpec, ...], method
             continue
         opt, idx = assign[r.key]
         g0 = gpus[idx[0]]
+        nodes = tuple(dict.fromkeys(gpus[i].node for i in idx)) if opt.num_nodes > 1 else ()
         replica_plans.append(ReplicaPlan(r.deployment, r.index, g0.node, g0.gpu_model,
-                                         tuple(gpus[i].index for i in idx), opt.profile))
+                                         tuple(gpus[i].index for i in idx), opt.profile, nodes))
         for i in idx:
             per_gpu.setdefault(i, []).append((r.key, opt))
 

@@ -30,7 +30,7 @@ def plan_to_dict(plan: FleetPlan) -> dict[str, Any]:
         "replicas": [
             {"deployment": r.deployment, "index": r.index, "node": r.node, "gpu_model": r.gpu_model,
              "gpu_indices": list(r.gpu_indices), "profile": r.profile,
-             "resource": {r.resource_name: r.resource_count}}
+             "resource": {r.resource_name: r.resource_count}, **({"nodes": list(r.nodes)} if r.nodes else {})}
             for r in plan.replicas
         ],
         "unplaced": [{"deployment": u.deployment, "index": u.index, "reason": u.reason} for u in plan.unplaced],
@@ -70,7 +70,8 @@ def render_report(plan: FleetPlan) -> str:
     lines += ["", "## Replicas", "", "| deployment | replica | node | GPUs | resource |", "|---|---|---|---|---|"]
     for r in plan.replicas:
         gpus = ",".join(map(str, r.gpu_indices))
-        lines.append(f"| {r.deployment} | {r.index} | {r.node} | {gpus} | `{r.resource_name}: {r.resource_count}` |")
+        node = " + ".join(r.nodes) if r.nodes else r.node
+        lines.append(f"| {r.deployment} | {r.index} | {node} | {gpus} | `{r.resource_name}: {r.resource_count}` |")
     lines += ["", "## Not placed", ""]
     if plan.unplaced:
         lines += [f"- {u.deployment}/{u.index}: {u.reason}" for u in plan.unplaced]

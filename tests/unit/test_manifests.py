@@ -119,3 +119,40 @@ def test_stale_generated_manifests_removed(tmp_path, plan):
     write_files(tmp_path, files)
     assert not (tmp_path / "k8s" / "gone.yaml").exists()
     assert (tmp_path / "k8s" / "mine.yaml").exists()
+
+
+def test_a_replica_larger_than_a_node_spans_nodes_as_a_leaderworkerset():
+    """Llama-3-70B at max_num_seqs 128 x 8192 tokens needs more than one 4-GPU H100 node: the
+    plan spans two whole nodes (TP 8) and writes a LeaderWorkerSet whose leader serves and
+    whose worker runs --headless; a single-node deployment stays a Deployment."""
+    from stoker.fleet.spec import parse_deployments, parse_fleet
+
+    fleet = parse_fleet({"nodes": [{"name": f"h{i}", "gpu": "H100-80GB", "count": 4} for i in range(2)]
+                         + [{"name": "small", "gpu": "H100-80GB", "count": 1}]})
+    deployments = parse_deployments({"deployments": [
+        {"name": "big", "model": "meta-llama/Llama-3.1-70B-Instruct", "preset": "llama-3-70b", "max_model_len": 8192,
+         "max_num_seqs": 128},
+        {"name": "tiny", "model": "m", "preset": "llama-3.2-1b", "max_model_len": 4096, "max_num_seqs": 8},
+    ]})
+    plan = plan_fleet(fleet, deployments)
+    assert not plan.unplaced
+    (big,) = [r for r in plan.replicas if r.deployment == "big"]
+    assert big.nodes == ("h0", "h1") and big.tensor_parallel_size == 8 and big.resource_count == 4
+    files = render_files(plan, render_report(plan))
+    (lws,) = list(yaml.safe_load_all(files["k8s/big.yaml"]))[:-1]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["kind"] == "LeaderWorkerSet"
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = (_k8s(group[t], "V1PodTemplateSpec") for t in ("leaderTemplate", "workerTemplate"))
+    (lc,), (wc,) = leader.spec.containers, worker.spec.containers
+    assert lc.command[:2] == ["sh", "-c"] and wc.command[:2] == ["sh", "-c"]
+    for c in (lc, wc):
+        assert "--tensor-parallel-size 8 --nnodes 2 --master-addr $LWS_LEADER_ADDRESS" in c.command[2]
+        assert "--node-rank $LWS_WORKER_INDEX" in c.command[2]
+        assert c.resources.limits == {"nvidia.com/gpu": "4"}
+    assert "--headless" in wc.command[2] and "--headless" not in lc.command[2]
+    assert lc.readiness_probe.http_get.path == "/v1/health/ready" and wc.readiness_probe is None
+    svc = _k8s(list(yaml.safe_load_all(files["k8s/big.yaml"]))[-1], "V1Service")
+    assert set(svc.spec.selector.items()) <= set(leader.metadata.labels.items())
+    assert not set(svc.spec.selector.items()) <= set(worker.metadata.labels.items())  # only the leader serves
+    assert [d["kind"] for d in yaml.safe_load_all(files["k8s/tiny.yaml"])] == ["Deployment", "Service"]
