@@ -83,3 +83,27 @@ def test_a_killed_worker_turns_health_503_and_leaves_no_process(tiny_llama: Path
             proc.wait()
     assert not any(_alive(pid) for pid in workers)
     assert "exited with code -9" in (tmp_path / "server.log").read_text()
+
+
+def test_torchrun_starts_every_rank_the_same_script_runs(tiny_llama: Path, tmp_path: Path) -> None:
+    """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT from its env:// rendezvous) the same
+    offline script runs on every rank: rank 0 generates, rank 1 serves it as a worker and exits."""
+    import shutil
+
+    from stoker import LLM, SamplingParams
+
+    script = tmp_path / "gen.py"
+    script.write_text(
+        "from stoker import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama)!r}, kv_cache_memory_bytes=1 << 22, max_model_len=256, device='cpu', tensor_parallel_size=2)\n"
+        "out = llm.generate([{'prompt_token_ids': [1, 17, 300, 42]}], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)\n"
+        "print('RESULT', out[0].outputs[0].token_ids, flush=True)\n"
+    )
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=256, device="cpu")
+    want = llm.generate([{"prompt_token_ids": [1, 17, 300, 42]}], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert results == [f"RESULT {want[0].outputs[0].token_ids}"]  # printed once: by rank 0
