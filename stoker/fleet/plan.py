@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stoker.fleet import mig
-from stoker.fleet.gpus import GiB, get_gpu_model
+from stoker.fleet.gpus import GiB
 from stoker.fleet.placement import (
     FleetGpu,
     Replica,
