@@ -44,15 +44,19 @@ async def models(request: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    st = _state(request)
-    if st.load_error is not None or (st.engine is not None and st.engine.is_dead):
-        raise ApiError(503, "the engine has stopped; see the server log")
+    """vLLM's meaning: ready for requests. 503 while the model loads, once the engine has died,
+    and while shutting down (scripts, Docker health checks and Helm charts poll it before
+    sending traffic); liveness is /v1/health/live."""
+    Serving(_state(request)).engine()
     return Response(status_code=200)
 
 
 @router.get("/v1/health/live")
 async def live(request: Request) -> JSONResponse:
-    await health(request)
+    """Liveness (NIM's): the process is up and its engine has not died; 200 while loading."""
+    st = _state(request)
+    if st.load_error is not None or (st.engine is not None and st.engine.is_dead):
+        raise ApiError(503, "the engine has stopped; see the server log")
     return JSONResponse({"object": "health.response", "message": "Service is live."})
 
 

@@ -66,11 +66,16 @@ class OpenAIServingChat(Serving):
         encode = ChunkEncoder(head).choice
         final: RequestOutput | None = None
         try:
-            # The role goes first, once per choice, as OpenAI streams it.
-            for j in range(params.n):
-                yield encode({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None})
+            role_sent = False
             async for _, out in self.merged(streams):
+                if not role_sent:
+                    # The role goes first, once per choice, as OpenAI streams it, but only with
+                    # the first output (after the prefill, as vLLM sends it): a client's
+                    # time-to-first-token is the first token's, not the request's arrival.
+                    role_sent = True
+                    for j in range(params.n):
+                        yield encode({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None})
                 for comp in out.outputs:
                     delta, start, end = trackers[comp.index].step(comp)
                     want_lp = bool(req.logprobs) and end > start

@@ -292,11 +292,14 @@ def test_live_before_ready(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
                 time.sleep(0.05)
         assert resp.status_code == 200
         _assert_error(httpx.get(url + "/v1/health/ready", timeout=5), 503, None, "loading")
+        # vLLM's /health means ready: scripts and Helm charts poll it before sending traffic
+        _assert_error(httpx.get(url + "/health", timeout=5), 503, None, "loading")
         _assert_error(httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=5), 503)
         gate.set()
         while httpx.get(url + "/v1/health/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline + 30
             time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
     finally:
         gate.set()
         server.should_exit = True
