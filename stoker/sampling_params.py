@@ -29,12 +29,20 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top log-probabilities per output token
-    prompt_logprobs: int | None = None  # accepted for API parity; not computed
+    prompt_logprobs: int | None = None  # vLLM's name; not computed yet, so refused when set
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling
+    # (the reported logprobs stay the model's, as vLLM V1 reports them).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM: words never completed (their last token banned after the rest)
     # Filled by the engine from generation_config.json; not a user knob.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the engine from bad_words and its tokenizer: each word's token ids (with and
+    # without a leading space), the last of which is banned when the output ends with the rest.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +87,18 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not computed by this engine yet; leave it unset")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            if any(t < 0 or not -100 <= v <= 100 for t, v in self.logit_bias.items()):
+                raise bad("logit_bias", self.logit_bias, "a map of token ids to values in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of non-negative token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
 
     @property
     def is_greedy(self) -> bool:

@@ -26,7 +26,7 @@ class SampleSpec:
     params: SamplingParams
     index: int  # which of the request's n completions: a seeded row draws from seed + index
     num_output_tokens: int
-    # (prompt ids, output ids) when a repetition/frequency/presence penalty needs them, else None
+    # (prompt ids, output ids) when a penalty or bad_words needs them, else None
     penalty_ids: tuple[list[int], list[int]] | None = None
 
 
@@ -68,8 +68,9 @@ class StepMessage:
         return dataclasses.replace(self, sampling={}, eos_token_ids=())
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+def _needs_history(p: SamplingParams) -> bool:
+    """Penalties count the prompt's and output's tokens; bad words look at the output's tail."""
+    return p.repetition_penalty != 1 or bool(p.frequency_penalty) or bool(p.presence_penalty) or bool(p.bad_words)
 
 
 def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMessage:
@@ -82,6 +83,6 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMess
         seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample))
         if s.do_sample:
             p = seq.sampling_params
-            penalty_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _uses_penalties(p) else None
+            penalty_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
             sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, penalty_ids)
     return StepMessage(seqs, sampling, tuple(eos_token_ids))

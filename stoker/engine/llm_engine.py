@@ -156,6 +156,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}); got {[t for t in ids if t >= vocab][:5]}")
+        if params.bad_words:
+            params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -173,6 +178,16 @@ class LLMEngine:
             request.detok[seq.seq_id] = new_state(len(prompt_token_ids))
             self._seq_to_request[seq.seq_id] = request
         self.requests[request_id] = request
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the tokenizer writes it alone and after a space (vLLM's rule)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)

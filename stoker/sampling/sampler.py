@@ -88,6 +88,8 @@ class Sampler:
                 any_repetition=any(p.repetition_penalty != 1 for p in params),
             )
         logits = self._mask_early_stops(logits, rows)
+        if any(p.logit_bias or p.allowed_token_ids or p.bad_words for p in params):
+            logits = self._apply_token_rules(logits, rows)
 
         is_greedy = [p.is_greedy for p in params]
         sampled = logits.argmax(dim=-1)
@@ -135,6 +137,25 @@ class Sampler:
                 if k is not None:
                     tops[i] = (rank_list[i], ids_list[i][:k], vals_list[i][:k])
         return SamplerOutput(token_list, logprob_list, tops)
+
+    def _apply_token_rules(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Per row: logit_bias added; only allowed_token_ids kept; a bad word's last token
+        banned where the output ends with the rest of it (one token: always)."""
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+                logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device))
+            if p.allowed_token_ids:
+                keep = torch.full((vocab,), float("-inf"), dtype=logits.dtype, device=logits.device)
+                keep[p.allowed_token_ids] = 0.0
+                logits[i] += keep
+            for word in p._bad_words_token_ids:
+                *prefix, last = word
+                if last < vocab and (not prefix or r.output_ids[len(r.output_ids) - len(prefix):] == prefix):
+                    logits[i, last] = float("-inf")
+        return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Below min_tokens, EOS and stop_token_ids cannot be sampled."""

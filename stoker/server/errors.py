@@ -62,7 +62,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
         where = ".".join(loc)
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        if err.get("type") == "invalid_unicode":  # protocol._Request: names the field itself
+        if err.get("type") in ("invalid_unicode", "unsupported_field"):  # protocol: names the field itself
             return str(err.get("msg")), err.get("ctx", {}).get("param")
         if param is None and loc:
             param = loc[0]

@@ -94,6 +94,18 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
+        """A field the engine cannot honour is a 400 that names it, never a silent 200."""
+        if isinstance(data, dict):
+            for name, why in _unhonoured(data, cls is ChatCompletionRequest):
+                raise PydanticCustomError("unsupported_field", "{name}: {why}", {"name": name, "why": why, "param": name})
+        return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field and its valid range."""
@@ -115,11 +127,57 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise ValueError(f"logit_bias must map token ids (as strings of integers) to values, got keys {list(bias)[:5]}") from None
+
+
+_NOT_YET = "not supported by this server yet"
+# Fields OpenAI or vLLM clients send that this engine does not honour yet: (field, is it set
+# to something that asks for behaviour, why). Leaving them at their no-op value is fine.
+_UNHONOURED = (
+    ("response_format", lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+     f"structured output (json_object / json_schema) is {_NOT_YET}; omit it or use type 'text'"),
+    ("tools", lambda v: bool(v), f"tool calling is {_NOT_YET}; omit tools"),
+    ("tool_choice", lambda v: v not in (None, "none"), f"tool calling is {_NOT_YET}; omit tool_choice or send 'none'"),
+    ("functions", lambda v: bool(v), f"function calling is {_NOT_YET}; omit functions"),
+    ("function_call", lambda v: v not in (None, "none"), f"function calling is {_NOT_YET}; omit function_call"),
+    ("parallel_tool_calls", lambda v: False, ""),
+    ("structured_outputs", lambda v: bool(v), f"structured outputs are {_NOT_YET}; omit structured_outputs"),
+    ("guided_json", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_json"),
+    ("guided_regex", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_regex"),
+    ("guided_choice", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_choice"),
+    ("guided_grammar", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_grammar"),
+    ("prompt_logprobs", lambda v: v is not None, f"prompt log-probabilities are {_NOT_YET}; omit prompt_logprobs"),
+    ("best_of", lambda v: v not in (None, 1), "best_of > 1 is not supported; use n"),
+    ("suffix", lambda v: bool(v), "suffix (insertion) is not supported; omit it"),
+)
+
+
+def _unhonoured(data: dict[str, Any], is_chat: bool) -> list[tuple[str, str]]:
+    out = [(name, why) for name, asks, why in _UNHONOURED if name in data and asks(data[name])]
+    if not is_chat and data.get("echo") and data.get("logprobs") is not None:
+        out.append(("echo", f"echo with logprobs needs prompt log-probabilities, which are {_NOT_YET}; "
+                            "drop echo or logprobs"))
+    if is_chat:
+        for i, m in enumerate(data.get("messages") or []):
+            if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls")):
+                out.append((f"messages[{i}]", f"tool-call turns (role 'tool', tool_calls) are {_NOT_YET}"))
+    return out
 
 
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]

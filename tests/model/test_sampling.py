@@ -118,3 +118,41 @@ def test_invalid_values_name_the_field(field, value) -> None:
 def test_top_k_minus_one_means_off() -> None:
     assert SamplingParams(top_k=-1).top_k == 0
     assert math.isclose(SamplingParams(temperature=0).temperature, 0.0)
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest() -> None:
+    def sample(output_ids: list[int]) -> int:
+        p = SamplingParams(temperature=0.0, bad_words=["x"])
+        p._bad_words_token_ids = [[7, 8], [9]]
+        logits = torch.zeros(1, 16)
+        logits[0, 8], logits[0, 9], logits[0, 3] = 3.0, 2.0, 1.0
+        return Sampler(0, torch.device("cpu"))(logits, [SamplingRow(p, [], output_ids, len(output_ids), None, ())]).token_ids[0]
+
+    assert sample([1, 7]) == 3  # 8 completes [7, 8]; 9 is a one-token bad word: both banned
+    assert sample([7, 1]) == 8  # the output does not end with 7: 8 is fine
+
+
+def test_logit_bias_and_allowed_token_ids() -> None:
+    logits = torch.zeros(2, 16)
+    logits[:, 5] = 1.0
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logit_bias={2: 100}), [], [], 0, None, ()),
+            SamplingRow(SamplingParams(temperature=0.0, allowed_token_ids=[11, 12]), [], [], 0, None, ())]
+    out = Sampler(0, torch.device("cpu"))(logits, rows)
+    assert out.token_ids[0] == 2 and out.token_ids[1] in (11, 12)
+    assert out.logprobs[0] < -1  # the reported logprob is the model's, before the bias
+
+
+def test_bad_words_offline(tiny_llama) -> None:
+    from stoker import LLM
+
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=128)
+    tok = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": [1, 17, 300, 42]}
+    free = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    # a generated token that is a word on its own: the tokenizer writes its text back as it
+    word, token = next((tok.decode([t]), t) for t in free.outputs[0].token_ids
+                       if tok.decode([t]).strip() and tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    banned_ids = {token}
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=[word]), use_tqdm=False)[0]
+    assert banned_ids and not banned_ids & set(out.outputs[0].token_ids)
+    assert out.outputs[0].token_ids != free.outputs[0].token_ids

@@ -37,3 +37,69 @@ def test_streamed_chat_sends_the_role_with_the_first_token(server_factory) -> No
     assert arrivals[0][0] == "role" and [k for k, _ in arrivals].count("role") == 1
     role_t = arrivals[0][1]
     assert role_t >= 0.3, f"the role chunk came {role_t:.3f} s after the request, before the first step ended"
+
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+
+def test_logit_bias_forces_and_bans_tokens(client: OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="The fox", max_tokens=6, temperature=1.0, seed=1,
+                                    logit_bias={"300": 100})
+    assert out.choices[0].text  # every sampled token is 300
+    ids = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize",
+                     json={"model": MODEL, "prompt": out.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert set(ids) == {300}
+    greedy = client.completions.create(model=MODEL, prompt="The fox", max_tokens=1, temperature=0, logprobs=1)
+    first = greedy.choices[0].logprobs.tokens[0]
+    first_id = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize",
+                          json={"model": MODEL, "prompt": first, "add_special_tokens": False}).json()["tokens"][0]
+    banned = client.completions.create(model=MODEL, prompt="The fox", max_tokens=1, temperature=0, logprobs=1,
+                                       logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"300": 100}, logprobs=True)
+    assert [c.token for c in chat.choices[0].logprobs.content] == [chat.choices[0].logprobs.content[0].token] * 4
+
+
+def test_allowed_token_ids_limit_what_is_sampled(client: OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="The fox", max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": [300, 301], "return_tokens_as_token_ids": True})
+    ids = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize",
+                     json={"model": MODEL, "prompt": out.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert ids and set(ids) <= {300, 301}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "required"),
+    ("guided_json", {"type": "object"}),
+    ("structured_outputs", {"choice": ["a", "b"]}),
+    ("prompt_logprobs", 1),
+])
+def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field: str, value: object) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    resp = httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == field and field in err["message"]
+    # the no-op values are accepted
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+          "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+    assert httpx.post(live_server.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_tool_turns_and_echo_logprobs_are_refused(live_server: LiveServer) -> None:
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "42"}]
+    resp = httpx.post(live_server.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[1]"
+    resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
+                      timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+    resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 5}},
+                      timeout=30)
+    assert resp.status_code == 400 and "logit_bias" in resp.json()["error"]["message"]
