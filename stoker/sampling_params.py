@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stoker.structured.spec import StructuredOutputs
+
 # Greedy below this temperature: dividing logits by ~0 overflows, and users mean "argmax".
 _GREEDY_EPS = 1e-5
 
@@ -38,6 +40,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
     bad_words: list[str] | None = None  # vLLM: words never completed (their last token banned after the rest)
+    # vLLM's structured_outputs: the output follows a JSON schema, JSON, a regex, a choice or a grammar
+    structured_outputs: StructuredOutputs | None = None
     # Filled by the engine from generation_config.json; not a user knob.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled by the engine from bad_words and its tokenizer: each word's token ids (with and
@@ -87,6 +91,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs: the grammar ends the output")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not computed by this engine yet; leave it unset")
         if self.logit_bias is not None:

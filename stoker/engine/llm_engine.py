@@ -7,6 +7,7 @@ samples, then each sampled sequence gets its token, its text increment and its s
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,8 @@ class LLMEngine:
         self._seq_to_request: dict[int, Request] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._grammars: Any = None  # GrammarCache, made on the first structured request
+        self._grammars_lock = threading.Lock()
         num_tokens = num_blocks * block_size
         kv = self.runner.kv_spec
         logger.info("weights %s", self.runner.weights_summary())
@@ -161,6 +164,8 @@ class LLMEngine:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab}); got {[t for t in ids if t >= vocab][:5]}")
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a cache hit when the server compiled it first
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -178,6 +183,17 @@ class LLMEngine:
             request.detok[seq.seq_id] = new_state(len(prompt_token_ids))
             self._seq_to_request[seq.seq_id] = request
         self.requests[request_id] = request
+
+    @property
+    def grammars(self) -> Any:
+        """The compiled-grammar cache (thread-safe), shared with the sampling runner (rank 0)."""
+        with self._grammars_lock:  # the server compiles in worker threads
+            if self._grammars is None:
+                from stoker.structured.grammar import GrammarCache, GrammarMatchers
+
+                self._grammars = GrammarCache(self.tokenizer, self.hf_config["vocab_size"], self.eos_token_ids)
+                self.runner.matchers = GrammarMatchers(self._grammars)
+        return self._grammars
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the tokenizer writes it alone and after a space (vLLM's rule)."""

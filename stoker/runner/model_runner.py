@@ -98,6 +98,7 @@ class ModelRunner:
         self._apply_kv_scales(cache.fp8_kv)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
+        self.matchers: Any = None  # structured outputs' GrammarMatchers, set by the engine when first needed
 
     # ------------------------------------------------------------------ KV cache
     def _apply_kv_scales(self, fp8: bool) -> None:
@@ -238,12 +239,20 @@ class ModelRunner:
         if logits is None:
             return StepResult([], SamplerOutput([], [], []))
         rows = []
-        for s in inputs.sampled:
+        constrained = []  # (row, seq_id, spec): rows a grammar masks
+        for i, s in enumerate(inputs.sampled):
             spec = step.sampling[s.seq_id]
             prompt_ids, output_ids = spec.penalty_ids or ([], [])
             rows.append(SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
                                     self._generator(s.seq_id, spec), step.eos_token_ids))
-        return StepResult([s.seq_id for s in inputs.sampled], self.sampler(logits, rows))
+            if spec.params.structured_outputs is not None:
+                constrained.append((i, s.seq_id, spec.params.structured_outputs))
+        if constrained:
+            self.matchers.mask(logits, constrained)
+        out = self.sampler(logits, rows)
+        for i, seq_id, _ in constrained:
+            self.matchers.accept(seq_id, out.token_ids[i])
+        return StepResult([s.seq_id for s in inputs.sampled], out)
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         seed = spec.params.seed
@@ -259,3 +268,5 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        if self.matchers is not None:
+            self.matchers.release(seq_id)

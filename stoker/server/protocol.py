@@ -8,12 +8,15 @@ refused: they pass every `<`/`>` range check and would poison the sampler.
 
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
+from stoker.structured.spec import StructuredOutputs
 
 # OpenAI's own cap on n; also bounds the sequences one request can create.
 MAX_N = 128
@@ -97,6 +100,13 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -130,11 +140,54 @@ class _SamplingFields(_Request):
             logit_bias=_token_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=self.structured_spec(),
         )
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        """The one constraint the request asks for (ValueError naming the field otherwise)."""
+        asked: list[tuple[str, StructuredOutputs]] = []
+
+        def spec(field: str, **kw: Any) -> None:
+            try:
+                asked.append((field, StructuredOutputs(**kw)))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{field} {exc}") from None
+
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            spec("response_format", json_object=True)
+        elif kind == "json_schema":
+            body = rf.get("json_schema")
+            if not isinstance(body, dict) or not isinstance(body.get("schema"), dict):
+                raise ValueError("response_format must carry json_schema.schema, a JSON schema object")
+            spec("response_format", json=_json_text(body["schema"]))
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        so = self.structured_outputs or {}
+        unknown = set(so) - {"json", "json_object", "regex", "choice", "grammar"}
+        if unknown:
+            raise ValueError(f"structured_outputs has fields this server does not enforce: {sorted(unknown)}")
+        if so:
+            spec("structured_outputs", json=_json_text(so["json"]) if so.get("json") is not None else None,
+                 json_object=bool(so.get("json_object")), regex=so.get("regex"),
+                 choice=tuple(so["choice"]) if so.get("choice") is not None else None, grammar=so.get("grammar"))
+        for field, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, field)
+            if value is not None:
+                value = _json_text(value) if kw == "json" else tuple(value) if kw == "choice" else value
+                spec(field, **{kw: value})
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]} asks for a second output constraint beside {asked[0][0]}; send one")
+        return asked[0][1] if asked else None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _json_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -150,18 +203,10 @@ _NOT_YET = "not supported by this server yet"
 # Fields OpenAI or vLLM clients send that this engine does not honour yet: (field, is it set
 # to something that asks for behaviour, why). Leaving them at their no-op value is fine.
 _UNHONOURED = (
-    ("response_format", lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
-     f"structured output (json_object / json_schema) is {_NOT_YET}; omit it or use type 'text'"),
     ("tools", lambda v: bool(v), f"tool calling is {_NOT_YET}; omit tools"),
     ("tool_choice", lambda v: v not in (None, "none"), f"tool calling is {_NOT_YET}; omit tool_choice or send 'none'"),
     ("functions", lambda v: bool(v), f"function calling is {_NOT_YET}; omit functions"),
     ("function_call", lambda v: v not in (None, "none"), f"function calling is {_NOT_YET}; omit function_call"),
-    ("parallel_tool_calls", lambda v: False, ""),
-    ("structured_outputs", lambda v: bool(v), f"structured outputs are {_NOT_YET}; omit structured_outputs"),
-    ("guided_json", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_json"),
-    ("guided_regex", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_regex"),
-    ("guided_choice", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_choice"),
-    ("guided_grammar", lambda v: v is not None, f"guided decoding is {_NOT_YET}; omit guided_grammar"),
     ("prompt_logprobs", lambda v: v is not None, f"prompt log-probabilities are {_NOT_YET}; omit prompt_logprobs"),
     ("best_of", lambda v: v not in (None, 1), "best_of > 1 is not supported; use n"),
     ("suffix", lambda v: bool(v), "suffix (insertion) is not supported; omit it"),
@@ -174,7 +219,8 @@ def _unhonoured(data: dict[str, Any], is_chat: bool) -> list[tuple[str, str]]:
         out.append(("echo", f"echo with logprobs needs prompt log-probabilities, which are {_NOT_YET}; "
                             "drop echo or logprobs"))
     if is_chat:
-        for i, m in enumerate(data.get("messages") or []):
+        messages = data.get("messages")
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
             if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls")):
                 out.append((f"messages[{i}]", f"tool-call turns (role 'tool', tool_calls) are {_NOT_YET}"))
     return out

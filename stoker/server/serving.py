@@ -104,6 +104,18 @@ class Serving:
         except ValueError as exc:
             raise bad_request(str(exc), param_of_value_error(str(exc), _FIELDS)) from None
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a structured-output grammar in a worker thread, off the step loop (the engine
+        then finds it cached); a constraint xgrammar cannot enforce is a 400 naming the field."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        engine = self.engine().engine
+        try:
+            await asyncio.to_thread(engine.grammars.compile, spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), "response_format" if spec.kind in ("json", "json_object") else "structured_outputs") from None
+
     def check_logprobs(self, value: int | None, param: str) -> None:
         cap = self.state.settings.max_logprobs
         if value is not None and not 0 <= value <= cap:

@@ -29,6 +29,7 @@ class OpenAIServingChat(Serving):
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
+        await self.compile_grammar(params)
         request_id = new_id("chatcmpl")
         streams = self.add_all(request_id, [(None, ids)], [params])
         created = now_s()

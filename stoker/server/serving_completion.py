@@ -49,6 +49,7 @@ class OpenAIServingCompletion(Serving):
             self.sampling_params(req, self.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
             for _, ids in prompts
         ]
+        await self.compile_grammar(params[0])
         echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
         request_id = new_id("cmpl")
         streams = self.add_all(request_id, prompts, params)

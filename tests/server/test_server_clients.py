@@ -71,11 +71,9 @@ def test_allowed_token_ids_limit_what_is_sampled(client: OpenAI) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("tool_choice", "required"),
-    ("guided_json", {"type": "object"}),
-    ("structured_outputs", {"choice": ["a", "b"]}),
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
     ("prompt_logprobs", 1),
 ])
 def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field: str, value: object) -> None:

@@ -15,6 +15,7 @@ PURE_MODULES = [
     "stoker.quantization.config",
     "stoker.core.step",
     "stoker.distributed.partition",
+    "stoker.structured.spec",
 ]
 
 
