@@ -215,6 +215,10 @@ _UNHONOURED = (
 
 def _unhonoured(data: dict[str, Any], is_chat: bool) -> list[tuple[str, str]]:
     out = [(name, why) for name, asks, why in _UNHONOURED if name in data and asks(data[name])]
+    options = data.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        out.append(("stream_options", f"continuous_usage_stats is {_NOT_YET}; usage comes in the last chunk "
+                                      "(include_usage)"))
     if not is_chat and data.get("echo") and data.get("logprobs") is not None:
         out.append(("echo", f"echo with logprobs needs prompt log-probabilities, which are {_NOT_YET}; "
                             "drop echo or logprobs"))

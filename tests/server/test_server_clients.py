@@ -75,6 +75,7 @@ def test_allowed_token_ids_limit_what_is_sampled(client: OpenAI) -> None:
     ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
     ("prompt_logprobs", 1),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ])
 def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field: str, value: object) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
