@@ -12,6 +12,36 @@ import json
 from dataclasses import dataclass
 
 
+# Keywords xgrammar's JSON-schema converter accepts but does not enforce (measured: a value
+# violating them is accepted token by token): refused, never a silent pass.
+UNENFORCED_KEYWORDS = frozenset({
+    "not", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "if", "then", "else",
+    "propertyNames", "patternProperties", "unevaluatedProperties", "unevaluatedItems",
+})
+_NAME_MAPS = ("properties", "$defs", "definitions")  # their keys are names, their values schemas
+_DATA = ("enum", "const", "default", "examples", "required", "title", "description")  # values, not schemas
+
+
+def _unenforced_keyword(node: object, path: str) -> str | None:
+    """The path of the first keyword in the schema that cannot be enforced, or None."""
+    if isinstance(node, list):
+        return next((w for i, item in enumerate(node) if (w := _unenforced_keyword(item, f"{path}[{i}]"))), None)
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        if key in _DATA:
+            continue
+        if key in UNENFORCED_KEYWORDS or (key == "uniqueItems" and value is True):
+            return f"{path}.{key}"
+        if key in _NAME_MAPS and isinstance(value, dict):
+            found = next((w for name, sub in value.items() if (w := _unenforced_keyword(sub, f"{path}.{key}.{name}"))), None)
+        else:
+            found = _unenforced_keyword(value, f"{path}.{key}")
+        if found:
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     json: str | None = None
@@ -32,6 +62,9 @@ class StructuredOutputs:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
+            where = _unenforced_keyword(schema, "schema")
+            if where is not None:
+                raise ValueError(f"JSON-schema keyword {where} cannot be enforced while generating; remove it")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
 

@@ -199,3 +199,25 @@ def test_heads_that_do_not_split_are_refused(tiny_checkpoints) -> None:
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor_parallel_size 3"):
         LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=3)
     assert not torch.distributed.is_initialized()
+
+
+def test_structured_outputs_at_tp2(tiny_checkpoints) -> None:
+    """The grammar masks live beside the sampler on rank 0: TP=2 gives TP=1's constrained outputs."""
+    import json
+
+    from stoker.structured.spec import StructuredOutputs
+
+    path = tiny_checkpoints("llama")
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["k", "n"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs=StructuredOutputs.from_schema(schema))
+              for s in range(3)] + [SamplingParams(max_tokens=10, temperature=1.0, seed=9)]
+
+    def texts(**kw) -> list[str]:
+        with engine(path, **kw) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1]], params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    want = texts()
+    assert all(json.loads(t)["k"] in ("a", "b") for t in want[:3])
+    assert texts(tensor_parallel_size=2) == want

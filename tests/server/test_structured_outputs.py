@@ -98,6 +98,9 @@ def test_a_constrained_request_gets_alone_what_it_gets_in_a_mixed_batch(live_ser
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),  # not enforceable
+    ({"guided_json": {"type": "object", "properties": {"not": {"not": {"type": "integer"}}}}}, "guided_json"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),

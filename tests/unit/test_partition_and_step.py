@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 
@@ -53,3 +54,15 @@ def test_step_message_is_plain_and_workers_get_the_forward_only() -> None:
     workers = step.for_workers()
     assert workers.sampling == {} and workers.seqs == step.seqs
     assert pickle.loads(pickle.dumps(workers)) == workers  # crosses a process boundary as it is
+
+
+def test_schema_keywords_that_cannot_be_enforced_are_refused_by_path() -> None:
+    from stoker.structured.spec import StructuredOutputs
+
+    ok = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": ["not", "contains"]}}}
+    StructuredOutputs.from_schema(ok)  # properties named like keywords are fine
+    for schema, where in [({"type": "array", "uniqueItems": True}, "schema.uniqueItems"),
+                          ({"properties": {"a": {"not": {"type": "string"}}}}, "schema.properties.a.not"),
+                          ({"anyOf": [{"type": "integer"}, {"contains": {"const": 1}}]}, "schema.anyOf[1].contains")]:
+        with pytest.raises(ValueError, match=rf"keyword {re.escape(where)} cannot be enforced"):
+            StructuredOutputs.from_schema(schema)
