@@ -225,10 +225,14 @@ class Serving:
         return sse(error_body(status, f"generation failed: {exc}"))
 
     @staticmethod
-    def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> dict[str, int]:
+    def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+        cache served (aiperf and OpenAI's clients read it)."""
         prompt = sum(prompt_lens)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.num_cached_tokens or 0 for o in outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class DeltaTracker:

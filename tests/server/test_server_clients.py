@@ -102,3 +102,13 @@ def test_tool_turns_and_echo_logprobs_are_refused(live_server: LiveServer) -> No
     resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 5}},
                       timeout=30)
     assert resp.status_code == 400 and "logit_bias" in resp.json()["error"]["message"]
+
+
+def test_usage_reports_cached_prompt_tokens(client: OpenAI) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens  # full blocks from the prefix cache; the last token is computed
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2)
+    assert chat.usage.prompt_tokens_details is not None
