@@ -204,7 +204,8 @@ _NOT_YET = "not supported by this server yet"
 # to something that asks for behaviour, why). Leaving them at their no-op value is fine.
 _UNHONOURED = (
     ("tools", lambda v: bool(v), f"tool calling is {_NOT_YET}; omit tools"),
-    ("tool_choice", lambda v: v not in (None, "none"), f"tool calling is {_NOT_YET}; omit tool_choice or send 'none'"),
+    # "auto" without tools asks for nothing (tools themselves are refused above)
+    ("tool_choice", lambda v: v not in (None, "none", "auto"), f"tool calling is {_NOT_YET}; omit tool_choice or send 'none'"),
     ("functions", lambda v: bool(v), f"function calling is {_NOT_YET}; omit functions"),
     ("function_call", lambda v: v not in (None, "none"), f"function calling is {_NOT_YET}; omit function_call"),
     ("prompt_logprobs", lambda v: v is not None, f"prompt log-probabilities are {_NOT_YET}; omit prompt_logprobs"),
