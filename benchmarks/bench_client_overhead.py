@@ -25,9 +25,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import cpu_model  # noqa: E402
 from stoker.bench.client import Endpoint, RequestSpec, send_request
 from stoker.bench.runner import LoadConfig, auth_headers, run_load
 
@@ -94,8 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     import os
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_model()
     print(f"machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, aiohttp {aiohttp.__version__}")
     all_ok = True
     # "one write": the double sends a whole response in one write, so many SSE events share

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -26,6 +25,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.machine import isa as machine_isa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS: dict[str, dict[str, str]] = {
@@ -111,16 +114,6 @@ def run_config(env_extra: dict[str, str], sends: int) -> dict[str, dict[str, flo
             proc.wait()
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sends", type=int, default=100)
@@ -136,8 +129,7 @@ def main() -> None:
             print(f"repeat {rep} {name:16s} idle p50 {r['idle']['p50'] * 1e3:7.1f} p99 {r['idle']['p99'] * 1e3:7.1f} | "
                   f"contended p50 {r['contended']['p50'] * 1e3:7.1f} p99 {r['contended']['p99'] * 1e3:7.1f} "
                   f"max {r['contended']['max'] * 1e3:7.1f} ms", flush=True)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
+    isa = machine_isa()
     print(f"\n{cpu_model()} ({isa}), {os.cpu_count()} CPUs; {args.sends} sends per phase, medians of {args.repeats} repeats (ms)")
     print(f"{'config':16s} {'idle p50':>9s} {'idle p99':>9s} {'busy p50':>9s} {'busy p99':>9s} {'busy/idle p50':>14s} {'busy p99/p50':>13s}")
     summary = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import random
 import statistics
 import sys
@@ -34,24 +33,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from throughput_vs_hf import MODEL as ISSUE2_MODEL  # noqa: E402
+from throughput_vs_hf import workload  # noqa: E402
+
+from benchmarks.machine import cpu_model  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.kernels import reference  # noqa: E402
 from stoker.kernels.cpu import native  # noqa: E402
 from stoker.quantization import formats  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from throughput_vs_hf import MODEL as ISSUE2_MODEL  # noqa: E402
-from throughput_vs_hf import workload  # noqa: E402
 
 DECODE_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
                     num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024)
 WEIGHTS = ("float32", "int8", "fp8")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 # ---------------------------------------------------------------- 1. kernels

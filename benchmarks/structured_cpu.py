@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tp_cpu import ISSUE2_SHAPE, cpu_model, isa  # noqa: E402
+from benchmarks.machine import cpu_model, isa  # noqa: E402
+from benchmarks.tp_cpu import ISSUE2_SHAPE  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.structured.spec import StructuredOutputs  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402

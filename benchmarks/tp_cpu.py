@@ -35,23 +35,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stoker.engine.llm_engine as llm_engine_module  # noqa: E402
+from benchmarks.machine import cpu_model, isa  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 ISSUE2_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
                 "num_key_value_heads": 4, "max_position_embeddings": 2048}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def isa() -> str:
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
 
 
 def decode_steps(llm: LLM, batch: int, input_len: int, output_len: int, seed: int) -> dict[str, list[float]]:
