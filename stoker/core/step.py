@@ -8,8 +8,8 @@ Forward part (every rank needs it): per scheduled sequence its new token ids, th
 the first one, its block table and whether its last position samples.
 Sampling part (only the rank that samples, rank 0, needs it): per sampling row its params,
 which of the request's n completions it is (seeds its generator), how many tokens it has
-generated (min_tokens) and, only when a penalty is on, the prompt and output ids the penalty
-counts. `for_workers()` drops the sampling part, so a broadcast carries the forward only.
+generated (min_tokens) and, only when a penalty or bad_words needs them, its prompt and output
+ids. `for_workers()` drops the sampling part, so a broadcast carries the forward only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class SampleSpec:
     index: int  # which of the request's n completions: a seeded row draws from seed + index
     num_output_tokens: int
     # (prompt ids, output ids) when a penalty or bad_words needs them, else None
-    penalty_ids: tuple[list[int], list[int]] | None = None
+    history_ids: tuple[list[int], list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,6 @@ class StepMessage:
     eos_token_ids: tuple[int, ...] = ()
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
     def sampled_seq_ids(self) -> list[int]:
         """The sequences that sample, in row order of the sampler's output."""
         return [s.seq_id for s in self.seqs if s.do_sample]
@@ -83,6 +79,6 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMess
         seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample))
         if s.do_sample:
             p = seq.sampling_params
-            penalty_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
-            sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, penalty_ids)
+            history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
+            sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, history_ids)
     return StepMessage(seqs, sampling, tuple(eos_token_ids))

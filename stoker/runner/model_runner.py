@@ -242,7 +242,7 @@ class ModelRunner:
         constrained = []  # (row, seq_id, spec): rows a grammar masks
         for i, s in enumerate(inputs.sampled):
             spec = step.sampling[s.seq_id]
-            prompt_ids, output_ids = spec.penalty_ids or ([], [])
+            prompt_ids, output_ids = spec.history_ids or ([], [])
             rows.append(SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
                                     self._generator(s.seq_id, spec), step.eos_token_ids))
             if spec.params.structured_outputs is not None:

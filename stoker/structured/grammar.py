@@ -28,7 +28,7 @@ class GrammarCache:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         import xgrammar as xgr
 
-        self._xgr = xgr
+        self.xgr = xgr  # the module, for the matchers
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._compiled: dict[tuple[str, str], Any] = {}
@@ -67,7 +67,7 @@ class GrammarMatchers:
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, int, StructuredOutputs]]) -> None:
         """Mask `logits` (S, V) in place for the (row, seq_id, spec) rows that carry a grammar."""
-        xgr = self.cache._xgr
+        xgr = self.cache.xgr
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.cache.info.vocab_size)
         for row, seq_id, spec in rows:
             matcher = self.matchers.get(seq_id)

@@ -50,7 +50,7 @@ def test_step_message_is_plain_and_workers_get_the_forward_only() -> None:
     step = build_step(out, (4,))
     assert [s.token_ids for s in step.seqs] == [[1, 2, 3, 4, 5], [7, 8]]
     assert step.sampled_seq_ids == [a.seq_id, b.seq_id]
-    assert step.sampling[a.seq_id].penalty_ids == ([1, 2, 3, 4, 5], []) and step.sampling[b.seq_id].penalty_ids is None
+    assert step.sampling[a.seq_id].history_ids == ([1, 2, 3, 4, 5], []) and step.sampling[b.seq_id].history_ids is None
     workers = step.for_workers()
     assert workers.sampling == {} and workers.seqs == step.seqs
     assert pickle.loads(pickle.dumps(workers)) == workers  # crosses a process boundary as it is
