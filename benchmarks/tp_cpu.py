@@ -8,6 +8,7 @@ of each TP=2 step measured against the roofline's collective model.
    (`core/step.build_step`), where it used to hand the runner the plan itself. Its time is
    measured around every call, beside the whole step's, over pure-decode steps (medians): the
    share of a decode step the boundary costs.
+   KV capacity: blocks at the same per-rank KV budget, TP=1 vs TP=2.
 2. TP=2 (this process is rank 0, one worker process; the 2 cores shared): per pure-decode
    step, the wall time of the step, of the control broadcast, and of the all-reduces (gloo,
    timed around each call), beside the alpha-beta model fitted at start-up from a 4 KiB - 1 MiB
@@ -113,6 +114,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for tp_size in (1, 2):
         llm = LLM(str(path), tensor_parallel_size=tp_size, **kw)
+        results[f"tp{tp_size}_kv_blocks"] = llm.engine.block_manager.num_blocks  # same per-rank budget
         if tp_size == 2:
             link = llm.engine.executor.collectives.model
             results["fit"] = {"alpha_us": link.alpha_s * 1e6, "beta_gb_s": link.beta_bytes_per_s / 1e9}
@@ -129,6 +131,8 @@ def main() -> None:
     if "fit" in results:
         f = results["fit"]
         print(f"# gloo all-reduce fit (4 KiB-1 MiB microbenchmark): alpha {f['alpha_us']:.1f} us, beta {f['beta_gb_s']:.2f} GB/s")
+    print(f"# KV blocks at the same per-rank budget ({kw['kv_cache_memory_bytes'] >> 20} MiB): TP=1 {results['tp1_kv_blocks']}, "
+          f"TP=2 {results['tp2_kv_blocks']} (each rank holds half the KV heads)")
     print("| TP | B | steps | step ms | build_step ms (share) | broadcast ms | all-reduce ms measured | modelled | measured / modelled |")
     print("|---|---|---|---|---|---|---|---|---|")
     for tp_size, b, n, m in rows:
