@@ -130,7 +130,10 @@ def threads_per_rank(num_local_ranks: int) -> int:
     return max(1, cpus // num_local_ranks)
 
 
-def spawn_workers(rdzv: Rendezvous, ranks: list[int], first_local_rank: int, device: str, timeout_s: float, num_threads: int) -> list[subprocess.Popen]:
+def spawn_workers(
+    rdzv: Rendezvous, ranks: list[int], first_local_rank: int, device: str, timeout_s: float, num_threads: int,
+    model_dir: str | None = None,
+) -> list[subprocess.Popen]:
     """Start one worker process per rank: `python -m stoker.distributed.worker`, a fresh
     interpreter (no `fork` of a process holding threads or a CUDA context, and unlike
     multiprocessing's spawn, no re-import of the caller's script, which may have no
@@ -144,5 +147,7 @@ def spawn_workers(rdzv: Rendezvous, ranks: list[int], first_local_rank: int, dev
         argv = [sys.executable, "-m", "stoker.distributed.worker", "--master-addr", r.master_addr, "--master-port",
                 str(r.master_port), "--world-size", str(r.world_size), "--rank", str(r.rank), "--local-rank",
                 str(r.local_rank), "--device", device, "--timeout", str(timeout_s), "--parent-pid", str(os.getpid())]
+        if model_dir is not None:
+            argv += ["--model", model_dir]
         procs.append(subprocess.Popen(argv, env=env))
     return procs

@@ -18,6 +18,7 @@ than wait for the timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -41,7 +42,9 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
 
-def worker_main(rdzv: Rendezvous, device: str, timeout_s: float, parent_pid: int | None = None) -> None:
+def worker_main(
+    rdzv: Rendezvous, device: str, timeout_s: float, parent_pid: int | None = None, model_dir: str | None = None
+) -> None:
     """Entry point of a spawned worker process (and of each rank of a headless node)."""
     _die_with_parent(parent_pid)
     from stoker import cpu_runtime
@@ -49,7 +52,7 @@ def worker_main(rdzv: Rendezvous, device: str, timeout_s: float, parent_pid: int
     cpu_runtime.configure_openmp()  # before torch loads
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rdzv.rank} %(name)s: %(message)s")
     try:
-        run_worker(rdzv, device, timeout_s)
+        run_worker(rdzv, device, timeout_s, model_dir)
     except BaseException:
         logger.exception("tensor-parallel rank %d failed; exiting", rdzv.rank)
         logging.shutdown()
@@ -58,20 +61,21 @@ def worker_main(rdzv: Rendezvous, device: str, timeout_s: float, parent_pid: int
     os._exit(0)  # torch's atexit hooks may wait on a group that rank 0 has already left
 
 
-def run_worker(rdzv: Rendezvous, device: str, timeout_s: float) -> None:
+def run_worker(rdzv: Rendezvous, device: str, timeout_s: float, model_dir: str | None = None) -> None:
     import torch.distributed as dist
 
     from stoker.distributed.launch import init_group
 
     tp = init_group(rdzv, device, timeout_s)
     try:
-        serve(tp)
+        serve(tp, model_dir)
     finally:
         dist.destroy_process_group()
 
 
-def serve(tp: Any) -> None:
-    """Take rank 0's messages until it says shutdown."""
+def serve(tp: Any, model_dir: str | None = None) -> None:
+    """Take rank 0's messages until it says shutdown. `model_dir`: where this node finds the
+    checkpoint, when its path differs from rank 0's (a headless node's MODEL_DIR)."""
     import torch
 
     from stoker.runner.model_runner import ModelRunner
@@ -82,8 +86,11 @@ def serve(tp: Any) -> None:
     if kind != "init":
         raise RuntimeError(f"expected the init message first, got {kind!r}")
     config, hf_config, max_model_len = payload
+    if model_dir is not None and model_dir != config.model_config.model:
+        config = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, model=model_dir))
     runner = ModelRunner(config, hf_config, max_model_len, tp)
-    logger.info("rank %d of %d ready on %s: %s", tp.rank, tp.world_size, runner.device, runner.weights_summary())
+    logger.info("rank %d of %d ready on %s, loaded from %s: %s", tp.rank, tp.world_size, runner.device,
+                config.model_config.model, runner.weights_summary())
     while True:
         kind, payload = tp.broadcast_object()
         if kind == "step":
@@ -120,9 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--model", default=None, help="this node's checkpoint folder (default: rank 0's path)")
     a = p.parse_args(argv)
     rdzv = Rendezvous(a.master_addr, a.master_port, a.world_size, a.rank, a.local_rank)
-    worker_main(rdzv, a.device, a.timeout, a.parent_pid)
+    worker_main(rdzv, a.device, a.timeout, a.parent_pid, a.model)
 
 
 if __name__ == "__main__":

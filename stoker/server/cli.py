@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--headless", action="store_true",
                    help="run only this node's tensor-parallel ranks, no server (nodes other than 0 of --nnodes)")
     s.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,14 +67,27 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+# What a headless node honours; every other setting comes from rank 0.
+_HEADLESS_FLAGS = {"model_dir", "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
+                   "distributed_timeout", "device", "headless", "func", "parser"}
+
+
 def _run_headless(args: argparse.Namespace) -> int:
     from stoker.config import ParallelConfig
     from stoker.distributed.headless import run_node
 
+    if args.headless:  # under torchrun every rank runs the same command: rank 0 honours the rest
+        defaults = vars(args.parser.parse_args([]))
+        ignored = sorted(k for k, v in vars(args).items() if k in defaults and k not in _HEADLESS_FLAGS and v != defaults[k])
+        if ignored:
+            names = ", ".join("--" + k.replace("_", "-") for k in ignored)
+            raise ValueError(f"{names}: a --headless node takes every engine and server setting from node 0; "
+                             "pass these to node 0's `stoker serve` instead")
+
     pc = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr, master_port=args.master_port,
                         distributed_timeout_s=args.distributed_timeout)
-    return run_node(pc, args.device)
+    return run_node(pc, args.device, args.model_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,11 +41,15 @@ def _complete(url: str) -> dict:
 
 
 def test_two_nodes_on_loopback_serve_one_tp2_model(tiny_llama: Path, tmp_path: Path) -> None:
+    """Node 1 finds the checkpoint at its own path (its MODEL_DIR), not node 0's."""
+    import shutil
+
+    node1_copy = shutil.copytree(tiny_llama, tmp_path / "node1-checkpoint")
     port = free_port()
     dist = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     with (tmp_path / "node1.log").open("w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "stoker", "serve", str(tiny_llama), *dist, "--node-rank", "1",
-                                  "--headless", *KV], stdout=log, stderr=subprocess.STDOUT)
+        node1 = subprocess.Popen([sys.executable, "-m", "stoker", "serve", str(node1_copy), *dist, "--node-rank", "1",
+                                  "--headless", "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT)
     node0 = None
     try:
         node0, url = start_server(tiny_llama, tmp_path / "node0.log", *dist, "--node-rank", "0", *KV)
@@ -59,7 +63,8 @@ def test_two_nodes_on_loopback_serve_one_tp2_model(tiny_llama: Path, tmp_path: P
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
-    assert "ranks exited with [0]" in (tmp_path / "node1.log").read_text()
+    log1 = (tmp_path / "node1.log").read_text()
+    assert "ranks exited with [0]" in log1 and f"loaded from {node1_copy}" in log1
 
 
 def test_a_killed_worker_turns_health_503_and_leaves_no_process(tiny_llama: Path, tmp_path: Path) -> None:
@@ -107,3 +112,11 @@ def test_torchrun_starts_every_rank_the_same_script_runs(tiny_llama: Path, tmp_p
     llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=256, device="cpu")
     want = llm.generate([{"prompt_token_ids": [1, 17, 300, 42]}], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert results == [f"RESULT {want[0].outputs[0].token_ids}"]  # printed once: by rank 0
+
+
+def test_a_headless_node_refuses_settings_only_node_0_honours(tiny_llama: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stoker", "serve", str(tiny_llama), "--tensor-parallel-size", "2",
+                           "--nnodes", "2", "--node-rank", "1", "--master-port", str(free_port()), "--headless",
+                           "--max-model-len", "64", "--port", "9"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--max-model-len, --port: a --headless node takes every engine and server setting from node 0" in proc.stderr
