@@ -54,6 +54,11 @@ class DistributedExecutor(Executor):
             if env.world_size != pc.tensor_parallel_size or env.rank != 0:
                 raise ValueError(f"WORLD_SIZE {env.world_size} / RANK {env.rank} in the environment do not match "
                                  f"--tensor-parallel-size {pc.tensor_parallel_size} on the driver (rank 0)")
+            given = [f for f, v, default in (("--nnodes", pc.nnodes, 1), ("--node-rank", pc.node_rank, 0),
+                                             ("--master-port", pc.master_port, None)) if v != default]
+            if given:  # the launcher's rendezvous (MASTER_ADDR/PORT, RANK) decides these
+                raise ValueError(f"{', '.join(given)}: the launcher (torchrun, Kubernetes) already set the rendezvous "
+                                 "in the environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE); drop these flags")
             rdzv = env
         else:
             if pc.node_rank != 0:
