@@ -91,8 +91,15 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.structured_outputs is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured_outputs: the grammar ends the output")
+        if self.structured_outputs is not None:
+            # Each of these can leave a step with no token both it and the grammar allow (the
+            # grammar may allow only EOS, or only tokens they ban): refused, not failed mid-batch.
+            for name, conflicts in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0),
+                                    ("allowed_token_ids", self.allowed_token_ids is not None),
+                                    ("bad_words", bool(self.bad_words))):
+                if conflicts:
+                    raise ValueError(f"{name} cannot be combined with structured_outputs: the grammar decides which "
+                                     "tokens may come and where the output ends")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not computed by this engine yet; leave it unset")
         if self.logit_bias is not None:

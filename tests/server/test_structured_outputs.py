@@ -105,6 +105,9 @@ def test_a_constrained_request_gets_alone_what_it_gets_in_a_mixed_batch(live_ser
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"guided_choice": ["a", "b"], "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"guided_choice": ["a", "b"], "bad_words": ["a"]}, "bad_words"),
 ])
 def test_constraints_that_cannot_be_enforced_are_refused(live_server: LiveServer, body: dict, param: str) -> None:
     resp = httpx.post(live_server.url + "/v1/chat/completions",
