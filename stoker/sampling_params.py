@@ -31,7 +31,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top log-probabilities per output token
-    prompt_logprobs: int | None = None  # vLLM's name; not computed yet, so refused when set
+    # vLLM's name: per prompt token (the first has none), its log-probability and the top n.
+    # The prompt of such a request is computed in full (no prefix-cache hit: a cached block
+    # has no logits), in chunks of rows so a long prompt never holds (prompt_len, vocab).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -100,8 +103,8 @@ class SamplingParams:
                 if conflicts:
                     raise ValueError(f"{name} cannot be combined with structured_outputs: the grammar decides which "
                                      "tokens may come and where the output ends")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not computed by this engine yet; leave it unset")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0 (0: the prompt token's own only)")
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             if any(t < 0 or not -100 <= v <= 100 for t, v in self.logit_bias.items()):

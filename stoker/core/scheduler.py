@@ -135,7 +135,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._leader_ready(seq):
                 break
-            cached = bm.find_cached_prefix(seq)
+            # A cached block has K/V but no logits: prompt logprobs recompute the whole prompt.
+            cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq)
             num_computed = seq.num_computed_tokens + len(cached) * bm.block_size
             remaining = seq.num_tokens - num_computed
             num_new = min(remaining, budget)

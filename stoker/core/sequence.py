@@ -50,6 +50,13 @@ class Sequence:
     output_text: str = ""
     cumulative_logprob: float = 0.0
     output_logprobs: list = field(default_factory=list, repr=False)
+    # prompt_logprobs: one entry per prompt token (None for the first), filled by the engine
+    # as prefill chunks compute them. Only the request's first sequence computes them.
+    prompt_logprobs: list | None = field(default=None, repr=False)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None and self.index == 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from stoker.core.scheduler import SchedulerOutput
+from stoker.core.sequence import Sequence
 from stoker.sampling_params import SamplingParams
 
 
@@ -37,6 +38,9 @@ class SeqStep:
     start_pos: int
     block_table: list[int]
     do_sample: bool
+    # prompt_logprobs: (top n, the prompt tokens the positions [start_pos, start_pos + len)
+    # predict). Every rank needs it: the LM head's gather is a collective over those rows.
+    prompt_logprobs: tuple[int, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +73,16 @@ def _needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or bool(p.frequency_penalty) or bool(p.presence_penalty) or bool(p.bad_words)
 
 
+def _prompt_logprob_targets(seq: Sequence, start_pos: int, num_tokens: int) -> tuple[int, list[int]] | None:
+    """Position p's logits score prompt token p + 1: a chunk [start, start + n) scores the
+    prompt tokens [start + 1, min(start + n, prompt_len - 1) + 1). None when nothing is asked
+    or the chunk holds only the prompt's last token or outputs (recompute after preemption)."""
+    if not seq.wants_prompt_logprobs:
+        return None
+    targets = seq.prompt_token_ids[start_pos + 1 : min(start_pos + num_tokens, seq.num_prompt_tokens - 1) + 1]
+    return (seq.sampling_params.prompt_logprobs, targets) if targets else None
+
+
 def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMessage:
     """The message for one planned step (decodes first; stable otherwise)."""
     ordered = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
@@ -76,7 +90,8 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMess
     sampling: dict[int, SampleSpec] = {}
     for s in ordered:
         seq = s.seq
-        seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample))
+        seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample,
+                            _prompt_logprob_targets(seq, s.start_pos, s.num_tokens)))
         if s.do_sample:
             p = seq.sampling_params
             history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None

@@ -22,6 +22,7 @@ from stoker.models.loader import read_hf_config
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from stoker.core.step import build_step
 from stoker.engine.executor import WorkerFailedError, make_executor
+from stoker.sampling.prompt_logprobs import PromptLogprobChunk
 from stoker.sampling.sampler import SamplerOutput
 from stoker.sampling_params import SamplingParams
 
@@ -176,6 +177,8 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival)
             seq.group_leader = seqs[0] if seqs else None
+            if seq.wants_prompt_logprobs:
+                seq.prompt_logprobs = [None] * len(prompt_token_ids)  # the first token has none, ever
             seqs.append(seq)
         request = Request(request_id, prompt, prompt_token_ids, params, seqs, RequestMetrics(arrival_time=arrival))
         for seq in seqs:
@@ -251,6 +254,7 @@ class LLMEngine:
             logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
             raise StepFailed(exc, failed, []) from exc
         self.scheduler.update_after_step(sched_out)
+        self._record_prompt_logprobs(result.prompt_logprobs)
         failures: dict[str, BaseException] = {}
         touched = self._process_samples(result.seq_ids, result.sampler_output, failures)
         outputs = [self._make_output(req) for req in touched if req.request_id not in failures]
@@ -263,6 +267,25 @@ class LLMEngine:
             cause = next(iter(failures.values()))
             raise StepFailed(cause, sorted(failures), outputs)
         return outputs
+
+    def _record_prompt_logprobs(self, chunks: dict[int, PromptLogprobChunk]) -> None:
+        """Each scored prompt token as vLLM's entry: {token: Logprob} with the top n beside it.
+        A prompt recomputed after preemption scores the same positions again (same values)."""
+        for seq_id, chunk in chunks.items():
+            req = self._seq_to_request.get(seq_id)
+            seq = next((s for s in req.seqs if s.seq_id == seq_id), None) if req is not None else None
+            if seq is None or seq.prompt_logprobs is None:
+                continue
+            names = dict(zip(*self._decode_each({t for ids in chunk.top_ids for t in ids} | set(chunk.token_ids))))
+            for j, token in enumerate(chunk.token_ids):
+                entry = {tid: Logprob(val, r + 1, names[tid])
+                         for r, (tid, val) in enumerate(zip(chunk.top_ids[j], chunk.top_logprobs[j]))}
+                entry[token] = Logprob(chunk.logprobs[j], chunk.ranks[j], names[token])
+                seq.prompt_logprobs[chunk.first_index + j] = entry
+
+    def _decode_each(self, ids: set[int]) -> tuple[list[int], list[str]]:
+        order = sorted(ids)
+        return order, self.tokenizer.batch_decode([[t] for t in order])
 
     def _process_samples(self, seq_ids: list[int], out: SamplerOutput, failures: dict[str, BaseException]) -> list[Request]:
         """Append each row's token, text and stop checks; a request whose processing raises
@@ -364,6 +387,8 @@ class LLMEngine:
             finished=req.finished,
             metrics=req.metrics,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            # Shared, not copied per step: complete once the prompt is in, and never changed after.
+            prompt_logprobs=req.seqs[0].prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ introspection

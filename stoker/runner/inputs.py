@@ -7,12 +7,13 @@ attention can run them as a single batched paged-decode call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from stoker.core.step import SeqStep, StepMessage
 from stoker.layers.attention import AttentionMetadata
+from stoker.sampling.prompt_logprobs import PromptLogprobChunk
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ModelInputs:
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
     sampled: list[SeqStep]  # the S sequences that sample, in row order
     ordered: list[SeqStep]  # all scheduled sequences, decodes first
+    # Filled by the forward on the rank that gets logits: seq_id -> its prompt tokens' scores.
+    prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)
 
 
 def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> ModelInputs:

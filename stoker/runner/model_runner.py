@@ -8,7 +8,7 @@ gathers the logits on rank 0, which alone samples (`execute` returns None elsewh
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from stoker.quantization import config as quant_config
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import ModelInputs, prepare_inputs
+from stoker.sampling.prompt_logprobs import PromptLogprobChunk, score_prompt
 from stoker.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 from stoker.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ def _size(num_bytes: float) -> str:
 class StepResult:
     seq_ids: list[int]  # sequences that sampled, in row order
     sampler_output: SamplerOutput
+    prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)  # seq_id -> scores
 
 
 class ModelRunner:
@@ -227,9 +229,23 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
             finally:
                 set_attention_metadata(None)
+        self._score_prompts(inputs, hidden)
         if not inputs.sampled:
             return inputs, None
         return inputs, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _score_prompts(self, inputs: ModelInputs, hidden: torch.Tensor) -> None:
+        """prompt_logprobs of the chunks that ask (every rank: the LM head's gather is collective)."""
+        cu = inputs.attn_metadata.cu_seqlens_q
+        for i, s in enumerate(inputs.ordered):
+            if s.prompt_logprobs is None:
+                continue
+            num_top, targets = s.prompt_logprobs
+            rows = hidden[cu[i] : cu[i] + len(targets)]  # (len(targets), hidden)
+            chunk = score_prompt(rows, targets, num_top, s.start_pos + 1, self.model.compute_logits,
+                                 self.hf_config["vocab_size"])
+            if chunk is not None:
+                inputs.prompt_logprobs[s.seq_id] = chunk
 
     @torch.inference_mode()
     def sample(self, step: StepMessage, inputs: ModelInputs, logits: torch.Tensor | None) -> StepResult | None:
@@ -237,7 +253,7 @@ class ModelRunner:
         if not self.tp.is_first:
             return None
         if logits is None:
-            return StepResult([], SamplerOutput([], [], []))
+            return StepResult([], SamplerOutput([], [], []), inputs.prompt_logprobs)
         rows = []
         constrained = []  # (row, seq_id, spec): rows a grammar masks
         for i, s in enumerate(inputs.sampled):
@@ -252,7 +268,7 @@ class ModelRunner:
         out = self.sampler(logits, rows)
         for i, seq_id, _ in constrained:
             self.matchers.accept(seq_id, out.token_ids[i])
-        return StepResult([s.seq_id for s in inputs.sampled], out)
+        return StepResult([s.seq_id for s in inputs.sampled], out, inputs.prompt_logprobs)
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         seed = spec.params.seed

@@ -95,17 +95,27 @@ def test_engine_features_at_tp2_match_tp1(tiny_checkpoints) -> None:
     params = [
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, n=2, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=3, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+                       prompt_logprobs=3),  # scored over four 16-token chunks: every rank gathers the same rows
         SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, frequency_penalty=0.7),
     ]
     kw = {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 12, "block_size": 8, "max_num_seqs": 4, "max_model_len": 96}
+
+    def scored(llm: LLM) -> list[tuple[int, float]]:
+        out = llm.generate({"prompt_token_ids": prompts[2]}, params[2], use_tqdm=False)[0]
+        return [(lp[t].rank, lp[t].logprob) for t, lp in zip(prompts[2][1:], out.prompt_logprobs[1:])]
+
     with engine(path, **kw) as llm:
         want = run(llm, params, prompts)
         preemptions = llm.engine.scheduler.num_preemptions
+        want_scores = scored(llm)
     with engine(path, tensor_parallel_size=2, **kw) as llm:
         assert run(llm, params, prompts) == want
         assert llm.engine.scheduler.num_preemptions == preemptions > 0
         assert llm.engine.block_manager.prefix_cache_hits > 0
+        got = scored(llm)
+        assert [r for r, _ in got] == [r for r, _ in want_scores]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want_scores], abs=1e-4)
 
 
 def test_quantized_checkpoint_and_fp8_kv_at_tp2(tiny_checkpoints, tmp_path) -> None:
