@@ -62,6 +62,10 @@ class QueueFullError(RuntimeError):
 class EngineObserver(Protocol):
     """Called on the engine thread; must be quick and must not touch the engine."""
 
+    def on_added(self, request_id: str, params: SamplingParams) -> None: ...
+
+    def on_step(self, num_tokens: int) -> None: ...
+
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_failed(self, request_id: str) -> None: ...
@@ -289,6 +293,9 @@ class AsyncEngine:
                 except Exception as exc:  # a bad request fails alone
                     self._notify_failed(request_id)
                     self._call_loop(self._fail, request_id, exc)
+                else:
+                    # The request's parameters (n, max_tokens) are not in its outputs; metrics need them.
+                    self._observe("on_added", request_id, params)
             else:
                 out = self.engine.abort_request(payload)
                 if out is not None:
@@ -303,10 +310,13 @@ class AsyncEngine:
             logger.exception("engine observer failed")
 
     def _notify_failed(self, request_id: str) -> None:
+        self._observe("on_failed", request_id)
+
+    def _observe(self, method: str, *args: Any) -> None:
         if self.observer is not None:
             try:
-                self.observer.on_failed(request_id)
-            except Exception:
+                getattr(self.observer, method)(*args)
+            except Exception:  # metrics must never take the engine down
                 logger.exception("engine observer failed")
 
     def _run(self) -> None:
@@ -321,6 +331,7 @@ class AsyncEngine:
                     self._wake.clear()
                     engine.check_health()  # tensor parallelism: a lost rank kills the loop while idle too
                     continue
+                before = self._snapshot.stats  # taken after the last step or idle wait: adds and aborts compute no token
                 try:
                     outputs = engine.step()
                     consecutive_failures = 0
@@ -336,6 +347,9 @@ class AsyncEngine:
                         self._notify_failed(request_id)
                         self._call_loop(self._fail, request_id, error)
                 self._snapshot = self._take_snapshot()
+                after = self._snapshot.stats
+                # Tokens this step computed (prompt chunks + sampled), vLLM's iteration_tokens_total.
+                self._observe("on_step", after.prompt_tokens + after.generation_tokens - before.prompt_tokens - before.generation_tokens)
                 if outputs:
                     self._call_loop(self._deliver, outputs)
                     self._notify(outputs)

@@ -74,6 +74,7 @@ def create_app(
             state.max_model_len = engine.max_model_len
             state.max_num_seqs = engine.config.scheduler_config.max_num_seqs
             state.vocab_size = int(engine.hf_config["vocab_size"])
+            state.metrics.engine_loaded(engine.max_model_len)
             async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
             async_engine.start(executor=executor)
             state.engine = async_engine

@@ -3,8 +3,14 @@ log line, and the periodic engine log line.
 
 Gauges and token counters are read at scrape time from the engine's last snapshot (taken
 on the engine thread after every step), so scraping never touches the engine itself.
-Latency histograms are fed by `RequestObserver`, which the AsyncEngine calls on its thread
-with every step's outputs. Where vLLM has no name, the name starts with `stoker:`.
+Histograms are fed by `ServerMetrics`, the AsyncEngine's observer, called on the engine
+thread with each admitted request's parameters, each step's token count and each step's
+outputs. Where vLLM has no name, the name starts with `stoker:`.
+
+Every metric vLLM V1 always registers is here, with its name, type and bucket edges.
+One difference: vLLM splits an n > 1 request into n engine requests and observes each; here a
+request is observed once (as `vllm:request_success` always counted it), its generation tokens
+summed over its n choices (its usage.completion_tokens).
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
+from stoker.sampling_params import SamplingParams
 
 logger = logging.getLogger("stoker.server")
 
@@ -26,6 +34,21 @@ logger = logging.getLogger("stoker.server")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's edges for per-request token counts,
+    which depend on max_model_len (so those histograms are made once the model is loaded)."""
+    edges: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(edges)
+            edges.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -67,12 +90,44 @@ class _EngineCollector:
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
         yield gauge("stoker:num_requests_queued", "Sequences (n per request) admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)
+        yield self._cache_config_info(engine)
+
+    @staticmethod
+    def _cache_config_info(engine: AsyncEngine) -> GaugeMetricFamily:
+        """vLLM's info-style gauge: always 1, the cache configuration in its labels (label names
+        and str() values as vLLM writes them, e.g. "True", "None"). The config is fixed once the
+        engine is built, so reading it here is safe."""
+        cc = engine.engine.config.cache_config
+        info = {
+            "block_size": cc.block_size,
+            "cache_dtype": cc.kv_cache_dtype,
+            "enable_prefix_caching": cc.enable_prefix_caching,
+            "gpu_memory_utilization": cc.gpu_memory_utilization,
+            "kv_cache_memory_bytes": cc.kv_cache_memory_bytes,
+            "num_gpu_blocks": engine.snapshot.num_blocks,  # on CPU too: the blocks the cache holds
+            "num_gpu_blocks_override": cc.num_gpu_blocks_override,
+        }
+        g = GaugeMetricFamily("vllm:cache_config_info", "The KV-cache configuration, in the labels (value always 1)",
+                              labels=list(info))
+        g.add_metric([str(v) for v in info.values()], 1.0)
+        return g
 
 
 @dataclass
 class _Trace:
-    last_time: float
+    last_time: float  # when the observer last saw the token count grow (inter-token latency)
     num_tokens: int
+    last_token_time: float | None  # the engine's first-token time, then the observer's, as tokens come
+
+
+@dataclass
+class _RequestSizes:
+    """Per-request histograms whose bucket edges depend on max_model_len."""
+
+    prompt_tokens: Any
+    generation_tokens: Any
+    max_num_generation_tokens: Any
+    params_max_tokens: Any
 
 
 class ServerMetrics:
@@ -87,6 +142,23 @@ class ServerMetrics:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive tokens of a request", ln, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled", ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        # vLLM's phase split of a finished request (its buckets are the e2e ones):
+        # inference = prefill + decode = first scheduled to last token.
+        self.inference = Histogram("vllm:request_inference_time_seconds", "First scheduled to last token",
+                                   ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token",
+                                 ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to last token",
+                                ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: decode time / (output tokens - 1), 0 for a one-token output (its longest choice when n > 1)",
+                              ln, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step (prompt + generated)",
+                                          ln, buckets=_ITERATION_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.params_n = Histogram("vllm:request_params_n", "The n of each finished request", ln, buckets=_N_BUCKETS,
+                                  registry=r).labels(model_name)
+        self.sizes: _RequestSizes | None = None  # made by engine_loaded(max_model_len)
+        self._params: dict[str, tuple[int, int | None]] = {}  # request id -> (n, max_tokens)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason", ["model_name", "finished_reason"], registry=r)
         self.rejected = Counter("stoker:requests_rejected", "Requests refused before reaching the engine, by HTTP status", ["model_name", "status"], registry=r)
         self.failed = Counter("stoker:requests_failed", "Requests that failed inside the engine", ln, registry=r).labels(model_name)
@@ -101,30 +173,67 @@ class ServerMetrics:
     def reject(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
 
+    def engine_loaded(self, max_model_len: int) -> None:
+        """Make the per-request token histograms, whose edges are vLLM's 1-2-5 series up to
+        max_model_len. Call before the engine starts stepping."""
+        r, ln = self.registry, ["model_name"]
+        edges = build_1_2_5_buckets(max_model_len)
+
+        def hist(name: str, doc: str) -> Any:
+            return Histogram(name, doc, ln, buckets=edges, registry=r).labels(self.model_name)
+
+        self.sizes = _RequestSizes(
+            prompt_tokens=hist("vllm:request_prompt_tokens", "Prompt tokens of each finished request"),
+            generation_tokens=hist("vllm:request_generation_tokens", "Tokens generated by each finished request (all its n choices)"),
+            max_num_generation_tokens=hist("vllm:request_max_num_generation_tokens",
+                                           "Tokens generated by the longest choice of each finished request"),
+            params_max_tokens=hist("vllm:request_params_max_tokens", "The max_tokens of each finished request"),
+        )
+
     # ---- EngineObserver (engine thread)
+    def on_added(self, request_id: str, params: SamplingParams) -> None:
+        self._params[request_id] = (params.n, params.max_tokens)
+
+    def on_step(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.iteration_tokens.observe(num_tokens)
+
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
             trace = self._traces.get(out.request_id)
             m = out.metrics
             if trace is None:
+                first_token_time = None
                 if num_tokens and m is not None:
-                    self.ttft.observe(max((m.first_token_time or now) - m.arrival_time, 0.0))
-                trace = self._traces[out.request_id] = _Trace(now, num_tokens)
+                    first_token_time = m.first_token_time or now
+                    self.ttft.observe(max(first_token_time - m.arrival_time, 0.0))
+                trace = self._traces[out.request_id] = _Trace(now, num_tokens, first_token_time)
             elif num_tokens > trace.num_tokens:
                 self.itl.observe(now - trace.last_time)
-                trace.last_time, trace.num_tokens = now, num_tokens
+                trace.last_time, trace.num_tokens, trace.last_token_time = now, num_tokens, now
             if out.finished:
                 self._traces.pop(out.request_id, None)
-                self._finish(out, now)
+                self._finish(out, now, trace)
 
     def on_failed(self, request_id: str) -> None:
         self._traces.pop(request_id, None)
+        self._params.pop(request_id, None)
         self.failed.inc()
 
-    def _finish(self, out: RequestOutput, now: float) -> None:
+    def _finish(self, out: RequestOutput, now: float, trace: _Trace) -> None:
         reason = out.outputs[0].finish_reason if out.outputs else "abort"
         self.success.labels(self.model_name, reason or "abort").inc()
+        n, max_tokens = self._params.pop(out.request_id, (len(out.outputs), None))
+        lengths = [len(c.token_ids) for c in out.outputs]
+        longest = max(lengths, default=0)
+        self.params_n.observe(n)
+        if self.sizes is not None:
+            self.sizes.prompt_tokens.observe(len(out.prompt_token_ids))
+            self.sizes.generation_tokens.observe(sum(lengths))
+            self.sizes.max_num_generation_tokens.observe(longest)
+            if max_tokens:  # vLLM skips an unset max_tokens too
+                self.sizes.params_max_tokens.observe(max_tokens)
         m = out.metrics
         if m is None:
             return
@@ -132,6 +241,14 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None and trace.last_token_time is not None:
+                # A request aborted before its first token has no prefill or decode to report.
+                decode = max(trace.last_token_time - m.first_token_time, 0.0)
+                self.prefill.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+                self.decode.observe(decode)
+                self.inference.observe(max(trace.last_token_time - m.first_scheduled_time, 0.0))
+                # vLLM leaves out the first token (the prefill's); the longest choice spans the decode.
+                self.tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
         ttft = f"{m.first_token_time - m.arrival_time:.3f} s" if m.first_token_time else "-"
         logger.info(
             "request %s finished: prompt %d tokens, output %d tokens, TTFT %s, total %.3f s, finish_reason %s",
