@@ -331,7 +331,9 @@ class LLMEngine:
         past_min = seq.num_output_tokens >= p.min_tokens  # as vLLM: no stop of any kind before min_tokens
         is_eos = not p.ignore_eos and token in self.eos_token_ids and past_min
         is_stop_token = token in p.stop_token_ids and past_min
-        if not (is_stop_token and not is_eos and not p.include_stop_str_in_output):
+        # As vLLM: the token that ends the output (EOS or a stop token) adds no text unless
+        # include_stop_str_in_output (with skip_special_tokens off, EOS would write "<|eot_id|>").
+        if not ((is_stop_token or is_eos) and not p.include_stop_str_in_output):
             delta = decode_increment(self.tokenizer, seq.token_ids, req.detok[seq.seq_id], p.skip_special_tokens)
             seq.output_text += delta
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.engine.args import add_engine_args, engine_kwargs
+from stoker.server.tool_parsers import PARSERS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +43,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds the server waits for each next piece of a request body; longer: 408 (default 30)")
     s.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get 413 (default 16 MiB)")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    s.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve GET /tokenizer_info (tokenizer config and chat template; vLLM's flag, on by default "
+                        "here: with --api-key it needs the key)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let requests use tool_choice 'auto' (the default when tools are sent): the model's text is "
+                        "parsed for tool calls by --tool-call-parser (as vLLM)")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
+                        "or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
@@ -123,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
         log_interval_s=args.log_interval,
         body_read_timeout_s=args.body_read_timeout,
         header_read_timeout_s=args.header_read_timeout,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
+from stoker.server import tool_schema
 from stoker.structured.spec import StructuredOutputs
 
 # OpenAI's own cap on n; also bounds the sequences one request can create.
@@ -98,6 +99,7 @@ class _SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
+    prompt_logprobs: SmallInt | None = None  # vLLM's extra: each prompt token's logprob and top n
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
@@ -141,6 +143,7 @@ class _SamplingFields(_Request):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=self.structured_spec(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def structured_spec(self) -> StructuredOutputs | None:
@@ -203,12 +206,10 @@ _NOT_YET = "not supported by this server yet"
 # Fields OpenAI or vLLM clients send that this engine does not honour yet: (field, is it set
 # to something that asks for behaviour, why). Leaving them at their no-op value is fine.
 _UNHONOURED = (
-    ("tools", lambda v: bool(v), f"tool calling is {_NOT_YET}; omit tools"),
-    # "auto" without tools asks for nothing (tools themselves are refused above)
-    ("tool_choice", lambda v: v not in (None, "none", "auto"), f"tool calling is {_NOT_YET}; omit tool_choice or send 'none'"),
-    ("functions", lambda v: bool(v), f"function calling is {_NOT_YET}; omit functions"),
-    ("function_call", lambda v: v not in (None, "none"), f"function calling is {_NOT_YET}; omit function_call"),
-    ("prompt_logprobs", lambda v: v is not None, f"prompt log-probabilities are {_NOT_YET}; omit prompt_logprobs"),
+    # OpenAI's deprecated function calling: its answers have another shape (message.function_call).
+    ("functions", lambda v: bool(v), "the deprecated functions field is not supported; send tools instead"),
+    ("function_call", lambda v: v not in (None, "none"), "the deprecated function_call field is not supported; "
+                                                          "send tool_choice instead"),
     ("best_of", lambda v: v not in (None, 1), "best_of > 1 is not supported; use n"),
     ("suffix", lambda v: bool(v), "suffix (insertion) is not supported; omit it"),
 )
@@ -220,14 +221,12 @@ def _unhonoured(data: dict[str, Any], is_chat: bool) -> list[tuple[str, str]]:
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         out.append(("stream_options", f"continuous_usage_stats is {_NOT_YET}; usage comes in the last chunk "
                                       "(include_usage)"))
-    if not is_chat and data.get("echo") and data.get("logprobs") is not None:
-        out.append(("echo", f"echo with logprobs needs prompt log-probabilities, which are {_NOT_YET}; "
-                            "drop echo or logprobs"))
     if is_chat:
         messages = data.get("messages")
         for i, m in enumerate(messages if isinstance(messages, list) else []):
-            if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls")):
-                out.append((f"messages[{i}]", f"tool-call turns (role 'tool', tool_calls) are {_NOT_YET}"))
+            if isinstance(m, dict) and m.get("role") == "function":
+                out.append((f"messages[{i}]", "role 'function' (deprecated function calling) is not supported; "
+                                              "send role 'tool' with tool_call_id"))
     return out
 
 
@@ -255,10 +254,54 @@ class OtherPart(_Body):
     type: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI sends JSON text; some clients an object
+
+
+class MessageToolCall(_Body):
+    """One call in an assistant turn: {"id", "type": "function", "function": {"name", "arguments"}}."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is always enforced where tool_choice forces a call
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolChoiceError(ValueError):
+    """A tools / tool_choice combination that cannot be served; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -269,6 +312,61 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: SmallInt | None = None
     add_generation_prompt: bool = True
     user: str | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # advisory, except that false limits "required" to one call
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's shape). vLLM renders them also
+        with tool_choice "none": the model still knows the tools the conversation used."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_constraint(self) -> StructuredOutputs | None:
+        """The output constraint "required" or a named function asks for (ToolChoiceError otherwise)."""
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return None
+        shown = "'required'" if mode == "required" else "a named function"
+        if not self.tools:
+            raise ToolChoiceError(f"tool_choice {shown} needs tools: send the functions the model may call", "tool_choice")
+        if mode == "named":
+            name = self.tool_choice.function.name  # type: ignore[union-attr]
+            picked = [(i, t) for i, t in enumerate(self.tools) if t.function.name == name]
+            if not picked:
+                raise ToolChoiceError(f"tool_choice names function {name!r}, which is not in tools "
+                                      f"({', '.join(t.function.name for t in self.tools)})", "tool_choice")
+        else:
+            picked = list(enumerate(self.tools))
+        for i, tool in picked:  # each schema checked alone, so the 400 names the tool at fault
+            try:
+                StructuredOutputs.from_schema(tool_schema.parameters_schema(tool.function.parameters))
+            except ValueError as exc:
+                raise ToolChoiceError(f"tools[{i}].function.parameters ({tool.function.name}): {exc}", "tools") from None
+        if mode == "named":
+            return StructuredOutputs.from_schema(tool_schema.parameters_schema(picked[0][1].function.parameters))
+        try:
+            schema = tool_schema.required_schema([(t.function.name, t.function.parameters) for t in self.tools],
+                                                 at_most_one=self.parallel_tool_calls is False)
+        except ValueError as exc:
+            raise ToolChoiceError(str(exc), "tools") from None
+        return StructuredOutputs.from_schema(schema)
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        asked = super().structured_spec()
+        tool = self.tool_constraint()
+        if tool is not None and asked is not None:
+            raise ToolChoiceError(f"tool_choice {self.tool_mode!r} constrains the output to tool calls; it cannot be "
+                                  "combined with response_format, structured_outputs or guided_*: send one", "tool_choice")
+        return tool or asked
 
 
 class TokenizeRequest(_Request):
@@ -300,5 +398,26 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
+    return out
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    """A past call as chat templates read it: HF templates take `arguments` as an object (they
+    write it with `tojson`), while OpenAI clients send JSON text, so it is parsed (as vLLM does)."""
+    args = call.function.arguments
+    if isinstance(args, str) and args.strip():
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {exc}") from None
+    elif not args:
+        args = {}
+    out: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
     return out

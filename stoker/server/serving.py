@@ -101,8 +101,9 @@ class Serving:
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             return req.sampling_params(max_tokens, logprobs)
-        except ValueError as exc:
-            raise bad_request(str(exc), param_of_value_error(str(exc), _FIELDS)) from None
+        except ValueError as exc:  # a ToolChoiceError names its field itself
+            param = getattr(exc, "param", None) or param_of_value_error(str(exc), _FIELDS)
+            raise bad_request(str(exc), param) from None
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a structured-output grammar in a worker thread, off the step loop (the engine

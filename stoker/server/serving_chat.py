@@ -9,9 +9,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
-from stoker.server.errors import bad_request
-from stoker.server.protocol import ChatCompletionRequest
+from stoker.server.errors import ApiError, bad_request
+from stoker.server.protocol import ChatCompletionRequest, ToolChoiceError
+from stoker.server.serving_completion import prompt_logprobs_json
 from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.tool_calls import ToolPlan
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -23,30 +25,48 @@ class OpenAIServingChat(Serving):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
-        ids = await self.state.tokenization.render_chat(req.messages, req.add_generation_prompt)
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true (as vLLM); send stream false",
+                              "prompt_logprobs")
+        try:
+            req.tool_constraint()  # checked before the (slower) templating; sampling_params builds it again
+        except ToolChoiceError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        plan = ToolPlan.of(req, self.state.settings)
+        ids = await self.state.tokenization.render_chat(req.messages, req.add_generation_prompt, req.template_tools())
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
-        await self.compile_grammar(params)
+        if plan.mode == "auto" and plan.parser is not None and plan.parser.name == "hermes":
+            # vLLM's hermes parser does the same: tokenizers that mark <tool_call> special would
+            # otherwise drop the markers the parser looks for (the EOS adds no text either way).
+            params.skip_special_tokens = False
+        try:
+            await self.compile_grammar(params)
+        except ApiError as exc:
+            if plan.mode in ("named", "required"):  # the grammar came from the tools' parameters
+                raise bad_request(f"tools: {exc.message}", "tools") from None
+            raise
         request_id = new_id("chatcmpl")
         streams = self.add_all(request_id, [(None, ids)], [params])
         created = now_s()
         if req.stream:
-            body = self._stream(request_id, model, created, streams, params, len(ids), req)
+            body = self._stream(request_id, model, created, streams, params, len(ids), req, plan)
             return StreamingResponse(body, media_type="text/event-stream")
         (out,) = await self.until_disconnect(raw, self.collect(streams))
-        choices = [
-            {
+        choices = []
+        for comp in out.outputs:
+            message, finish_reason = plan.message(comp.text, comp.finish_reason)
+            choices.append({
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
+                "message": message,
                 "logprobs": self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0) if req.logprobs else None,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": comp.stop_reason,
-            }
-            for comp in out.outputs
-        ]
+            })
         return JSONResponse({
             "id": request_id,
             "object": "chat.completion",
@@ -55,13 +75,15 @@ class OpenAIServingChat(Serving):
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
             "usage": self.usage([len(ids)], [out]),
+            **({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}),
         })
 
     async def _stream(
         self, request_id: str, model: str, created: int, streams: list, params: SamplingParams,
-        prompt_len: int, req: ChatCompletionRequest,
+        prompt_len: int, req: ChatCompletionRequest, plan: ToolPlan,
     ) -> AsyncIterator[bytes]:
         trackers = [DeltaTracker(params) for _ in range(params.n)]
+        tool_streams = [plan.stream() for _ in range(params.n)]
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
         encode = ChunkEncoder(head).choice
@@ -79,18 +101,27 @@ class OpenAIServingChat(Serving):
                                       "finish_reason": None})
                 for comp in out.outputs:
                     delta, start, end = trackers[comp.index].step(comp)
+                    finished = comp.finish_reason is not None
+                    tools = tool_streams[comp.index]
+                    # content and tool-call deltas; a tool stream may hold text back (a call not yet complete)
+                    pieces = tools.step(delta, finished)
                     want_lp = bool(req.logprobs) and end > start
-                    if not delta and comp.finish_reason is None and not want_lp:
+                    if not pieces and not finished and not want_lp:
                         continue
-                    choice = {
-                        "index": comp.index,
-                        "delta": {"content": delta} if delta or comp.finish_reason is None else {},
-                        "logprobs": self._logprobs(comp, start, end, req.top_logprobs or 0) if req.logprobs else None,
-                        "finish_reason": comp.finish_reason,
-                    }
-                    if comp.finish_reason is not None:
-                        choice["stop_reason"] = comp.stop_reason
-                    yield encode(choice)
+                    if not pieces:
+                        pieces = [{"content": ""} if not finished else {}]
+                    for k, piece in enumerate(pieces):
+                        last = k == len(pieces) - 1
+                        choice = {
+                            "index": comp.index,
+                            "delta": piece,
+                            "logprobs": (self._logprobs(comp, start, end, req.top_logprobs or 0)
+                                         if req.logprobs and k == 0 else None),
+                            "finish_reason": plan.finish_reason(comp.finish_reason, tools.called) if last else None,
+                        }
+                        if finished and last:
+                            choice["stop_reason"] = comp.stop_reason
+                        yield encode(choice)
                 if out.finished:
                     final = out
             if req.include_usage:

@@ -23,6 +23,11 @@ class ServerSettings:
     log_interval_s: float = 10.0
     retry_after_s: int = 1
     warmup: bool = True
+    # GET /tokenizer_info (vLLM's flag name; vLLM's default is off, ours on: see routes.py)
+    enable_tokenizer_info_endpoint: bool = True
+    # tool_choice "auto": the model's text is parsed for tool calls by this parser (tool_parsers.py)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -33,6 +38,12 @@ class ServerSettings:
             if not getattr(self, name) > 0:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
                 raise ValueError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
+        if self.tool_call_parser is not None:
+            from stoker.server.tool_parsers import get_parser
+
+            get_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
 

@@ -55,9 +55,10 @@ class ServerTokenizer:
                     f"{len(head) - 1} tokens ({len(text)} characters). Please reduce the length of the prompt.", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt)
+            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, tools=tools)
         except Exception as exc:  # unsupported parts, jinja2 TemplateError (raise_exception in templates), ValueError
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
         # The template writes BOS itself where the model wants one.
@@ -70,8 +71,10 @@ class ServerTokenizer:
     async def encode_all(self, texts: list[str]) -> list[list[int]]:
         return await self._run(lambda: [self.encode_bounded(t) for t in texts])
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        return await self._run(self._render_chat, messages, add_generation_prompt)
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """tools: OpenAI's tool definitions, for templates that render them."""
+        return await self._run(self._render_chat, messages, add_generation_prompt, tools)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids)

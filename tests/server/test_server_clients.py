@@ -71,10 +71,9 @@ def test_allowed_token_ids_limit_what_is_sampled(client: OpenAI) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "required"),
+    ("tool_choice", "required"),  # without tools (tool calling itself: test_tool_calls.py)
     ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
-    ("prompt_logprobs", 1),
+    ("function_call", {"name": "f"}),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ])
 def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field: str, value: object) -> None:
@@ -89,16 +88,10 @@ def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field:
     assert httpx.post(live_server.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
 
 
-def test_tool_turns_and_echo_logprobs_are_refused(live_server: LiveServer) -> None:
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "1", "content": "42"}]
+def test_function_turns_and_bad_logit_bias_are_refused(live_server: LiveServer) -> None:
+    msgs = [{"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "42"}]
     resp = httpx.post(live_server.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[1]"
-    resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
-                      timeout=30)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
     resp = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 5}},
                       timeout=30)
     assert resp.status_code == 400 and "logit_bias" in resp.json()["error"]["message"]

@@ -16,6 +16,8 @@ PURE_MODULES = [
     "stoker.core.step",
     "stoker.distributed.partition",
     "stoker.structured.spec",
+    "stoker.server.tool_parsers",
+    "stoker.server.tool_schema",
 ]
 
 
