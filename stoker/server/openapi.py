@@ -37,7 +37,7 @@ _JSON_OR_SSE = {**_JSON, "text/event-stream": {"schema": {"type": "string"}}}
 _WHY = {
     400: "invalid request: bad JSON, not valid Unicode, outside the schema or a value range, too long",
     401: "missing or wrong API key (when the server has one)",
-    404: "no such model",
+    404: "no such model (/tokenizer_info: turned off by --no-enable-tokenizer-info-endpoint)",
     408: "the request's headers or body did not arrive in time",
     413: "request body over --max-request-body-bytes",
     500: "internal error (the connection is closed)",
@@ -48,6 +48,7 @@ _WHY = {
 _ROUTES: dict[str, dict[str, tuple[dict[str, Any] | None, tuple[int, ...]]]] = {
     "/v1/completions": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/chat/completions": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/responses": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
     "/tokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/detokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/models": {"get": (_JSON, (401, 500, 503))},
@@ -55,6 +56,7 @@ _ROUTES: dict[str, dict[str, tuple[dict[str, Any] | None, tuple[int, ...]]]] = {
     "/v1/health/live": {"get": (_JSON, (500, 503))},
     "/v1/health/ready": {"get": (_JSON, (500, 503))},
     "/metrics": {"get": ({"text/plain": {"schema": {"type": "string"}}}, (500,))},
+    "/tokenizer_info": {"get": (_JSON, (401, 404, 500, 503))},
 }
 
 

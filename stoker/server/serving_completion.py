@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -44,9 +45,19 @@ class OpenAIServingCompletion(Serving):
         model = self.check_model(req.model)
         self.engine()
         self.check_logprobs(req.logprobs, "logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        # max_tokens 0 with echo (lm-eval's scoring request): the prompt alone comes back. The
+        # engine still samples one token (every sequence does), which is dropped, as vLLM does.
+        echo_only = req.echo and req.max_tokens == 0
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens 0 returns nothing without echo; ask for at least 1 token, or set echo "
+                              "to score the prompt alone", "max_tokens")
+        # echo + logprobs: the echoed prompt tokens carry their own logprobs (the first none).
+        num_prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         prompts = await self.prompts(req.prompt)
         params = [
-            self.sampling_params(req, self.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
+            replace(self.sampling_params(req, self.resolve_max_tokens(len(ids), 1 if echo_only else req.max_tokens),
+                                         req.logprobs), prompt_logprobs=num_prompt_logprobs)
             for _, ids in prompts
         ]
         await self.compile_grammar(params[0])
@@ -56,9 +67,11 @@ class OpenAIServingCompletion(Serving):
         created = now_s()
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:
-            body = self._stream(request_id, model, created, streams, params, prompt_lens, echo_texts, req)
+            body = self._stream(request_id, model, created, streams, params, prompts, echo_texts, req)
             return StreamingResponse(body, media_type="text/event-stream")
         outputs = await self.until_disconnect(raw, self.collect(streams))
+        if echo_only:
+            outputs = [_without_generation(o) for o in outputs]
         choices = []
         for i, out in enumerate(outputs):
             for comp in out.outputs:
@@ -67,14 +80,17 @@ class OpenAIServingCompletion(Serving):
                 if req.logprobs is not None:
                     logprobs = self._logprobs(comp, 0, len(comp.token_ids), len(echo))
                     if echo_texts:
-                        logprobs = self._with_echo(prompts[i][1], logprobs)
-                choices.append({
+                        logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs)
+                choice = {
                     "index": i * req.n + comp.index,
                     "text": echo + comp.text,
                     "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
-                })
+                }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
         return JSONResponse({
             "id": request_id,
             "object": "text_completion",
@@ -90,35 +106,45 @@ class OpenAIServingCompletion(Serving):
 
     async def _stream(
         self, request_id: str, model: str, created: int, streams: list, params: list[SamplingParams],
-        prompt_lens: list[int], echo_texts: list[str] | None, req: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]], echo_texts: list[str] | None, req: CompletionRequest,
     ) -> AsyncIterator[bytes]:
         trackers = {(i, j): DeltaTracker(p) for i, p in enumerate(params) for j in range(p.n)}
         finals: dict[int, RequestOutput] = {}
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
         encode = ChunkEncoder(head).choice
+        echo_only = req.echo and req.max_tokens == 0
         try:
             async for i, out in self.merged(streams):
+                if echo_only:
+                    out = _without_generation(out)
                 for comp in out.outputs:
                     tracker = trackers[(i, comp.index)]
                     first = tracker.num_tokens == 0 and tracker.num_chars == 0
                     delta, start, end = tracker.step(comp)
+                    offset = len(echo_texts[i]) if first and echo_texts else 0
+                    logprobs = self._logprobs(comp, start, end, offset) if req.logprobs is not None else None
                     if first and echo_texts:
                         delta = echo_texts[i] + delta
+                        if logprobs is not None:
+                            logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs)
                     if not delta and comp.finish_reason is None and (req.logprobs is None or start == end):
                         continue
                     choice = {
                         "index": i * req.n + comp.index,
                         "text": delta,
-                        "logprobs": self._logprobs(comp, start, end, 0) if req.logprobs is not None else None,
+                        "logprobs": logprobs,
                         "finish_reason": comp.finish_reason,
                         "stop_reason": comp.stop_reason,
                     }
+                    if first and req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                     yield encode(choice)
                 if out.finished:
                     finals[i] = out
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": self.usage(prompt_lens, list(finals.values()))})
+                yield sse({**head, "choices": [], "usage": self.usage([len(ids) for _, ids in prompts],
+                                                                      list(finals.values()))})
         except Exception as exc:  # the engine failed this request: tell the client in-band
             yield self.error_event(exc)
         finally:
@@ -144,17 +170,43 @@ class OpenAIServingCompletion(Serving):
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
-    def _with_echo(self, prompt_ids: list[int], logprobs: dict[str, list]) -> dict[str, list]:
-        """Echoed prompt tokens come first, with null log-probabilities (not computed)."""
-        decode = self.state.tokenizer.decode
-        toks = [decode([t]) for t in prompt_ids]
+    def _with_echo(self, prompt_ids: list[int], entries: list | None, logprobs: dict[str, list]) -> dict[str, list]:
+        """The echoed prompt's tokens first, each with its logprob and top n (the first token
+        has none: nothing precedes it), then the completion's."""
+        toks = self.state.tokenizer.batch_decode([[t] for t in prompt_ids])
         offsets, pos = [], 0
         for t in toks:
             offsets.append(pos)
             pos += len(t)
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for p, token in enumerate(prompt_ids):
+            entry = entries[p] if entries is not None else None
+            chosen = entry.get(token) if entry else None
+            token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
+            tops.append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()} if entry else None)
         return {
             "tokens": toks + logprobs["tokens"],
-            "token_logprobs": [None] * len(toks) + logprobs["token_logprobs"],
-            "top_logprobs": [None] * len(toks) + logprobs["top_logprobs"],
+            "token_logprobs": token_lps + logprobs["token_logprobs"],
+            "top_logprobs": tops + logprobs["top_logprobs"],
             "text_offset": offsets + logprobs["text_offset"],
         }
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's shape: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                for t, lp in e.items()}
+        for e in entries
+    ]
+
+
+def _without_generation(out: RequestOutput) -> RequestOutput:
+    """echo with max_tokens 0: the one token the engine had to sample is not the client's."""
+    comps = [replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None, cumulative_logprob=0.0,
+                     finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
+             for c in out.outputs]
+    return replace(out, outputs=comps)

@@ -41,7 +41,7 @@ BAD = [
     ("completions", {"prompt": "x", "n": 0}, "n", ""),
     ("completions", {"prompt": "x", "n": 1000}, "n", ""),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1 token"),
     ("completions", {"prompt": "x", "max_tokens": 300}, "max_tokens", "maximum context length is 256"),
     ("completions", {"prompt": "hello " * 300}, "", "maximum context length is 256"),
     ("completions", {"prompt": "x", "stop": [""]}, "stop", "non-empty"),
