@@ -12,7 +12,7 @@ import json
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
@@ -23,9 +23,12 @@ from stoker.structured.spec import StructuredOutputs
 MAX_N = 128
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
 # A seed of completion i is seed + i: keep it inside torch.Generator's uint64 range.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
-TokenId = Annotated[int, Field(**_INT64)]
-SmallInt = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+# Strict: a JSON number, never a boolean or a numeric string (pydantic's lax mode would read
+# false as 0 and "3" as 3; OpenAI refuses both, and so does the schema /openapi.json publishes).
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
+TokenId = Annotated[int, Strict(), Field(**_INT64)]
+SmallInt = Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)]
+Number = Annotated[float, Strict()]
 
 
 def _lone_surrogate_at(value: Any, path: str) -> str | None:
@@ -73,30 +76,30 @@ class _Request(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Request):
     """The fields completions and chat share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
     top_k: SmallInt | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = 0.0
+    frequency_penalty: Number | None = 0.0
+    repetition_penalty: Number | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: SmallInt = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    stream: bool | None = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     prompt_logprobs: SmallInt | None = None  # vLLM's extra: each prompt token's logprob and top n
@@ -237,7 +240,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     max_tokens: SmallInt | None = 16  # OpenAI's completions default
     logprobs: SmallInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: SmallInt | None = None
     user: str | None = None
@@ -279,7 +282,7 @@ class FunctionDefinition(_Body):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # the schema is always enforced where tool_choice forces a call
+    strict: StrictBool | None = None  # the schema is always enforced where tool_choice forces a call
 
 
 class ToolDefinition(_Body):
@@ -308,13 +311,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: SmallInt | None = None  # None: up to the context limit, as vLLM
     max_completion_tokens: SmallInt | None = None
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: SmallInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     user: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # advisory, except that false limits "required" to one call
+    parallel_tool_calls: StrictBool | None = None  # advisory, except that false limits "required" to one call
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
@@ -373,8 +376,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(_Request):

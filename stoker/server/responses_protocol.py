@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol import SmallInt, _Request
+from stoker.server.protocol import Number, SmallInt, _Request
 
 _STATELESS = "this server is stateless (nothing is stored between requests)"
 
@@ -44,16 +44,16 @@ class ResponsesRequest(_Request):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: SmallInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool | None = False
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool | None = False
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "auto"
-    parallel_tool_calls: bool | None = True  # advisory, as in OpenAI's API
+    parallel_tool_calls: StrictBool | None = True  # advisory, as in OpenAI's API
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     user: str | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
 
     @model_validator(mode="before")
     @classmethod
