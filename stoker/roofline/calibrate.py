@@ -12,6 +12,11 @@ Accepted shapes:
 The fit minimises the squared log error of predicted vs measured tokens/s over the memory share
 (what batch-1..64 decode mostly measures), the GEMM compute share (batch 256 and up) and the
 per-layer launch gap, by coordinate descent on grids: no numpy, deterministic, ~100 ms.
+
+`fit_points(points)` fits the same way to public measurements of any kind (published.py: decode,
+static batch, first-token latency) over every knob, with an absolute log error by default (a
+median-like fit: a few points no cost model describes do not drag the rest); that is how the
+"engine" profile in profiles.py was made.
 """
 
 from __future__ import annotations
@@ -19,17 +24,60 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stoker.roofline.costmodel import decode_tokens_per_s
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.measured import load_measured
+from stoker.roofline.published import PublicPoint, speed_ratio
 
 _GRIDS: dict[str, list[float]] = {
     "memory": [0.30 + 0.01 * i for i in range(71)],
     "gemm_compute": [0.30 + 0.02 * i for i in range(36)],
     "layer_overhead_s": [1e-6 * i for i in range(0, 101, 2)],
 }
+
+
+# Grids for fitting every knob to public end-to-end points (fit_points).
+PROFILE_GRIDS: dict[str, list[float]] = {
+    "memory": [0.30 + 0.02 * i for i in range(36)],
+    "gemm_compute": [0.30 + 0.02 * i for i in range(36)],
+    "attention_compute": [0.10 + 0.05 * i for i in range(19)],
+    "comm": [0.10 + 0.05 * i for i in range(19)],
+    "comm_latency_s": [1e-6 * i for i in range(0, 61, 2)],
+    "layer_overhead_s": [1e-6 * i for i in range(0, 61, 2)],
+    "step_overhead_s": [1e-4 * i for i in range(0, 41)],
+}
+
+
+def coordinate_descent(loss: Callable[[Efficiencies], float], start: Efficiencies,
+                       grids: dict[str, list[float]], rounds: int = 3) -> Efficiencies:
+    """Minimise `loss` one knob at a time over its grid, `rounds` passes; deterministic."""
+    best, best_loss = start, loss(start)
+    for _ in range(rounds):
+        for name, grid in grids.items():
+            for value in grid:
+                cand = best.replace(**{name: value})
+                cand_loss = loss(cand)
+                if cand_loss < best_loss - 1e-12:
+                    best, best_loss = cand, cand_loss
+    return best
+
+
+def points_loss(points: Sequence[PublicPoint], eff: Efficiencies, norm: str = "l1") -> float:
+    """Sum over points of |log(predicted / measured speed)| ("l1") or its square ("l2")."""
+    logs = [math.log(speed_ratio(p, eff)) for p in points]
+    return sum(abs(x) for x in logs) if norm == "l1" else sum(x * x for x in logs)
+
+
+def fit_points(points: Sequence[PublicPoint], *, start: Efficiencies | None = None,
+               grids: dict[str, list[float]] | None = None, norm: str = "l1", rounds: int = 3) -> Efficiencies:
+    """Efficiencies that best reproduce public measurements (published.PublicPoint) of any kind."""
+    if not points:
+        raise ValueError("fit_points needs at least one point")
+    return coordinate_descent(lambda e: points_loss(points, e, norm), start or Efficiencies(),
+                              grids or PROFILE_GRIDS, rounds)
 
 
 def _points(data: Any) -> tuple[dict[str, Any], list[tuple[int, int, float]]]:
@@ -68,13 +116,35 @@ def calibrate(benchmark_json_path_or_dict: str | Path | dict[str, Any] | list[An
         return sum(math.log(decode_tokens_per_s(model, gpu, batch=b, context_len=c, tp=tp, weight_dtype=wd,
                                                 kv_dtype=kvd, eff=eff) / tps) ** 2 for b, c, tps in pts)
 
-    best = start or Efficiencies()
-    best_loss = loss(best)
-    for _ in range(rounds):
-        for name, grid in _GRIDS.items():
-            for value in grid:
-                cand = best.replace(**{name: value})
-                cand_loss = loss(cand)
-                if cand_loss < best_loss - 1e-12:
-                    best, best_loss = cand, cand_loss
-    return best
+    return coordinate_descent(loss, start or Efficiencies(), _GRIDS, rounds)
+
+
+def calibrate_files(paths: Sequence[str | Path], *, model: str | None = None, gpu: str | None = None,
+                    tp: int | None = None, weight_dtype: str | None = None, kv_dtype: str | None = None,
+                    start: Efficiencies | None = None) -> tuple[Efficiencies, dict[str, Any]]:
+    """`stoker roofline calibrate`: fit to one or more result files (each a `stoker bench` result,
+    a list of them, {"results": [...]} or {"points": [...]}); flags fill in or override what the
+    files say. Returns the efficiencies and what was fitted to (model, gpu, tp, dtypes, points)."""
+    if not paths:
+        raise ValueError("calibrate needs at least one result file")
+    meta: dict[str, Any] = {}
+    pts: list[tuple[int, int, float]] = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"no result file at {p}")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        file_meta, file_pts = _points(data)
+        for key in ("model", "gpu", "tp", "weight_dtype", "kv_dtype"):
+            if file_meta.get(key) is not None:
+                meta.setdefault(key, file_meta[key])
+        pts += file_pts
+    for key, value in (("model", model), ("gpu", gpu), ("tp", tp), ("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
+        if value is not None:
+            meta[key] = value
+    points = [{"batch": b, "context_len": c, "output_tokens_per_s": tps} for b, c, tps in pts]
+    eff = calibrate({**meta, "points": points}, start=start)
+    return eff, {**meta, "points": points}

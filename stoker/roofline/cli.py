@@ -24,7 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object per batch size")
     r.add_argument("--measured", metavar="RESULT.json", help="a stoker bench result to place against the roofline")
     r.add_argument("--device-file", metavar="DEVICES.yaml", help="add devices from YAML (see docs/roofline.md)")
+    _profile_flags(r)
     r.set_defaults(func=run_roofline)
+    sub = r.add_subparsers(dest="roofline_command", metavar="{kv,calibrate}")
+    _register_kv(sub)
+    _register_calibrate(sub)
 
     p = subparsers.add_parser(
         "plan", help="cheapest deployment (dtype x TP x replicas x batch) meeting a rate and latency budgets",
@@ -43,8 +47,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link", default=None, help="GPU-GPU link override (e.g. pcie4 to price a PCIe box)")
     p.add_argument("--top", type=int, default=10, help="feasible plans to print (default 10)")
     p.add_argument("--json", action="store_true", help='print {"feasible": [...], "rejected": [...]}')
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="scheduler token budget per step: decode batch + prefill chunk (default 8192, vLLM's)")
     p.add_argument("--device-file", metavar="DEVICES.yaml")
+    _profile_flags(p)
     p.set_defaults(func=run_plan)
+
+
+def _profile_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default="engine", metavar="{kernel,engine,PATH.yaml}",
+                   help="efficiencies for the prediction: 'engine' (fitted to public engine measurements, default), "
+                        "'kernel' (each op at its best kernel's peak) or a profile file from `roofline calibrate`; "
+                        "the ceiling is always datasheet peaks")
+    p.add_argument("--overlap-comm", action="store_true",
+                   help="hide TP all-reduce time under the step's compute (engines that overlap them)")
+
+
+def _register_kv(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("kv", help="KV-cache capacity of one replica: tokens, blocks, and every overhead charged",
+                       description="vLLM's budget rule from the memory the runtime reports: usable x utilization - "
+                                   "weights - activation peak - runtime buffers, per GPU; tokens and blocks per replica.")
+    k.add_argument("--model", required=True)
+    k.add_argument("--gpu", required=True)
+    k.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    k.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp8, int8, int4 (default bf16)")
+    k.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16 or fp8 (default bf16)")
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    k.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget the activations are sized for (default 8192)")
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--max-model-len", type=int, default=None, help="also print how many sequences of this length fit")
+    k.add_argument("--json", action="store_true")
+    k.add_argument("--device-file", metavar="DEVICES.yaml")
+    k.set_defaults(func=run_kv)
+
+
+def _register_calibrate(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("calibrate", help="fit an efficiency profile to stoker bench results; write it as YAML",
+                       description="Fits the memory share, GEMM share and per-layer gap to measured decode tokens/s "
+                                   "(see docs/roofline.md); writes a profile file for --profile.")
+    c.add_argument("results", nargs="+", metavar="RESULT.json", help="stoker bench results (or {points: [...]})")
+    c.add_argument("-o", "--output", required=True, metavar="PROFILE.yaml")
+    c.add_argument("--model", default=None, help="override the model the results name")
+    c.add_argument("--gpu", default=None, help="override the GPU the results name")
+    c.add_argument("--tp", type=int, default=None)
+    c.add_argument("--dtype", default=None, help="weight dtype of the measured runs (default bf16)")
+    c.add_argument("--kv-dtype", default=None)
+    c.add_argument("--start", default="engine", metavar="{kernel,engine,PATH.yaml}",
+                   help="profile the fit starts from; knobs the data cannot see keep its values (default engine)")
+    c.add_argument("--name", default=None, help="profile name recorded in the file (default: from the output name)")
+    c.add_argument("--device-file", metavar="DEVICES.yaml")
+    c.set_defaults(func=run_calibrate)
 
 
 def _batches(text: str) -> list[int]:
@@ -64,10 +116,11 @@ def _need(value: str | None, flag: str, choices: list[str]) -> str:
 
 
 def run_roofline(args: argparse.Namespace) -> int:
-    from stoker.roofline import costmodel, hardware, measured, modelspec, report
+    from stoker.roofline import costmodel, hardware, measured, modelspec, profiles, report
 
     if args.device_file:
         hardware.load_gpu_yaml(args.device_file)
+    eff = profiles.get_profile(args.profile)
     # For a measured run, --batch (first value) and --context only fill in what the file lacks.
     run = measured.load_measured(args.measured, batch=_batches(args.batch)[0],
                                  context_len=args.context) if args.measured else None
@@ -77,7 +130,8 @@ def run_roofline(args: argparse.Namespace) -> int:
     spec = modelspec.get_model_spec(model)
     tp = args.tp or (run.tp if run and run.tp else 1)
     args.context = args.context or (round(run.context_len) if run else 1024)
-    kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype, kv_dtype=args.kv_dtype, tp=tp, link=args.link)
+    kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype, kv_dtype=args.kv_dtype, tp=tp,
+              link=args.link, eff=eff, overlap_comm=args.overlap_comm)
     modelspec.dtype_bytes(args.dtype)
     steps = [costmodel.step_cost(spec, gpu, batch=b, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
     cdt = costmodel.compute_dtype(args.dtype, gpu)
@@ -88,7 +142,7 @@ def run_roofline(args: argparse.Namespace) -> int:
         util = measured.implied_utilization(spec.name if not args.model else model, gpu_name,
                                             output_tokens_per_s=run.output_tokens_per_s, batch=run.batch,
                                             context_len=run.context_len, tp=tp, weight_dtype=args.dtype,
-                                            kv_dtype=args.kv_dtype)
+                                            kv_dtype=args.kv_dtype, eff=eff)
     if args.plot:
         from stoker.roofline.plot import plot_roofline
 
@@ -96,14 +150,16 @@ def run_roofline(args: argparse.Namespace) -> int:
                  f"{args.dtype} weights / {args.kv_dtype or 'bf16'} KV")
         plot_roofline(args.plot, gpu, steps, title=title, measured=util)
     if args.json:
-        out: list[dict[str, object]] = [{"kind": "prediction", "model": spec.name, **s.as_dict()} for s in steps]
+        out: list[dict[str, object]] = [{"kind": "prediction", "model": spec.name, "profile": args.profile, **s.as_dict()}
+                                        for s in steps]
         if util:
             out.append({"kind": "measured", "model": spec.name, "gpu": gpu.name, "assumptions": list(run.assumptions), **util})  # type: ignore[union-attr]
         print(json.dumps(out, indent=2))
         return 0
     print(f"{spec.name} ({spec.num_params / 1e9:.1f}B params, {spec.kv_bytes_per_token(args.kv_dtype or 'bf16'):,.0f} B KV/token) "
           f"on {gpu.name}: {gpu.peak_flops(cdt) / 1e12:.0f} TFLOP/s {cdt}, {gpu.hbm_gb_per_s:.0f} GB/s, "
-          f"ridge {gpu.ridge_point(cdt):.0f} FLOP/B; link {steps[0].tp > 1 and (args.link or gpu.link.name) or '-'}")
+          f"ridge {gpu.ridge_point(cdt):.0f} FLOP/B; link {steps[0].tp > 1 and (args.link or gpu.link.name) or '-'}; "
+          f"predicted with the {args.profile} profile{', comm overlapped' if args.overlap_comm else ''}")
     for s in steps:
         print()
         print(report.step_header(s))
@@ -122,15 +178,17 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from stoker.roofline import hardware, planner
+    from stoker.roofline import hardware, memory, planner, profiles
 
     if args.device_file:
         hardware.load_gpu_yaml(args.device_file)
+    eff = profiles.get_profile(args.profile)
     targets = planner.PlanTargets(
         target_tokens_per_s=args.target_tokens_per_s, ttft_p50_ms=args.ttft_p50_ms, tpot_ms=args.tpot_ms,
         prompt_len=args.prompt_len, output_len=args.output_len, max_gpus=args.max_gpus,
-        gpu_hour_price=args.gpu_hour_price, gpu_memory_utilization=args.gpu_memory_utilization)
-    result = planner.plan(args.model, args.gpu, targets, link=args.link)
+        gpu_hour_price=args.gpu_hour_price, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens or memory.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    result = planner.plan(args.model, args.gpu, targets, link=args.link, eff=eff, overlap_comm=args.overlap_comm)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
         return 0 if result.feasible else 1
@@ -138,17 +196,20 @@ def run_plan(args: argparse.Namespace) -> int:
     budgets = ", ".join(b for b in (args.ttft_p50_ms and f"TTFT p50 <= {args.ttft_p50_ms:g} ms",
                                     args.tpot_ms and f"TPOT <= {args.tpot_ms:g} ms") if b) or "no latency budget"
     print(f"plan: {args.model} on {gpu.name}, {args.target_tokens_per_s:,.0f} output tokens/s, {budgets}, "
-          f"prompt {args.prompt_len} + output {args.output_len} tokens, <= {args.max_gpus} GPUs")
+          f"prompt {args.prompt_len} + output {args.output_len} tokens, <= {args.max_gpus} GPUs; "
+          f"{args.profile} profile, chunked prefill in a {targets.max_num_batched_tokens}-token step budget")
     if result.feasible:
-        print(f"\n{'gpus':>4} {'TP':>3} {'repl':>4}  {'weights':<7} {'KV':<5} {'batch':>5} {'tokens/s':>9} "
-              f"{'TTFT ms':>8} {'TPOT ms':>8} {'GiB/GPU':>8} {'$/Mtok':>8}  bound")
+        print(f"\n{'gpus':>4} {'TP':>3} {'repl':>4}  {'weights':<7} {'KV':<5} {'batch':>5} {'KV seqs':>7} "
+              f"{'KV tokens':>10} {'tokens/s':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'GiB/GPU':>8} {'$/Mtok':>8}  bound")
         for c in result.feasible[: args.top]:
             print(f"{c.gpus:>4} {c.tp:>3} {c.replicas:>4}  {c.weight_dtype:<7} {c.kv_dtype:<5} {c.max_batch:>5} "
+                  f"{c.kv_max_seqs:>7,} {c.kv_capacity_tokens:>10,} "
                   f"{c.tokens_per_s:>9,.0f} {c.ttft_ms:>8.0f} {c.tpot_ms:>8.1f} {c.memory_per_gpu_gb:>8.1f} "
                   f"{c.cost_per_million_tokens:>8.3f}  {c.bound}")
         best = result.feasible[0]
         print(f"\nbest: {best.replicas} x TP{best.tp} {best.weight_dtype} weights / {best.kv_dtype} KV, max batch "
-              f"{best.max_batch}: {best.gpus} GPUs, {best.tokens_per_s:,.0f} tokens/s capacity")
+              f"{best.max_batch}: {best.gpus} GPUs, {best.tokens_per_s:,.0f} tokens/s capacity; KV per replica "
+              f"{best.kv_capacity_tokens:,} tokens = {best.kv_max_seqs:,} sequences of {args.prompt_len + args.output_len}")
         print(f"run ({best.replicas} replica{'s' if best.replicas > 1 else ''}): {planner.serve_command(args.model, best)}")
     else:
         print("\nno feasible plan: nothing in the search space meets the targets (reasons below)")
@@ -157,3 +218,46 @@ def run_plan(args: argparse.Namespace) -> int:
         for r in result.rejected:
             print(f"  {r.family}: {r.reason}")
     return 0 if result.feasible else 1
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    from stoker.roofline import hardware, kvcapacity, memory
+
+    if args.device_file:
+        hardware.load_gpu_yaml(args.device_file)
+    cap = kvcapacity.kv_capacity(args.model, args.gpu, tp=args.tp, weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 max_num_batched_tokens=args.max_num_batched_tokens or memory.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                 block_size=args.block_size)
+    if args.json:
+        out = cap.as_dict()
+        if args.max_model_len:
+            out["max_model_len"], out["max_seqs"] = args.max_model_len, cap.max_seqs(args.max_model_len)
+        print(json.dumps(out, indent=2))
+        return 0
+    for line in kvcapacity.format_report(cap):
+        print(line)
+    if args.max_model_len:
+        print(f"sequences of {args.max_model_len:,} tokens at once: {cap.max_seqs(args.max_model_len):,}")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stoker.roofline import calibrate, hardware, profiles
+
+    if args.device_file:
+        hardware.load_gpu_yaml(args.device_file)
+    eff, fitted = calibrate.calibrate_files(args.results, model=args.model, gpu=args.gpu, tp=args.tp,
+                                            weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
+                                            start=profiles.get_profile(args.start))
+    name = args.name or Path(args.output).stem
+    source = f"stoker roofline calibrate {' '.join(args.results)} (start: {args.start})"
+    fitted_to = {k: fitted[k] for k in ("model", "gpu", "tp", "weight_dtype", "kv_dtype") if fitted.get(k) is not None}
+    profiles.save_profile(eff, args.output, name=name, source=source,
+                          extra={"fitted_to": {**fitted_to, "points": fitted["points"]}})
+    print(f"fitted {len(fitted['points'])} point(s) of {fitted.get('model')} on {fitted.get('gpu')}: "
+          f"memory {eff.memory:.2f}, gemm_compute {eff.gemm_compute:.2f}, layer_overhead {eff.layer_overhead_s * 1e6:.0f} us")
+    print(f"wrote {args.output} (use it with --profile {args.output})")
+    return 0

@@ -15,6 +15,13 @@ reduce-scatter, all-gather, all-to-all (n-1)/n; broadcast, reduce, send/recv 1.
 Ring moves data in n-1 (reduce-scatter, all-gather) or 2(n-1) (all-reduce) hops; tree in
 ceil(log2 n) hops each way. NCCL implements all-gather/reduce-scatter only as rings; the tree
 figures for them model recursive doubling and are an estimate.
+
+Custom (one-shot / two-shot) all-reduce, what vLLM, SGLang and TensorRT-LLM run for TP inside one
+NVLink node instead of NCCL for small messages: every rank reads its peers' buffers over P2P in one
+kernel. One-shot moves (n-1) x S per rank in one phase; two-shot is a reduce-scatter then an
+all-gather, 2(n-1)/n x S in two phases. Latency per phase: CUSTOM_AR_LATENCY_US (below). vLLM's
+CustomAllreduce (vllm/distributed/device_communicators/custom_all_reduce.py) runs only for world
+sizes 2, 4, 6, 8, messages under max_size = 8 MiB, and beyond two GPUs only when fully NVLinked.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ HOP_LATENCY_US = {
     "network": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
 }
 PROTOCOL_BW_SHARE = {"LL": 0.5, "LL128": 120 / 128, "Simple": 1.0}
+# Smallest measured latency of a custom all-reduce on H100 NVLink: 3.7 us (TP2, 512 B and TP4, 4 KiB;
+# 4.8 / 5.9 us at TP4 / TP8 for 512 B) in sgl-project/sglang PR #2904's table (sgl_kernel's
+# TensorRT-LLM-derived kernel, H100, "custom allreduce" rows). The smallest, so the ceiling built on it
+# stays a bound for every engine that runs such a kernel.
+CUSTOM_AR_LATENCY_US = 3.7
+CUSTOM_AR_MAX_BYTES = 8 * 1024 * 1024  # vLLM CustomAllreduce max_size = 8192 * 1024
+CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)  # vLLM CustomAllreduce._SUPPORTED_WORLD_SIZES
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 ALGORITHMS = ("ring", "tree")
 
@@ -105,11 +119,36 @@ def collective_time(
     return best
 
 
-def all_reduce_time(size_bytes: float, n: int, link: Interconnect, *, efficiency: float = 1.0) -> CollectiveTime:
-    """Fastest of ring and tree all-reduce (what NCCL picks), protocol auto-selected."""
+def custom_all_reduce_time(size_bytes: float, n: int, link: Interconnect, *, efficiency: float = 1.0,
+                           latency_us: float = CUSTOM_AR_LATENCY_US) -> CollectiveTime | None:
+    """The faster of one-shot and two-shot custom all-reduce over NVLink P2P, or None where no
+    engine runs one (no NVLink, an unsupported world size, or a message over 8 MiB):
+        one-shot  T = latency + (n-1) x S / bw
+        two-shot  T = 2 x latency + 2(n-1)/n x S / bw
+    (bw = per-direction link bandwidth x efficiency)."""
+    if n == 1 or size_bytes <= 0:
+        return CollectiveTime("all_reduce", "one_shot", "custom", n, size_bytes, 0.0)
+    if link.kind != "nvlink" or n not in CUSTOM_AR_WORLD_SIZES or size_bytes > CUSTOM_AR_MAX_BYTES:
+        return None
+    bw = link.gb_per_s * 1e9 * efficiency
+    one = latency_us * 1e-6 + (n - 1) * size_bytes / bw
+    two = 2 * latency_us * 1e-6 + 2 * (n - 1) / n * size_bytes / bw
+    algorithm, t = ("one_shot", one) if one <= two else ("two_shot", two)
+    return CollectiveTime("all_reduce", algorithm, "custom", n, size_bytes, t)
+
+
+def all_reduce_time(size_bytes: float, n: int, link: Interconnect, *, efficiency: float = 1.0,
+                    custom: bool = True) -> CollectiveTime:
+    """Fastest of NCCL ring and tree (protocol auto-selected) and, with `custom`, the one-/two-shot
+    custom all-reduce engines run inside an NVLink node: what an engine that picks the best gets."""
     ring = collective_time("all_reduce", size_bytes, n, link, algorithm="ring", efficiency=efficiency)
     tree = collective_time("all_reduce", size_bytes, n, link, algorithm="tree", efficiency=efficiency)
-    return min(ring, tree, key=lambda c: c.time_s)
+    options = [ring, tree]
+    if custom:
+        one_shot = custom_all_reduce_time(size_bytes, n, link, efficiency=efficiency)
+        if one_shot is not None:
+            options.append(one_shot)
+    return min(options, key=lambda c: c.time_s)
 
 
 def alpha_beta_time(collective: str, size_bytes: float, n: int, alpha_s: float, beta_bytes_per_s: float,

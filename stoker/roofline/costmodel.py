@@ -13,6 +13,10 @@ step (the JAX scaling book's inference chapter, via facts.md) obeys
 Precision: fp8 weights run FP8 matmuls where the GPU has FP8 cores (else weight-only, bf16
 math, as Marlin kernels do on A100); int8 is W8A8 on int8 cores; int4 is weight-only (W4A16).
 KV dtype defaults to bf16 whatever the weights (vLLM's kv_cache_dtype="auto").
+A float32 engine (Stoker on CPU) is `weight_dtype="fp32", act_dtype="fp32"`: activations, the LM
+head and the router are then 4-byte, priced at the device's fp32 rate where it has one.
+`last_token_logits=True` applies the LM head to one row per prompt in prefill, as engines do
+(Stoker's runner gathers `logits_indices` first); the default keeps every row (the old model).
 Not modelled: pipeline/expert parallelism, the logits gather, speculative decoding.
 """
 
@@ -23,7 +27,12 @@ from dataclasses import dataclass
 from stoker.roofline.collectives import all_reduce_time
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GPUSpec, Interconnect, get_gpu, get_link
-from stoker.roofline.modelspec import ModelSpec, dtype_bytes, get_model_spec
+from stoker.roofline.modelspec import (
+    ModelSpec,
+    dtype_bytes,
+    get_model_spec,
+    normalize_dtype,
+)
 
 ACT_BYTES = 2.0  # activations stay bf16
 
@@ -59,10 +68,13 @@ class StepCost:
     gpu: str
     ops: tuple[OpCost, ...]
     floor_ops: tuple[OpCost, ...]  # the same step at 100% of every peak, no gaps
+    chunk_tokens: int | None = None  # prefill: a chunk of this many tokens instead of whole prompts
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch if self.phase == "decode" else self.batch * self.context_len
+        if self.phase == "decode":
+            return self.batch
+        return self.chunk_tokens if self.chunk_tokens else self.batch * self.context_len
 
     @property
     def step_time_s(self) -> float:
@@ -127,6 +139,8 @@ class StepCost:
 
 def compute_dtype(weight_dtype: str, gpu: GPUSpec) -> str:
     """Which tensor cores the matmuls use for a weight dtype on this GPU."""
+    if weight_dtype == "fp32" and gpu.fp32_tflops:
+        return "fp32"
     if weight_dtype == "fp8" and gpu.fp8_tflops:
         return "fp8"
     if weight_dtype == "int8" and gpu.int8_tops:
@@ -146,8 +160,10 @@ def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: 
 
 
 def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
-         link: Interconnect, eff: Efficiencies) -> tuple[OpCost, ...]:
-    tokens = batch if phase == "decode" else batch * ctx
+         link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
+         act_dtype: str = "bf16", last_token_logits: bool = False) -> tuple[OpCost, ...]:
+    tokens = batch if phase == "decode" else (chunk or batch * ctx)
+    act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
     fpt = m.flops_per_token(attn_ctx)
@@ -156,10 +172,12 @@ def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kv
     # MoE: experts some token in the step picked, in expectation, E x (1 - (1 - k/E)^tokens).
     frac = 1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens if m.is_moe else 1.0
 
-    def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float) -> OpCost:
+    act_peak = g.peak_flops(compute_dtype(normalize_dtype(act_dtype), g))
+
+    def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float, rows: float = tokens) -> OpCost:
         w = params * bytes_per_param / tp
-        act = tokens * (d_in + d_out) * ACT_BYTES / tp
-        return _op(name, "gemm", tokens * fpt[name] / tp, w + act, peak if bytes_per_param != 2.0 else g.peak_flops(),
+        act = rows * (d_in + d_out) * act_bytes / tp
+        return _op(name, "gemm", rows * fpt[name] / tp, w + act, peak if bytes_per_param != act_bytes else act_peak,
                    bw, eff.gemm_compute, eff.memory, w=w)
 
     h, i_active = m.hidden_size, m.intermediate_size * (m.num_experts_per_tok if m.is_moe else 1)
@@ -168,24 +186,30 @@ def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kv
         gemm("o_proj", L * lp["o_proj"], m.q_dim, h, wb),
     ]
     if m.is_moe:
-        ops.append(gemm("router", L * lp["router"], h, m.num_experts, 2.0))
+        ops.append(gemm("router", L * lp["router"], h, m.num_experts, act_bytes))
     ops += [
         gemm("mlp_gate_up", L * lp["mlp_gate_up"] * frac, h, 2 * i_active, wb),
         gemm("mlp_down", L * lp["mlp_down"] * frac, i_active, h, wb),
-        gemm("lm_head", m.vocab_size * h, h, m.vocab_size, 2.0),
+        gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=batch if last_token_logits else tokens),
     ]
     # Attention: decode reads every sequence's whole KV; prefill writes it (flash-attention
     # keeps scores on chip). KV heads split over TP ranks (replicated when tp > kv heads).
     kv_tok = m.kv_bytes_per_token(kvd, tp)
     kv = (batch * ctx if phase == "decode" else tokens) * kv_tok
-    q_io = 2 * tokens * m.q_dim * ACT_BYTES * L / tp
-    ops.append(_op("attention", "attention", tokens * fpt["attention"] / tp, kv + q_io, g.peak_flops(), bw,
+    q_io = 2 * tokens * m.q_dim * act_bytes * L / tp
+    ops.append(_op("attention", "attention", tokens * fpt["attention"] / tp, kv + q_io, act_peak, bw,
                    eff.attention_compute, eff.memory, kv=kv))
     if tp > 1:
         # Megatron TP: two all-reduces per layer (after o_proj and after mlp_down), each
-        # tokens x hidden x 2 bytes (Shoeybi et al. 2019, via facts.md).
-        ar = all_reduce_time(tokens * h * ACT_BYTES, tp, link, efficiency=eff.comm)
-        ops.append(OpCost("all_reduce", "comm", 0.0, 2 * L * ar.size_bytes, 2 * L * ar.time_s, "communication"))
+        # tokens x hidden x 2 bytes (Shoeybi et al. 2019, via facts.md). The fastest of NCCL ring,
+        # tree and the custom one-/two-shot kernel engines run on NVLink (collectives.py).
+        ar = all_reduce_time(tokens * h * act_bytes, tp, link, efficiency=eff.comm)
+        comm_s = 2 * L * (ar.time_s + eff.comm_latency_s)
+        if overlap:
+            # Overlapped with compute (as TensorRT-LLM's and SGLang's GEMM + all-reduce fusions
+            # try): only the part longer than the step's other work is exposed.
+            comm_s = max(0.0, comm_s - sum(op.time_s for op in ops))
+        ops.append(OpCost("all_reduce", "comm", 0.0, 2 * L * ar.size_bytes, comm_s, "communication"))
     gaps = L * eff.layer_overhead_s + eff.step_overhead_s
     if gaps > 0:
         ops.append(OpCost("launch_gaps", "overhead", 0.0, 0.0, gaps, "overhead"))
@@ -204,9 +228,16 @@ def step_cost(
     tp: int = 1,
     link: Interconnect | str | None = None,
     eff: Efficiencies | None = None,
+    chunk_tokens: int | None = None,
+    overlap_comm: bool = False,
+    act_dtype: str = "bf16",
+    last_token_logits: bool = False,
 ) -> StepCost:
     """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
-    (`batch` prompts of `context_len` tokens)."""
+    (`batch` prompts of `context_len` tokens; with `chunk_tokens`, one chunk of that many prompt
+    tokens, attending on average to half a `context_len` prompt, as chunked prefill runs it).
+    `overlap_comm` hides TP all-reduce time under the step's compute (prediction and floor).
+    `act_dtype`, `last_token_logits`: see the module docstring (a float32 CPU engine)."""
     m, g = _resolve(model, gpu)
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, not {phase!r}")
@@ -220,9 +251,13 @@ def step_cost(
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
     if tp > 1 and lnk.kind == "none":
         raise ValueError(f"{g.name} has no GPU-GPU link for --tp {tp}; pass --link (e.g. pcie4) or use tp 1")
-    args = (m, g, phase, batch, context_len, weight_dtype, kvd, tp, lnk)
+    if chunk_tokens is not None and (phase != "prefill" or chunk_tokens < 1):
+        raise ValueError("chunk_tokens applies to prefill and must be >= 1")
+    dtype_bytes(act_dtype)
+    args = (m, g, phase, batch, context_len, normalize_dtype(weight_dtype), kvd, tp, lnk)
+    extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits)
     return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
-                    _ops(*args, eff or Efficiencies()), _ops(*args, Efficiencies.ideal()))
+                    _ops(*args, eff or Efficiencies(), *extra), _ops(*args, Efficiencies.ideal(), *extra), chunk_tokens)
 
 
 def decode_tokens_per_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, context_len: int,

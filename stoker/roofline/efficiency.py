@@ -31,19 +31,23 @@ class Efficiencies:
     layer_overhead_s: float = 8e-6
     # Per-step host work not overlapped with the GPU (scheduling, sampling). Assumption; calibrate.
     step_overhead_s: float = 100e-6
+    # Seconds added to every TP collective beyond the link model (its launch, the barrier of the
+    # ranks, the copy into a registered buffer). 0 at kernel peak; the engine profile fits it.
+    comm_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gemm_compute", "attention_compute", "memory", "comm"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
-        if self.layer_overhead_s < 0 or self.step_overhead_s < 0:
+        if self.layer_overhead_s < 0 or self.step_overhead_s < 0 or self.comm_latency_s < 0:
             raise ValueError("overheads must be >= 0")
 
     @classmethod
     def ideal(cls) -> Efficiencies:
         """The roofline itself: every resource at its datasheet peak, no gaps."""
-        return cls(1.0, 1.0, 1.0, 1.0, 0.0, 0.0)
+        return cls(gemm_compute=1.0, attention_compute=1.0, memory=1.0, comm=1.0, layer_overhead_s=0.0,
+                   step_overhead_s=0.0, comm_latency_s=0.0)
 
     def replace(self, **changes: float) -> Efficiencies:
         return dataclasses.replace(self, **changes)

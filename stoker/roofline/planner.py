@@ -5,11 +5,19 @@ feasible when one GPU's weights + KV (max_batch x (prompt + output) tokens) + ac
 overhead fit in gpu_memory_utilization of its memory, and the cost model's TTFT and TPOT meet
 the budgets. Replicas = ceil(target / one replica's rate).
 
-Serving model of one replica at max_batch b (steady state, continuous batching): every step
-decodes b tokens at mean context prompt + output/2, and b/output new requests arrive per step,
-each needing a prefill of `prompt_len` tokens (chunked prefill spreads it over steps), so
-    effective step = decode step + (b / output_len) x prefill(prompt_len)
-    rate = b / effective step;  TPOT = effective step;  TTFT p50 ~ prefill(prompt) + one step.
+Serving model of one replica at max_batch b (steady state, continuous batching with chunked
+prefill, as vLLM V1 schedules): every step decodes b tokens at mean context prompt + output/2 and
+has room for room = budget - b prompt tokens (max_num_batched_tokens, vLLM's 8192); b/output new
+requests arrive per step, so a = b x prompt_len / output_len prompt tokens are prefilled per step,
+in chunks of c = min(room, max(prompt_len, a)) tokens (prompts batched together, one forward per
+chunk; not one batch-1 prefill per request):
+    effective step = decode step + a / c x chunk step(c)
+    rate = b / effective step;  TPOT = effective step;
+    TTFT p50 ~ chunk steps of the prompt alone (chunks of min(room, prompt_len)) + one decode
+    step per chunk.
+The decode batch is capped by the KV capacity of the replica (kvcapacity.py: usable memory x
+utilization - weights - activations - runtime buffers): b x (prompt + output) tokens must fit
+in its blocks. Predictions use the "engine" efficiency profile unless told otherwise.
 Cost per million tokens = GPUs x $/GPU-hour / (target tokens/s x 3600) x 1e6: you pay for every
 GPU to serve the target, so the cheapest plan is the one with fewest GPUs (ties: most headroom).
 """
@@ -22,8 +30,11 @@ from dataclasses import asdict, dataclass
 from stoker.roofline.costmodel import step_cost
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GiB, GPUSpec, Interconnect, get_gpu, get_link
-from stoker.roofline.memory import vram
+from stoker.roofline.kvcapacity import KVCapacity, kv_capacity
+from stoker.roofline.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, vram
 from stoker.roofline.modelspec import KV_DTYPES, WEIGHT_DTYPES, ModelSpec, get_model_spec
+from stoker.roofline.profiles import ENGINE
+from stoker.roofline.workloads import chunked_prefill_s
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TP_DEGREES = (1, 2, 4, 8)
@@ -39,10 +50,13 @@ class PlanTargets:
     max_gpus: int = 8
     gpu_hour_price: float = 1.0  # USD; at 1.0 the cost column reads as GPU-hours per million tokens
     gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the scheduler's token budget per step
 
     def __post_init__(self) -> None:
         if self.target_tokens_per_s <= 0:
             raise ValueError("--target-tokens-per-s must be > 0")
+        if self.max_num_batched_tokens < 2:
+            raise ValueError("--max-num-batched-tokens must be >= 2")
         if self.prompt_len < 1 or self.output_len < 1 or self.max_gpus < 1:
             raise ValueError("--prompt-len, --output-len and --max-gpus must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -63,6 +77,8 @@ class Candidate:
     memory_per_gpu_gb: float  # GiB
     cost_per_million_tokens: float
     bound: str
+    kv_capacity_tokens: int = 0  # per replica
+    kv_max_seqs: int = 0  # sequences of prompt + output tokens the replica's KV holds at once
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -93,23 +109,53 @@ def family_name(tp: int, weight_dtype: str, kv_dtype: str) -> str:
     return f"TP{tp} {weight_dtype} weights, {kv_dtype} KV"
 
 
-def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype: str, kv_dtype: str,
-             max_batch: int, link: Interconnect, eff: Efficiencies | None = None) -> Candidate | str:
-    """One (family, max_batch) point, replicas chosen to meet the target; a reason string if not."""
-    budget = g.memory_bytes * t.gpu_memory_utilization
-    mem = vram(m, batch=max_batch, context_len=t.prompt_len + t.output_len, weight_dtype=weight_dtype,
-               kv_dtype=kv_dtype, tp=tp)
-    if mem.weights_bytes > budget:
-        return (f"weights {mem.weights_bytes * tp / GiB:.0f} GiB > {tp} x {g.memory_gb:.0f} GiB"
-                f" x {t.gpu_memory_utilization:.2f} usable")
-    if mem.total_bytes > budget:
-        return (f"batch {max_batch}: weights + KV + activations {mem.total_bytes / GiB:.1f} GiB/GPU"
-                f" > {budget / GiB:.1f} GiB usable")
-    kw = dict(weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp, link=link, eff=eff)
+def family_kv(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype: str, kv_dtype: str) -> KVCapacity:
+    """KV capacity of one replica of a family (what caps its decode batch)."""
+    return kv_capacity(m, g, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                       gpu_memory_utilization=t.gpu_memory_utilization, max_num_batched_tokens=t.max_num_batched_tokens)
+
+
+def serving_times(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype: str, kv_dtype: str,
+                  max_batch: int, link: Interconnect, eff: Efficiencies | None = None,
+                  overlap_comm: bool = False) -> tuple[float, float, str]:
+    """(effective step s, TTFT s, decode bound) of one replica at `max_batch` (module docstring)."""
+    kw = dict(weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp, link=link, eff=eff, overlap_comm=overlap_comm)
+    room = t.max_num_batched_tokens - max_batch  # prompt tokens one step can take
+    arriving = max_batch * t.prompt_len / t.output_len  # prompt tokens to prefill per decode step
+    # The scheduler takes a waiting prompt whole when it fits (chunks only what exceeds the room)
+    # and batches prompts that wait together: chunks of min(room, max(prompt, arriving)) tokens.
+    chunk = min(room, max(t.prompt_len, math.ceil(arriving)))
     decode = step_cost(m, g, batch=max_batch, context_len=t.prompt_len + t.output_len // 2, **kw)  # type: ignore[arg-type]
-    prefill = step_cost(m, g, phase="prefill", batch=1, context_len=t.prompt_len, **kw)  # type: ignore[arg-type]
-    step = decode.step_time_s + max_batch / t.output_len * prefill.step_time_s
-    ttft_ms, tpot_ms = (prefill.step_time_s + step) * 1e3, step * 1e3
+    prefill_per_step = chunked_prefill_s(m, g, prompt_tokens=arriving, prompt_len=t.prompt_len,
+                                         chunk_tokens=chunk, **kw)  # type: ignore[arg-type]
+    step = decode.step_time_s + prefill_per_step
+    first_chunk = min(room, t.prompt_len)
+    first = chunked_prefill_s(m, g, prompt_tokens=t.prompt_len, prompt_len=t.prompt_len, chunk_tokens=first_chunk, **kw)  # type: ignore[arg-type]
+    ttft = first + math.ceil(t.prompt_len / first_chunk) * decode.step_time_s
+    return step, ttft, decode.bound
+
+
+def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype: str, kv_dtype: str,
+             max_batch: int, link: Interconnect, eff: Efficiencies | None = None,
+             kv: KVCapacity | None = None, overlap_comm: bool = False) -> Candidate | str:
+    """One (family, max_batch) point, replicas chosen to meet the target; a reason string if not."""
+    kv = kv or family_kv(m, g, t, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    budget = kv.usable_bytes * t.gpu_memory_utilization
+    if kv.weights_bytes > budget:
+        return (f"weights {kv.weights_bytes * tp / GiB:.0f} GiB > {tp} x {kv.usable_bytes / GiB:.1f} GiB"
+                f" x {t.gpu_memory_utilization:.2f} usable")
+    seq_len = t.prompt_len + t.output_len
+    seqs = kv.max_seqs(seq_len)
+    if max_batch > seqs:
+        return (f"batch {max_batch}: KV holds {seqs} sequences of {seq_len} tokens"
+                f" ({kv.tokens:,} tokens, {kv.kv_bytes / GiB:.1f} GiB/GPU)")
+    if max_batch >= t.max_num_batched_tokens:
+        return f"batch {max_batch}: no room for prefill in a {t.max_num_batched_tokens}-token step budget"
+    step, ttft, bound = serving_times(m, g, t, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                      max_batch=max_batch, link=link, eff=eff, overlap_comm=overlap_comm)
+    ttft_ms, tpot_ms = ttft * 1e3, step * 1e3
+    mem = vram(m, batch=max_batch, context_len=seq_len, weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp,
+               max_num_batched_tokens=t.max_num_batched_tokens)
     if t.tpot_ms is not None and tpot_ms > t.tpot_ms:
         return f"batch {max_batch}: TPOT {tpot_ms:.1f} ms > budget {t.tpot_ms:g} ms"
     if t.ttft_p50_ms is not None and ttft_ms > t.ttft_p50_ms:
@@ -121,13 +167,15 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
         return f"needs {gpus} GPUs ({replicas} replicas x TP{tp} at {rate:.0f} tokens/s each) > --max-gpus {t.max_gpus}"
     cost = gpus * t.gpu_hour_price / (t.target_tokens_per_s * 3600) * 1e6
     return Candidate(gpus, tp, replicas, weight_dtype, kv_dtype, max_batch, replicas * rate, ttft_ms, tpot_ms,
-                     mem.total_bytes / GiB, cost, decode.bound)
+                     mem.total_bytes / GiB, cost, bound, kv.tokens, seqs)
 
 
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
          link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES,
          kv_dtypes: tuple[str, ...] = KV_DTYPES, tp_degrees: tuple[int, ...] = TP_DEGREES,
-         batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None) -> Plan:
+         batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None, overlap_comm: bool = False) -> Plan:
+    """Cheapest plans; `eff` None predicts with the "engine" profile (profiles.ENGINE)."""
+    eff = eff or ENGINE
     m = get_model_spec(model) if isinstance(model, str) else model
     g = get_gpu(gpu) if isinstance(gpu, str) else gpu
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
@@ -140,8 +188,10 @@ def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
                 best: Candidate | None = None
                 reasons: list[str] = []
                 if reason is None:
+                    kv = family_kv(m, g, targets, tp=tp, weight_dtype=wd, kv_dtype=kvd)
                     for b in batches:
-                        c = evaluate(m, g, targets, tp=tp, weight_dtype=wd, kv_dtype=kvd, max_batch=b, link=lnk, eff=eff)
+                        c = evaluate(m, g, targets, tp=tp, weight_dtype=wd, kv_dtype=kvd, max_batch=b, link=lnk, eff=eff,
+                                     kv=kv, overlap_comm=overlap_comm)
                         if isinstance(c, str):
                             reasons.append(c)
                         elif best is None or (c.gpus, -c.tokens_per_s) < (best.gpus, -best.tokens_per_s):
@@ -171,7 +221,7 @@ def _pick_reason(reasons: list[str]) -> str | None:
     needs = [r for r in reasons if r.startswith("needs ")]
     if needs:
         return min(needs, key=lambda r: int(r.split()[1]))
-    for marker in ("TTFT", "TPOT", "weights +", "weights"):
+    for marker in ("TTFT", "TPOT", "KV holds", "weights"):
         for r in reasons:
             if marker in r:
                 return r

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-from stoker.roofline.costmodel import step_cost
 from stoker.roofline.hardware import get_gpu
-from stoker.roofline.memory import vram
+from stoker.roofline.kvcapacity import kv_capacity
 from stoker.roofline.modelspec import get_model_spec
-from stoker.roofline.planner import BATCHES, PlanTargets, plan
+from stoker.roofline.planner import BATCHES, PlanTargets, plan, serving_times
+from stoker.roofline.profiles import ENGINE
 
 # The running example (docs/walkthrough.md): Llama-3-70B chat on H100s, 2000 output tokens/s,
 # 1024-token prompts, 256-token answers, first token within 1 s.
@@ -17,22 +17,21 @@ TARGETS = PlanTargets(2000, ttft_p50_ms=1000, prompt_len=1024, output_len=256, m
 
 
 def _brute_force_min_gpus(t: PlanTargets) -> int | None:
-    """Every dtype x KV dtype x TP x batch x replicas, checked from the cost model directly."""
+    """Every dtype x KV dtype x TP x batch x replicas, each point's KV capacity and times taken
+    from kvcapacity / serving_times directly (what the planner's search must not miss)."""
     m, g = get_model_spec("llama-3-70b"), get_gpu("H100")
     best = None
     for wd in ("bf16", "fp8", "int8", "int4"):
         for kvd in ("bf16", "fp8"):
             for tp in (1, 2, 4, 8):
+                kv = kv_capacity(m, g, tp=tp, weight_dtype=wd, kv_dtype=kvd,
+                                 gpu_memory_utilization=t.gpu_memory_utilization)
                 for b in BATCHES:
-                    mem = vram(m, batch=b, context_len=t.prompt_len + t.output_len, weight_dtype=wd, kv_dtype=kvd, tp=tp)
-                    if mem.total_bytes > g.memory_bytes * t.gpu_memory_utilization:
+                    if kv.kv_bytes <= 0 or b > kv.max_seqs(t.prompt_len + t.output_len):
                         continue
-                    dec = step_cost(m, g, batch=b, context_len=t.prompt_len + t.output_len // 2,
-                                    weight_dtype=wd, kv_dtype=kvd, tp=tp).step_time_s
-                    pf = step_cost(m, g, phase="prefill", context_len=t.prompt_len, weight_dtype=wd,
-                                   kv_dtype=kvd, tp=tp).step_time_s
-                    step = dec + b / t.output_len * pf
-                    if t.ttft_p50_ms is not None and (pf + step) * 1e3 > t.ttft_p50_ms:
+                    step, ttft, _ = serving_times(m, g, t, tp=tp, weight_dtype=wd, kv_dtype=kvd, max_batch=b,
+                                                  link=g.link, eff=ENGINE)
+                    if t.ttft_p50_ms is not None and ttft * 1e3 > t.ttft_p50_ms:
                         continue
                     if t.tpot_ms is not None and step * 1e3 > t.tpot_ms:
                         continue
@@ -54,7 +53,7 @@ def test_running_example_feasible_and_minimal() -> None:
     assert costs == sorted(costs)
     # Every rejected family carries a reason; bf16 on one 80 GB GPU fails on weights.
     reasons = {r.family: r.reason for r in result.rejected}
-    assert "weights 131 GiB > 1 x 80 GiB" in reasons["TP1 bf16 weights, bf16 KV"]
+    assert "weights 131 GiB > 1 x 79.2 GiB" in reasons["TP1 bf16 weights, bf16 KV"]
 
 
 def test_tight_tpot_changes_the_answer_and_matches_brute_force() -> None:

@@ -1,0 +1,43 @@
+"""Roofline predictions vs public engine measurements: the table in docs/benchmarks.md.
+
+Prints, for every point of stoker/roofline/published.py, the measurement, its source, the
+kernel-peak and engine-profile predictions and their ratios (predicted / measured speed), then
+the median ratio and how many land within 25%, over all points and over the held-out ones; and
+re-fits the engine profile to show it is what profiles.ENGINE holds. Pure Python, ~5 s.
+
+    .venv/bin/python benchmarks/roofline_vs_public.py
+"""
+
+from __future__ import annotations
+
+from stoker.roofline import published
+from stoker.roofline.calibrate import fit_points
+from stoker.roofline.efficiency import Efficiencies
+from stoker.roofline.profiles import ENGINE, KERNEL
+
+
+def _fmt(p: published.PublicPoint, value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if p.kind == "ttft" else f"{value:,.0f} tok/s"
+
+
+def main() -> None:
+    print("| point | kind | source | measured | kernel pred. | ratio | engine pred. | ratio | ceiling ratio |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for p in published.POINTS:
+        src = "gpt-fast README" if p.source == published.GPT_FAST else "TRT-LLM performance.md"
+        name = p.label + (" (held out)" if p.held_out else "")
+        print(f"| {name} | {p.kind} | {src} | {_fmt(p, p.measured)} | {_fmt(p, published.predict(p, KERNEL))} | "
+              f"{published.speed_ratio(p, KERNEL):.2f} | {_fmt(p, published.predict(p, ENGINE))} | "
+              f"{published.speed_ratio(p, ENGINE):.2f} | {published.speed_ratio(p, Efficiencies.ideal()):.2f} |")
+    print()
+    for title, pts in (("all points", published.POINTS), ("held out of the fit", published.held_out_points()),
+                       ("fitted", published.fit_points())):
+        k, e = published.summary(pts, KERNEL), published.summary(pts, ENGINE)
+        print(f"{title} ({k['n']}): kernel median ratio {k['median_ratio']:.2f}, within 25%: {k['within']}; "
+              f"engine median ratio {e['median_ratio']:.2f}, within 25%: {e['within']}")
+    refit = fit_points(published.fit_points())
+    print(f"\nre-fitted engine profile: {refit}\nmatches profiles.ENGINE: {refit == ENGINE}")
+
+
+if __name__ == "__main__":
+    main()
