@@ -19,6 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=0, help="all-reduce processes (default: all GPUs, 2 on CPU)")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument("--out", default="doctor.json", help="JSON report path (default doctor.json)")
+    p.add_argument("--write-device-file", nargs="?", const="", default=None, metavar="PATH",
+                   help="CPU: also measure this machine for the roofline (fp32/bf16 matmul peak, streaming read) "
+                        "and write the device file `stoker roofline --gpu this` reads (default path: "
+                        "$STOKER_DEVICE_FILE or ~/.cache/stoker/this-device.yaml)")
     p.set_defaults(func=run_doctor_cmd)
 
 
@@ -42,9 +46,22 @@ def run_doctor_cmd(args: argparse.Namespace) -> int:
         soak_seconds=args.soak_minutes * 60,
     )
     report = run_doctor(cfg)
+    if args.write_device_file is not None:
+        if gpu:
+            raise ValueError("--write-device-file measures a CPU; GPUs are in the hardware table (use --device cpu)")
+        from stoker.doctor.device import measure_device
+        from stoker.roofline.device_file import write_device_file
+
+        dev = measure_device()
+        path = write_device_file(dev, args.write_device_file or None)
+        report["device_file"] = {"path": str(path), **dev.to_yaml_dict()["devices"][0]}
     write_report(report, args.out)
     for c in report["checks"]:
         verdict = {True: "PASS", False: "FAIL", None: "----"}[c["passed"]]
         print(f"{verdict}  {c['name']:<18} {c['message']}")
+    if "device_file" in report:
+        d = report["device_file"]
+        print(f"----  device_file        {d['fp32_tflops'] * 1e3:.1f} GFLOP/s fp32, {d['hbm_gb_per_s']:.2f} GB/s read, "
+              f"{d['threads']} threads: wrote {d['path']} (stoker roofline --gpu this)")
     print(f"{'PASS' if report['passed'] else 'FAIL'}: report written to {args.out}")
     return 0 if report["passed"] else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -12,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Per-op roofline of a decode or prefill step: FLOPs, bytes, bound, time; tokens/s per batch; "
                     "a verdict; optionally a PNG and a measured run's MBU/MFU.")
     r.add_argument("--model", help="preset (e.g. llama-3-70b), HF repo id of one, or a checkpoint dir/config.json")
-    r.add_argument("--gpu", help="device, e.g. H100, h100-pcie, A100-80GB, L40S, H100:3g.40gb")
+    r.add_argument("--gpu", "--device", dest="gpu", help="device, e.g. H100, h100-pcie, A100-80GB, L40S, H100:3g.40gb, "
+                   "'this' (this machine, as `stoker doctor --write-device-file` measured it) or a device-file path")
     r.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None, help="tensor-parallel degree (default 1)")
     r.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp8, int8, int4 (default bf16)")
     r.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16 or fp8 (default bf16)")
@@ -126,12 +128,14 @@ def run_roofline(args: argparse.Namespace) -> int:
                                  context_len=args.context) if args.measured else None
     model = _need(args.model or (run.model if run else None), "--model", modelspec.list_models())
     gpu_name = _need(args.gpu or (run.gpu if run else None), "--gpu", hardware.list_gpus())
-    gpu = hardware.get_gpu(gpu_name)
+    gpu = hardware.load_gpu_yaml(gpu_name)[0] if Path(gpu_name).is_file() else hardware.get_gpu(gpu_name)
     spec = modelspec.get_model_spec(model)
     tp = args.tp or (run.tp if run and run.tp else 1)
     args.context = args.context or (round(run.context_len) if run else 1024)
-    kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype, kv_dtype=args.kv_dtype, tp=tp,
-              link=args.link, eff=eff, overlap_comm=args.overlap_comm)
+    fp32 = modelspec.normalize_dtype(args.dtype) == "fp32"  # a float32 engine: Stoker on CPU
+    kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype,
+              kv_dtype=args.kv_dtype or ("fp32" if fp32 else None), tp=tp, link=args.link, eff=eff,
+              overlap_comm=args.overlap_comm, act_dtype="fp32" if fp32 else "bf16", last_token_logits=fp32)
     modelspec.dtype_bytes(args.dtype)
     steps = [costmodel.step_cost(spec, gpu, batch=b, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
     cdt = costmodel.compute_dtype(args.dtype, gpu)

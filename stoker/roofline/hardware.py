@@ -8,6 +8,8 @@ Entry points:
     get_gpu("h100-sxm") / get_gpu("H100:3g.40gb")  -> GPUSpec   (case-insensitive, aliases, MIG)
     list_gpus()                                     -> list[str]
     load_gpu_yaml("my_devices.yaml")               -> list[GPUSpec] (registered for get_gpu)
+    get_gpu("this")                                 -> this machine, from the device file `stoker doctor
+                                                       --write-device-file` wrote (roofline/device_file.py)
     get_link("nvlink4")                             -> Interconnect
 
 Memory sizes: the datasheet "80 GB" of an H100 is 80 GiB of HBM (nvidia-smi reports 81559 MiB), so
@@ -76,6 +78,10 @@ class GPUSpec:
     source: str
     mig_max: int = 0  # MIG instances the device supports (0: none)
     parent: str | None = None  # set on MIG slices
+    # Dense float32 matmul rate where it is known and not the bf16 one's: a CPU's measured
+    # figure (`stoker doctor`), whose float32 engine runs no bf16 math. None: float32 matmuls
+    # are priced at the bf16 rate, as before (GPUs' table entries; no engine runs fp32 there).
+    fp32_tflops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("bf16_tflops", "memory_gb", "hbm_gb_per_s"):
@@ -91,7 +97,9 @@ class GPUSpec:
         return self.hbm_gb_per_s * 1e9
 
     def peak_flops(self, compute_dtype: str = "bf16") -> float:
-        """Peak dense FLOP/s for matmuls whose inputs are `compute_dtype` (bf16, fp8 or int8)."""
+        """Peak dense FLOP/s for matmuls whose inputs are `compute_dtype` (bf16, fp8, int8 or fp32)."""
+        if compute_dtype == "fp32" and self.fp32_tflops:
+            return self.fp32_tflops * 1e12
         if compute_dtype == "fp8" and self.fp8_tflops:
             return self.fp8_tflops * 1e12
         if compute_dtype == "int8" and self.int8_tops:
@@ -175,6 +183,11 @@ def get_gpu(name: str) -> GPUSpec:
     """Look up a device by case-insensitive name or alias; "H100:3g.40gb" gives a MIG slice."""
     base, _, profile = name.partition(":")
     key = _ALIASES.get(_norm(base))
+    if key is None and _norm(base) == "this":
+        # Registers "this" from the device file `stoker doctor --write-device-file` wrote.
+        from stoker.roofline.device_file import load_this_device
+
+        key = _ALIASES.get(_norm(load_this_device().name))
     if key is None:
         raise ValueError(f"unknown GPU {name!r}; choose one of: {', '.join(list_gpus())} "
                          "(or a MIG slice like H100:3g.40gb, or add one with a YAML device file)")
@@ -215,6 +228,7 @@ def load_gpu_yaml(path: str | Path) -> list[GPUSpec]:
             link=link,
             source=str(entry["source"]),
             mig_max=int(entry.get("mig_max", 0)),
+            fp32_tflops=_opt_float(entry.get("fp32_tflops")),
         )
         added.append(register_gpu(spec, tuple(entry.get("aliases", ()))))
     return added

@@ -1,0 +1,177 @@
+"""CPU microbenchmarks behind the device file and the on-machine step prediction.
+
+Each returns a median over timed repetitions after warm-up (the machine is shared: medians,
+not means). The kernels are the CPU engine's own (kernels/cpu: packed-panel linear, paged
+attention), called directly at the model's shapes, never the engine's step:
+
+    stream_read_bytes_per_s(num_bytes)    a sum over a float32 buffer: reads each byte once (a copy
+                                          also writes, and doubles what it counts)
+    gemv_read_bytes_per_s(num_bytes)      the engine's linear kernel at one row over a num_bytes
+                                          weight: a GEMV's weight stream, the read decode does
+    matmul_flops(n, dtype)                dense n^3 matmul through torch (MKL/oneDNN)
+    projection_chain_s(spec, tokens)      every layer's qkv/o/gate_up/down, distinct weights per
+                                          layer (the step's working set), M = tokens rows
+    decode_attention_s / prefill_attention_s   the paged attention kernels over all layers
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stoker.roofline.modelspec import ModelSpec
+
+
+def median_s(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def stream_read_bytes_per_s(num_bytes: int, iters: int = 10) -> float:
+    import torch
+
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return x.numel() * 4 / median_s(x.sum, iters)
+
+
+def gemv_read_bytes_per_s(num_bytes: int, iters: int = 10, k: int = 4096) -> float | None:
+    """Weight bytes / time of x (1, K) @ W^T with W (num_bytes / 4K, K) packed (None without the C kernels)."""
+    import torch
+
+    from stoker.kernels.cpu import build, native
+
+    if not build.available():
+        return None
+    n = max(native.panel_width(), num_bytes // (4 * k) // native.panel_width() * native.panel_width())
+    w = native.pack_linear_weight(torch.ones(n, k))
+    x = torch.ones(1, k)
+    return n * k * 4 / median_s(lambda: native.linear(x, w, n), iters)
+
+
+def matmul_flops(n: int, dtype_name: str = "float32", iters: int = 10) -> float:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    return 2 * n**3 / median_s(lambda: torch.matmul(a, b), iters)
+
+
+def _projection_weights(spec: ModelSpec) -> list[tuple[Any, int, bool]]:
+    """(packed weight, out_features, fused silu-and-mul) for every layer's projections, in the
+    order the forward runs them: (L x 4) distinct matrices, (ceil(N / NR), K, NR) panels each."""
+    import torch
+
+    from stoker.kernels.cpu import native
+
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    shapes = [(q + 2 * kv, h, False), (h, q, False), (2 * i, h, native.gate_up_fusable(i)), (h, i, False)]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(spec.num_layers):
+        for n, k, fused in shapes:
+            w = torch.randn(n, k, generator=gen) * k**-0.5
+            out.append((native.pack_linear_weight(w, gate_up=fused), n, fused))
+    return out
+
+
+class ProjectionChain:
+    """The model's projection weights, built once, timed at any number of rows."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.weights = _projection_weights(spec)
+
+    def seconds(self, tokens: int, iters: int) -> float:
+        import torch
+
+        from stoker.kernels.cpu import native
+
+        gen = torch.Generator().manual_seed(1)
+        xs = {k: torch.randn(tokens, k, generator=gen) for k in {w.shape[1] for w, _, _ in self.weights}}
+
+        def chain() -> None:
+            for w, n, fused in self.weights:
+                native.linear(xs[w.shape[1]], w, n, None, fused)
+
+        return median_s(chain, iters, warmup=1 if tokens >= 512 else 2)
+
+
+def _paged_caches(spec: ModelSpec, num_seqs: int, context_len: int, block_size: int = 16) -> tuple[list, Any]:
+    """Per layer (k, v) caches holding num_seqs x context_len tokens in distinct blocks, and the
+    (num_seqs, blocks per seq) block table."""
+    import torch
+
+    per_seq = -(-context_len // block_size)
+    shape = (num_seqs * per_seq, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(spec.num_layers)]
+    table = torch.arange(num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq)
+    return caches, table
+
+
+def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: int) -> float:
+    """All layers' decode attention: one query token per sequence over its whole context."""
+    import torch
+
+    from stoker.kernels.cpu import native
+
+    caches, table = _paged_caches(spec, num_seqs, context_len)
+    q = torch.randn(num_seqs, spec.num_heads, spec.head_dim)
+    lens = torch.full((num_seqs,), context_len, dtype=torch.int32)
+    scale = spec.head_dim**-0.5
+
+    def run() -> None:
+        for k, v in caches:
+            native.paged_decode_attention(q, k, v, table, lens, scale)
+
+    return median_s(run, iters)
+
+
+def prefill_attention_s(spec: ModelSpec, prompt_len: int, iters: int) -> float:
+    """All layers' causal attention of one fresh prompt of prompt_len tokens."""
+    import torch
+
+    from stoker.kernels.cpu import native
+
+    caches, table = _paged_caches(spec, 1, prompt_len)
+    q = torch.randn(prompt_len, spec.num_heads, spec.head_dim)
+    scale = spec.head_dim**-0.5
+
+    def run() -> None:
+        for k, v in caches:
+            native.paged_attention(q, k, v, table, [0, prompt_len], [prompt_len], scale)
+
+    return median_s(run, iters, warmup=1)
+
+
+def row_ops_s(spec: ModelSpec, tokens: int, iters: int) -> float:
+    """All layers' row-wise kernels at `tokens` rows: two fused residual-add + RMSNorms (T, hidden),
+    rotary on q (T, H, D) and k (T, Hkv, D), and the K/V store into a paged cache."""
+    import torch
+
+    from stoker.kernels.cpu import native
+
+    h, d = spec.hidden_size, spec.head_dim
+    gen = torch.Generator().manual_seed(2)
+    x, res, w = torch.randn(tokens, h, generator=gen), torch.randn(tokens, h, generator=gen), torch.ones(h)
+    q, k = torch.randn(tokens, spec.num_heads, d, generator=gen), torch.randn(tokens, spec.num_kv_heads, d, generator=gen)
+    pos = torch.arange(tokens, dtype=torch.int64)
+    cos_sin = torch.randn(tokens, d, generator=gen)
+    caches, _ = _paged_caches(spec, 1, tokens)
+
+    def run() -> None:
+        for kc, vc in caches:
+            native.fused_add_rms_norm(x, res, w, 1e-6)
+            qr, kr = native.rotary_embedding(pos, q, k, cos_sin)
+            native.store_kvcache(kr, kr, kc, vc, pos)
+            native.fused_add_rms_norm(x, res, w, 1e-6)
+
+    return median_s(run, iters)

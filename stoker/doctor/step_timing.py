@@ -1,0 +1,46 @@
+"""Time the engine's own steps: `ModelRunner.execute` on hand-built step messages.
+
+A decode step at (batch B, context C) is B sequences whose KV blocks are distinct and already
+hold C - 1 tokens (random weights, so whatever the cache holds costs the same to read); a
+prefill step is one fresh prompt. Building the message by hand reaches B = 64 at C = 2048
+without first prefilling 131k tokens; the runner runs exactly what the scheduler would send
+it (decodes first, block tables, greedy sampling).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stoker.core.step import SampleSpec, SeqStep, StepMessage
+from stoker.doctor.microbench import median_s
+from stoker.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+def decode_message(batch: int, context_len: int, block_size: int) -> StepMessage:
+    per_seq = -(-context_len // block_size)
+    seqs = [SeqStep(i, [7], context_len - 1, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(batch)]
+    return StepMessage(seqs, {i: SampleSpec(_GREEDY, 0, 1) for i in range(batch)})
+
+
+def prefill_message(prompt_len: int, block_size: int) -> StepMessage:
+    blocks = list(range(-(-prompt_len // block_size)))
+    tokens = [(7 * i) % 1000 + 5 for i in range(prompt_len)]
+    return StepMessage([SeqStep(0, tokens, 0, blocks, True)], {0: SampleSpec(_GREEDY, 0, 0)})
+
+
+def blocks_needed(batch: int, context_len: int, block_size: int = 16) -> int:
+    return batch * -(-context_len // block_size)
+
+
+def step_seconds(llm: Any, phase: str, batch: int, context_len: int, iters: int, warmup: int = 2) -> float:
+    """Median seconds of `runner.execute` for one decode or prefill step shape."""
+    runner = llm.engine.executor.runner
+    bs = runner.block_size
+    if blocks_needed(batch, context_len, bs) > llm.engine.block_manager.num_blocks:
+        raise ValueError(f"{batch} x {context_len} tokens need more KV blocks than the engine holds")
+    msg = decode_message(batch, context_len, bs) if phase == "decode" else prefill_message(batch * context_len, bs)
+    if phase == "prefill" and batch != 1:
+        raise ValueError("prefill steps are timed one prompt at a time")
+    return median_s(lambda: runner.execute(msg), iters, warmup)
