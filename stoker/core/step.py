@@ -52,6 +52,27 @@ class SeqStep:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """What one step computed, in the roofline's terms (the live wall verdict prices it)."""
+
+    num_prefill_tokens: int  # prompt tokens of every prefill chunk in the step
+    prefill_attended: int  # sum over those tokens of the positions each attends (causal: p + 1)
+    num_decode_seqs: int  # sequences that computed one token
+    decode_context: int  # sum of the decode sequences' context lengths (KV read)
+    num_sampled: int  # rows of logits
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @property
+    def kind(self) -> str:
+        if self.num_prefill_tokens and self.num_decode_seqs:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode"
+
+
+@dataclass(frozen=True)
 class StepMessage:
     seqs: list[SeqStep]  # decodes (one new token) first, then prefills: attention's order
     # seq_id -> how it samples; only for seqs with do_sample, and only on the sampling rank
@@ -62,6 +83,19 @@ class StepMessage:
     def sampled_seq_ids(self) -> list[int]:
         """The sequences that sample, in row order of the sampler's output."""
         return [s.seq_id for s in self.seqs if s.do_sample]
+
+    def shape(self) -> StepShape:
+        """A sequence with one new token is a decode (a one-token prefill chunk prices the same)."""
+        prefill = attended = decodes = context = 0
+        for s in self.seqs:
+            if s.num_tokens == 1:
+                decodes += 1
+                context += s.context_len
+            else:
+                n = s.num_tokens
+                prefill += n
+                attended += n * s.start_pos + n * (n + 1) // 2
+        return StepShape(prefill, attended, decodes, context, sum(1 for s in self.seqs if s.do_sample))
 
     def for_workers(self) -> StepMessage:
         """The forward part alone: what a rank that does not sample needs."""

@@ -28,15 +28,9 @@ class DoctorConfig:
 
 def _gpu_spec(torch_name: str) -> Any:
     """The hardware table's entry for this device ("NVIDIA H200" -> H200), or None."""
-    from stoker.roofline.hardware import get_gpu
+    from stoker.roofline.hardware import gpu_from_device_name
 
-    words = torch_name.replace("NVIDIA", "").split()
-    for k in range(len(words), 0, -1):
-        try:
-            return get_gpu("-".join(words[:k]))
-        except ValueError:
-            continue
-    return None
+    return gpu_from_device_name(torch_name)
 
 
 def _nvml() -> Any | None:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from stoker.core.step import StepShape
 from stoker.engine.llm_engine import EngineStats, LLMEngine, StepFailed
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
@@ -64,7 +65,7 @@ class EngineObserver(Protocol):
 
     def on_added(self, request_id: str, params: SamplingParams) -> None: ...
 
-    def on_step(self, num_tokens: int) -> None: ...
+    def on_step(self, num_tokens: int, shape: StepShape | None, seconds: float) -> None: ...
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
@@ -332,9 +333,12 @@ class AsyncEngine:
                     engine.check_health()  # tensor parallelism: a lost rank kills the loop while idle too
                     continue
                 before = self._snapshot.stats  # taken after the last step or idle wait: adds and aborts compute no token
+                start = time.perf_counter()
                 try:
                     outputs = engine.step()
                     consecutive_failures = 0
+                    # What the step computed and how long it took: the wall verdict (metrics).
+                    step_record = (engine.last_step_shape, time.perf_counter() - start)
                 except StepFailed as failed:
                     # Those requests fail alone; the engine is whole. A fault that fails every
                     # step is the engine's, not a request's: then the loop dies as before.
@@ -342,6 +346,7 @@ class AsyncEngine:
                     if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     outputs = failed.outputs
+                    step_record = (None, 0.0)
                     error = RuntimeError(f"generation failed: {failed}")
                     for request_id in failed.request_ids:
                         self._notify_failed(request_id)
@@ -349,7 +354,8 @@ class AsyncEngine:
                 self._snapshot = self._take_snapshot()
                 after = self._snapshot.stats
                 # Tokens this step computed (prompt chunks + sampled), vLLM's iteration_tokens_total.
-                self._observe("on_step", after.prompt_tokens + after.generation_tokens - before.prompt_tokens - before.generation_tokens)
+                self._observe("on_step", after.prompt_tokens + after.generation_tokens - before.prompt_tokens - before.generation_tokens,
+                              *step_record)
                 if outputs:
                     self._call_loop(self._deliver, outputs)
                     self._notify(outputs)

@@ -20,7 +20,7 @@ from stoker.engine.detokenizer import DetokenizerState, decode_increment, find_s
 from stoker.engine.tokenizer import eos_token_ids, load_tokenizer
 from stoker.models.loader import read_hf_config
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from stoker.core.step import build_step
+from stoker.core.step import StepShape, build_step
 from stoker.engine.executor import WorkerFailedError, make_executor
 from stoker.sampling.prompt_logprobs import PromptLogprobChunk
 from stoker.sampling.sampler import SamplerOutput
@@ -102,6 +102,7 @@ class LLMEngine:
         self._generation_tokens = 0
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
+        self.last_step_shape: StepShape | None = None  # the shape of the last step run
         num_tokens = num_blocks * block_size
         kv = self.runner.kv_spec
         logger.info("weights %s", self.runner.weights_summary())
@@ -226,6 +227,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        self.last_step_shape = None
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if self.scheduler.has_unfinished():
@@ -241,8 +243,10 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if s.seq.is_prefill:
                 self._prompt_tokens += s.num_tokens
+        step = build_step(sched_out, self.eos_token_ids)
+        self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
         try:
-            result = self.executor.execute(build_step(sched_out, self.eos_token_ids))
+            result = self.executor.execute(step)
         except WorkerFailedError:
             raise  # not this batch's fault: the engine is dead (the caller fails every request)
         except Exception as exc:

@@ -163,9 +163,20 @@ def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kv
          link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
          act_dtype: str = "bf16", last_token_logits: bool = False) -> tuple[OpCost, ...]:
     tokens = batch if phase == "decode" else (chunk or batch * ctx)
-    act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
+    # Decode reads every sequence's whole KV; prefill writes it (flash-attention keeps scores on chip).
+    kv_tokens = batch * ctx if phase == "decode" else tokens
+    return _token_ops(m, g, tokens, attn_ctx, kv_tokens, batch if last_token_logits else tokens, wd, kvd, tp, link,
+                      eff, overlap, act_dtype)
+
+
+def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens: float, logit_rows: int, wd: str,
+               kvd: str, tp: int, link: Interconnect, eff: Efficiencies, overlap: bool = False,
+               act_dtype: str = "bf16") -> tuple[OpCost, ...]:
+    """The ops of a step computing `tokens` tokens that attend to `attn_ctx` positions on average,
+    moving `kv_tokens` tokens' K/V, with `logit_rows` rows of logits."""
+    act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
     fpt = m.flops_per_token(attn_ctx)
     lp, L = m.layer_params, m.num_layers
     wb, peak, bw = dtype_bytes(wd), g.peak_flops(compute_dtype(wd, g)), g.hbm_bytes_per_s
@@ -190,12 +201,10 @@ def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kv
     ops += [
         gemm("mlp_gate_up", L * lp["mlp_gate_up"] * frac, h, 2 * i_active, wb),
         gemm("mlp_down", L * lp["mlp_down"] * frac, i_active, h, wb),
-        gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=batch if last_token_logits else tokens),
+        gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=logit_rows),
     ]
-    # Attention: decode reads every sequence's whole KV; prefill writes it (flash-attention
-    # keeps scores on chip). KV heads split over TP ranks (replicated when tp > kv heads).
-    kv_tok = m.kv_bytes_per_token(kvd, tp)
-    kv = (batch * ctx if phase == "decode" else tokens) * kv_tok
+    # Attention: KV heads split over TP ranks (replicated when tp > kv heads).
+    kv = kv_tokens * m.kv_bytes_per_token(kvd, tp)
     q_io = 2 * tokens * m.q_dim * act_bytes * L / tp
     ops.append(_op("attention", "attention", tokens * fpt["attention"] / tp, kv + q_io, act_peak, bw,
                    eff.attention_compute, eff.memory, kv=kv))
@@ -293,3 +302,40 @@ def crossover_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, context_len: 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if crossed(mid) else (mid + 1, hi)
     return lo
+
+
+def mixed_step_cost(
+    model: ModelSpec | str,
+    gpu: GPUSpec | str,
+    *,
+    prefill_tokens: int,
+    prefill_attended: int,
+    decode_seqs: int,
+    decode_context: int,
+    logits_rows: int,
+    weight_dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    tp: int = 1,
+    link: Interconnect | str | None = None,
+    eff: Efficiencies | None = None,
+    act_dtype: str = "bf16",
+) -> StepCost:
+    """One step of a continuous-batching engine as it ran: prefill chunks (`prefill_tokens`
+    tokens attending `prefill_attended` positions in all) beside `decode_seqs` decodes reading
+    `decode_context` cached tokens in all, weights read once. The server prices every step
+    with it (roofline/live.py)."""
+    m, g = _resolve(model, gpu)
+    tokens = prefill_tokens + decode_seqs
+    if tokens < 1 or logits_rows < 0:
+        raise ValueError("a step computes at least one token")
+    attn_ctx = (prefill_attended + decode_context) / tokens
+    kv_tokens = prefill_tokens + decode_context  # prefill writes its tokens' K/V; decodes read theirs
+    kvd = kv_dtype or "bf16"
+    lnk = get_link(link) if isinstance(link, str) else (link or g.link)
+    wd = normalize_dtype(weight_dtype)
+    args = (m, g, tokens, attn_ctx, kv_tokens, max(logits_rows, 1), wd, kvd, tp, lnk)
+    phase = "decode" if prefill_tokens == 0 else "prefill"
+    batch = decode_seqs if prefill_tokens == 0 else 1
+    return StepCost(phase, batch, max(round(attn_ctx), 1), tp, weight_dtype, kvd, g.name,
+                    _token_ops(*args, eff or Efficiencies(), False, act_dtype),
+                    _token_ops(*args, Efficiencies.ideal(), False, act_dtype), tokens if prefill_tokens else None)

@@ -236,3 +236,17 @@ def load_gpu_yaml(path: str | Path) -> list[GPUSpec]:
 
 def _opt_float(value: object) -> float | None:
     return None if value in (None, "", "-") else float(value)  # type: ignore[arg-type]
+
+
+def gpu_from_device_name(device_name: str) -> GPUSpec | None:
+    """The table's entry for a name as torch or NVML print it ("NVIDIA H100 80GB HBM3" -> H100),
+    trying the longest run of leading words first; None when the table has no such device."""
+    # "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090": vendor, brand and form-factor words dropped.
+    drop = {"nvidia", "geforce", "sxm", "sxm4", "sxm5"}
+    words = [w for w in device_name.replace("-", " ").split() if w.lower() not in drop]
+    for k in range(len(words), 0, -1):
+        try:
+            return get_gpu("-".join(words[:k]))
+        except ValueError:
+            continue
+    return None

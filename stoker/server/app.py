@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -46,6 +47,20 @@ def warm_up(engine: LLMEngine) -> None:
     engine.check_integrity()
 
 
+def _wall_model(engine: LLMEngine, profile: str | None) -> Any:
+    """The wall verdict's cost model; a failure to build it never stops the server (logged)."""
+    from stoker.server.wall import build_wall_model
+
+    try:
+        wall = build_wall_model(engine, profile)
+    except Exception:  # noqa: BLE001 - a missing table entry or bad profile must not fail start-up
+        logger.exception("the wall verdict is off: its cost model could not be built")
+        return None
+    if wall is not None:
+        logger.info("the wall: judging every step as %s", wall.describe())
+    return wall
+
+
 def create_app(
     settings: ServerSettings,
     engine_factory: EngineFactory,
@@ -75,6 +90,7 @@ def create_app(
             state.max_num_seqs = engine.config.scheduler_config.max_num_seqs
             state.vocab_size = int(engine.hf_config["vocab_size"])
             state.metrics.engine_loaded(engine.max_model_len)
+            state.metrics.wall.set_model(_wall_model(engine, settings.roofline_profile))
             async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
             async_engine.start(executor=executor)
             state.engine = async_engine
@@ -88,7 +104,7 @@ def create_app(
                 on_fatal(exc)
 
     async def log_engine() -> None:
-        line = EngineLogLine()
+        line = EngineLogLine(state.metrics.wall.summary)
         while True:
             await asyncio.sleep(settings.log_interval_s)
             if state.engine is not None:

@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
                         "or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
+    s.add_argument("--roofline-profile", default=None, metavar="kernel|engine|FILE",
+                   help="efficiencies the live wall verdict in /metrics predicts steps with (default: engine on a GPU; "
+                        "on a CPU the roofs `stoker doctor --write-device-file` measured)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        roofline_profile=args.roofline_profile,
     )
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -24,9 +24,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from stoker.core.step import StepShape
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
+from stoker.server.wall_metrics import WallMetrics
 
 logger = logging.getLogger("stoker.server")
 
@@ -138,6 +140,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model_name, get_engine))
         r, ln = self.registry, ["model_name"]
+        self.wall = WallMetrics(r, model_name)  # the wall verdict per step (wall_metrics.py)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ln, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive tokens of a request", ln, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", ln, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
@@ -194,9 +197,11 @@ class ServerMetrics:
     def on_added(self, request_id: str, params: SamplingParams) -> None:
         self._params[request_id] = (params.n, params.max_tokens)
 
-    def on_step(self, num_tokens: int) -> None:
+    def on_step(self, num_tokens: int, shape: StepShape | None = None, seconds: float = 0.0) -> None:
         if num_tokens > 0:
             self.iteration_tokens.observe(num_tokens)
+        if shape is not None:
+            self.wall.observe(shape, seconds)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -258,10 +263,12 @@ class ServerMetrics:
 
 
 class EngineLogLine:
-    """The periodic engine line: load, KV usage, prefix-cache hit rate, token rates."""
+    """The periodic engine line: load, KV usage, prefix-cache hit rate, token rates, and the wall
+    in words when the server judges steps ("decode: 71% of the memory wall; 0.93x of prediction")."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall_summary: Callable[[], str | None] | None = None) -> None:
         self._last: tuple[float, int, int, int, int] | None = None
+        self.wall_summary = wall_summary
 
     def line(self, engine: AsyncEngine) -> str | None:
         """The line to log now, or None when nothing happened since the last one."""
@@ -282,8 +289,10 @@ class EngineLogLine:
         # Tensor parallelism: the step's all-reduces, measured vs the fitted collective model
         # (totals of plain floats kept by the engine thread; a racy read is off by a step at most).
         collectives = engine.engine.executor.collective_summary()
+        wall = self.wall_summary() if self.wall_summary is not None else None
         return (
             f"engine: running {s.num_running}, waiting {s.num_waiting}, KV usage {100 * s.kv_cache_usage:.1f}%, "
             f"prefix-cache hit rate {hit_rate:.1f}%, prompt {prompt_rate:.1f} tokens/s, generation {gen_rate:.1f} tokens/s"
             + (f", {collectives}" if collectives else "")
+            + (f"; {wall}" if wall else "")
         )

@@ -28,6 +28,9 @@ class ServerSettings:
     # tool_choice "auto": the model's text is parsed for tool calls by this parser (tool_parsers.py)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # The efficiency profile the live wall verdict predicts steps with (roofline/profiles.py:
+    # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (server/wall.py).
+    roofline_profile: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

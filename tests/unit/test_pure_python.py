@@ -18,6 +18,11 @@ PURE_MODULES = [
     "stoker.structured.spec",
     "stoker.server.tool_parsers",
     "stoker.server.tool_schema",
+    "stoker.roofline.live",
+    "stoker.roofline.microfit",
+    "stoker.roofline.device_file",
+    "stoker.roofline.profiles",
+    "stoker.roofline.kvcapacity",
 ]
 
 
