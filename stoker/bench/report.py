@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import server_wall
 from stoker.bench.metrics import BenchMetrics, percentile_key
 from stoker.bench.runner import LoadConfig, RunOutcome
 
@@ -129,6 +130,10 @@ def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
         for k in ("achieved_gb_per_s", "achieved_tflops", "predicted_tokens_per_s"):
             if roof.get(k) is not None:
                 row(f"{k}:", roof[k])
+    wall = result.get("server_wall")
+    if wall:
+        lines.append("Server wall".center(w, "-"))
+        lines += server_wall.describe(wall)
     lines.append("=" * w)
     for note in result.get("notes", []):
         lines.append(f"note: {note}")

@@ -17,6 +17,7 @@ from typing import Any
 from stoker.bench import roofline_link
 from stoker.bench.client import Endpoint, RequestSpec
 from stoker.bench.datasets import DatasetOptions, sample_requests
+from stoker.bench import server_wall
 from stoker.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
 from stoker.bench.progress import BenchProgress
 from stoker.bench.report import build_result, format_report, save_result
@@ -112,7 +113,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
 def run_once(prep: Prepared, load: LoadConfig, *, label: str, show_progress: bool) -> dict[str, Any]:
     """One load configuration -> the result dict (metrics + per-request timings)."""
     progress = BenchProgress(total=len(prep.specs), label=label, enabled=show_progress)
+    # The server's own wall counters before and after: its verdict on exactly this run's steps.
+    root = prep.endpoint.url.rsplit("/v1/", 1)[0]
+    wall_before = server_wall.scrape(root, prep.endpoint.headers)
     outcome: RunOutcome = asyncio.run(run_load(prep.endpoint, prep.specs, load, progress))
+    wall_after = server_wall.scrape(root, prep.endpoint.headers)
     tok = prep.tokenizer
     metrics = compute_metrics(outcome.results, outcome.duration, percentiles=prep.percentiles,
                               goodput=prep.goodput or None, count_tokens=tok.count if tok else None)
@@ -136,6 +141,7 @@ def run_once(prep: Prepared, load: LoadConfig, *, label: str, show_progress: boo
     meta = dict(prep.meta, label=label, output_tokens_source=out_src, input_tokens_source=in_src,
                 notes=notes)
     result = build_result(metrics=metrics, outcome=outcome, load=load, meta=meta)
+    result["server_wall"] = server_wall.wall_over_run(wall_before, wall_after)
     if prep.roofline is not None and metrics.completed:
         result["roofline"] = roofline_link.from_metrics(prep.roofline, result)
     return result

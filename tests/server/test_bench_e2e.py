@@ -33,11 +33,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     ckpt = tiny.make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", arch="llama")
+    # A device file for the server's wall verdict (the counters bench serve differences).
+    from tests.server.test_wall_metrics import DEVICE
+    from stoker.roofline.device_file import ENV_VAR, write_device_file
+
+    device_file = write_device_file(DEVICE, tmp_path_factory.mktemp("dev") / "this.yaml")
     port = _free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "stoker", "serve", str(ckpt), "--host", "127.0.0.1",
                              "--port", str(port), "--max-model-len", "512"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, ENV_VAR: str(device_file)})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -81,3 +86,9 @@ def test_bench_serve_against_stoker_serve(server: tuple[str, Path], endpoint: st
     assert all(0 < t <= e for t, e in zip(d["ttfts"], d["e2els"]))
     assert d["max_concurrent_requests"] <= 4
     assert d["models"]["data"], "the /v1/models answer is saved"
+    # the server's own verdict over exactly this run's steps: 8 requests x 8 tokens
+    wall = d["server_wall"]
+    assert wall["available"] and wall["device"] == "this" and wall["profile"] == "measured"
+    steps = sum(k["steps"] for k in wall["kinds"].values())
+    assert 8 <= steps <= 8 * 8 + 8, wall  # at least one step per token position, at most one per token
+    assert all(0 < k["mbu"] < 1 and k["measured_over_predicted"] > 0 for k in wall["kinds"].values()), wall
