@@ -65,7 +65,7 @@ class EngineObserver(Protocol):
 
     def on_added(self, request_id: str, params: SamplingParams) -> None: ...
 
-    def on_step(self, num_tokens: int, shape: StepShape | None, seconds: float) -> None: ...
+    def on_step(self, num_tokens: int, shape: StepShape | None, seconds: float, request_ids: list[str]) -> None: ...
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
@@ -338,7 +338,7 @@ class AsyncEngine:
                     outputs = engine.step()
                     consecutive_failures = 0
                     # What the step computed and how long it took: the wall verdict (metrics).
-                    step_record = (engine.last_step_shape, time.perf_counter() - start)
+                    step_record = (engine.last_step_shape, time.perf_counter() - start, engine.last_step_request_ids)
                 except StepFailed as failed:
                     # Those requests fail alone; the engine is whole. A fault that fails every
                     # step is the engine's, not a request's: then the loop dies as before.
@@ -346,7 +346,7 @@ class AsyncEngine:
                     if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     outputs = failed.outputs
-                    step_record = (None, 0.0)
+                    step_record = (None, 0.0, [])
                     error = RuntimeError(f"generation failed: {failed}")
                     for request_id in failed.request_ids:
                         self._notify_failed(request_id)

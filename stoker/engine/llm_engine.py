@@ -103,6 +103,7 @@ class LLMEngine:
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
         self.last_step_shape: StepShape | None = None  # the shape of the last step run
+        self.last_step_request_ids: list[str] = []  # the requests it computed for
         num_tokens = num_blocks * block_size
         kv = self.runner.kv_spec
         logger.info("weights %s", self.runner.weights_summary())
@@ -245,6 +246,7 @@ class LLMEngine:
                 self._prompt_tokens += s.num_tokens
         step = build_step(sched_out, self.eos_token_ids)
         self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
+        self.last_step_request_ids = sorted({s.seq.request_id for s in sched_out.scheduled})
         try:
             result = self.executor.execute(step)
         except WorkerFailedError:

@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--roofline-profile", default=None, metavar="kernel|engine|FILE",
                    help="efficiencies the live wall verdict in /metrics predicts steps with (default: engine on a GPU; "
                         "on a CPU the roofs `stoker doctor --write-device-file` measured)")
+    s.add_argument("--enable-request-timing", action="store_true",
+                   help="add stoker_timing to each response (the final chunk when streamed): queue, prefill and decode "
+                        "seconds, engine steps taken and the wall they ran against")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         roofline_profile=args.roofline_profile,
+        enable_request_timing=args.enable_request_timing,
     )
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -197,11 +197,12 @@ class ServerMetrics:
     def on_added(self, request_id: str, params: SamplingParams) -> None:
         self._params[request_id] = (params.n, params.max_tokens)
 
-    def on_step(self, num_tokens: int, shape: StepShape | None = None, seconds: float = 0.0) -> None:
+    def on_step(self, num_tokens: int, shape: StepShape | None = None, seconds: float = 0.0,
+                request_ids: list[str] | None = None) -> None:
         if num_tokens > 0:
             self.iteration_tokens.observe(num_tokens)
         if shape is not None:
-            self.wall.observe(shape, seconds)
+            self.wall.observe(shape, seconds, request_ids or [])
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:

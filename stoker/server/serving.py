@@ -225,6 +225,29 @@ class Serving:
         status = 503 if isinstance(exc, EngineDeadError) else 500
         return sse(error_body(status, f"generation failed: {exc}"))
 
+    def timing(self, out: RequestOutput | None) -> dict[str, Any] | None:
+        """--enable-request-timing: where a finished request's time went, as an extension field
+        OpenAI clients ignore (`stoker_timing`); None when the flag is off."""
+        if out is None:
+            return None
+        walls = self.state.metrics.wall.request_steps(out.request_id)
+        if walls is None:
+            return None
+        m = out.metrics
+
+        def span(a: float | None, b: float | None) -> float | None:
+            return round(b - a, 6) if a is not None and b is not None else None
+
+        judged = {w: n for w, n in walls.items() if w != "unjudged"}
+        return {
+            "queue_s": span(m.arrival_time, m.first_scheduled_time) if m else None,
+            "prefill_s": span(m.first_scheduled_time, m.first_token_time) if m else None,
+            "decode_s": span(m.first_token_time, m.finished_time) if m else None,
+            "num_steps": sum(walls.values()),
+            "steps_by_wall": walls,
+            "dominant_wall": max(judged, key=judged.__getitem__) if judged else None,
+        }
+
     @staticmethod
     def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> dict[str, Any]:
         """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens the prefix

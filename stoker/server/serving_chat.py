@@ -76,6 +76,7 @@ class OpenAIServingChat(Serving):
             "choices": choices,
             "usage": self.usage([len(ids)], [out]),
             **({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}),
+            **_timing_field(self.timing(out)),
         })
 
     async def _stream(
@@ -126,6 +127,9 @@ class OpenAIServingChat(Serving):
                     final = out
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self.usage([prompt_len], [final] if final else [])})
+            timing = self.timing(final)
+            if timing is not None:  # its own last chunk, no choices (as the usage chunk)
+                yield sse({**head, "choices": [], "stoker_timing": timing})
         except Exception as exc:  # the engine failed this request: tell the client in-band
             yield self.error_event(exc)
         finally:
@@ -153,3 +157,7 @@ class OpenAIServingChat(Serving):
                 ],
             })
         return {"content": content}
+
+
+def _timing_field(timing: dict | None) -> dict:
+    return {"stoker_timing": timing} if timing is not None else {}

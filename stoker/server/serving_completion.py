@@ -99,7 +99,13 @@ class OpenAIServingCompletion(Serving):
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
             "usage": self.usage(prompt_lens, outputs),
+            **self._timings(outputs),
         })
+
+    def _timings(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """`stoker_timing`: one entry per prompt (--enable-request-timing), else nothing."""
+        timings = [self.timing(o) for o in outputs]
+        return {"stoker_timing": timings} if any(t is not None for t in timings) else {}
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.state.tokenizer.decode(ids)
@@ -145,6 +151,9 @@ class OpenAIServingCompletion(Serving):
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self.usage([len(ids) for _, ids in prompts],
                                                                       list(finals.values()))})
+            timings = self._timings([finals[i] for i in sorted(finals)])
+            if timings:  # its own last chunk, no choices (as the usage chunk)
+                yield sse({**head, "choices": [], **timings})
         except Exception as exc:  # the engine failed this request: tell the client in-band
             yield self.error_event(exc)
         finally:

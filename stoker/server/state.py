@@ -31,6 +31,9 @@ class ServerSettings:
     # The efficiency profile the live wall verdict predicts steps with (roofline/profiles.py:
     # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (server/wall.py).
     roofline_profile: str | None = None
+    # Per request: queue, prefill and decode time, steps and their wall, as `stoker_timing` in
+    # the response (the final chunk when streamed). Off by default, as it adds a field.
+    enable_request_timing: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -75,3 +78,5 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.settings.model_name, lambda: self.engine)
+        if self.settings.enable_request_timing:
+            self.metrics.wall.track_requests()

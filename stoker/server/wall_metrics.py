@@ -22,9 +22,10 @@ nothing is counted; the gauges never show made-up numbers.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
@@ -32,6 +33,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from stoker.core.step import StepShape
 from stoker.roofline.live import KINDS, StepVerdict, WallModel
+
+
+_MAX_TRACKED_REQUESTS = 65536
 
 
 @dataclass
@@ -97,6 +101,10 @@ class WallMetrics:
         self.model_name = model_name
         self.model: WallModel | None = None
         self.window = _Window(window_s)
+        # request id -> its steps by wall, only with --enable-request-timing; bounded, so a
+        # request nobody reads back (its client left) cannot grow it for ever
+        self._per_request: collections.OrderedDict[str, dict[str, int]] | None = None
+        self._lock = threading.Lock()
         ln = ["model_name", "kind"]
         self.bound = Counter("stoker:step_bound", "Engine steps by kind and by the wall that dominates their "
                              "predicted time (memory, compute, overhead, collective)", ["model_name", "kind", "wall"],
@@ -113,11 +121,26 @@ class WallMetrics:
     def set_model(self, model: WallModel | None) -> None:
         self.model = model
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def track_requests(self) -> None:
+        """--enable-request-timing: keep, per request, its steps by wall (request_steps)."""
+        self._per_request = collections.OrderedDict()
+
+    def request_steps(self, request_id: str) -> dict[str, int] | None:
+        """The request's steps by wall ("unjudged" without a wall model), once: the entry is
+        dropped. Complete once its last output is delivered (counted before it is sent)."""
+        if self._per_request is None:
+            return None
+        with self._lock:
+            return self._per_request.pop(request_id, {})
+
+    def observe(self, shape: StepShape, seconds: float, request_ids: Sequence[str] = ()) -> None:
         """Engine thread, after every step."""
-        if self.model is None or seconds <= 0 or shape.num_tokens == 0:
+        judged = self.model is not None and seconds > 0 and shape.num_tokens > 0
+        v = self.model.judge(shape, seconds) if judged else None
+        if self._per_request is not None:
+            self._count_for(request_ids, v.wall if v is not None else "unjudged")
+        if v is None:
             return
-        v = self.model.judge(shape, seconds)
         name, kind = self.model_name, v.kind
         self.bound.labels(name, kind, v.wall).inc()
         self.seconds.labels(name, kind).inc(v.seconds)
@@ -125,6 +148,15 @@ class WallMetrics:
         self.flops.labels(name, kind).inc(v.flops)
         self.bytes.labels(name, kind).inc(v.bytes)
         self.window.add(v)
+
+    def _count_for(self, request_ids: Sequence[str], wall: str) -> None:
+        assert self._per_request is not None
+        with self._lock:
+            for rid in request_ids:
+                steps = self._per_request.setdefault(rid, {})
+                steps[wall] = steps.get(wall, 0) + 1
+            while len(self._per_request) > _MAX_TRACKED_REQUESTS:
+                self._per_request.popitem(last=False)
 
     def summary(self) -> str | None:
         """"decode: 71% of the memory wall; 0.93x of prediction" per kind seen lately."""

@@ -55,3 +55,28 @@ def test_no_device_file_no_wall_gauges(server_factory, tmp_path: Path, monkeypat
     text = httpx.get(live.url + "/metrics", timeout=10).text
     assert "stoker:wall_info" not in text and "stoker:mbu{" not in text
     assert "stoker:step_bound_total{" not in text
+
+
+def test_request_timing_when_asked(server_factory, tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    monkeypatch.setenv(ENV_VAR, str(write_device_file(DEVICE, tmp_path / "this.yaml")))
+    live = server_factory(enable_request_timing=True)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
+    t = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()["stoker_timing"]
+    # one step prefills the prompt and samples the first token, then one step per further token
+    assert t["num_steps"] == 6 and sum(t["steps_by_wall"].values()) == 6
+    assert t["dominant_wall"] in ("memory", "compute", "overhead", "collective")
+    assert all(t[k] is not None and t[k] >= 0 for k in ("queue_s", "prefill_s", "decode_s"))
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["stoker_timing"]["num_steps"] == 6
+    assert all("stoker_timing" not in e for e in events[:-1])
+    two = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b c"], "max_tokens": 3,
+                                                         "ignore_eos": True}, timeout=60).json()
+    assert [x["num_steps"] for x in two["stoker_timing"]] == [3, 3]
+
+
+def test_no_request_timing_by_default(live_server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert "stoker_timing" not in httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=60).json()
