@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]
 
 _LAZY = {
     "LLM": ("stoker.engine.llm", "LLM"),
@@ -18,11 +18,13 @@ _LAZY = {
     "EngineConfig": ("stoker.config", "EngineConfig"),
     "RequestOutput": ("stoker.outputs", "RequestOutput"),
     "CompletionOutput": ("stoker.outputs", "CompletionOutput"),
+    "LoRARequest": ("stoker.lora.request", "LoRARequest"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from stoker.config import EngineConfig
     from stoker.engine.llm import LLM
+    from stoker.lora.request import LoRARequest
     from stoker.outputs import CompletionOutput, RequestOutput
     from stoker.sampling_params import SamplingParams
 

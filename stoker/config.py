@@ -148,6 +148,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags): `max_loras` adapters live in the compute buffers at
+    once (a step never mixes more), each of rank <= `max_lora_rank`; the rest wait in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _positive("max_loras", self.max_loras)
+        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            # vLLM's accepted ranks; an adapter of rank 4 fits a buffer of rank 8 (zero-padded)
+            raise ValueError(f"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -155,7 +170,11 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
     enforce_eager: bool = False
+    lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
 
     def __post_init__(self) -> None:
+        if self.lora_config is not None and self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet (the adapters' "
+                             "updates are not sharded); serve LoRA at tensor-parallel size 1")
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")

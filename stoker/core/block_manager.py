@@ -26,10 +26,17 @@ class Block:
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()  # the full block's tokens, kept to verify a hash hit
     parent_block_id: int = -1  # physical id of the previous block in the chain (-1: first)
+    lora_name: str | None = None  # the adapter whose K/V it holds: blocks are never shared across adapters
 
 
 def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def _root_hash(seq: Sequence) -> int | None:
+    """The chain's start: the same text under another LoRA adapter has other K/V, so each
+    adapter (and the base model, None) hashes its blocks from its own root."""
+    return None if seq.lora_name is None else hash(("lora", seq.lora_name))
 
 
 class BlockManager:
@@ -74,7 +81,7 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
-        parent_hash: int | None = None
+        parent_hash = _root_hash(seq)
         parent_id = -1
         for i in range(max_blocks):
             tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
@@ -83,7 +90,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_block_id != parent_id:
+            if block.token_ids != tokens or block.parent_block_id != parent_id or block.lora_name != seq.lora_name:
                 break  # a hash collision: treat as a miss
             hit.append(block_id)
             parent_hash, parent_id = h, block_id
@@ -135,7 +142,7 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed_blocks.get(seq.seq_id, 0)
-        parent_hash = self.blocks[table[start - 1]].block_hash if start > 0 else None
+        parent_hash = self.blocks[table[start - 1]].block_hash if start > 0 else _root_hash(seq)
         parent_id = table[start - 1] if start > 0 else -1
         for i in range(start, num_full):
             block = self.blocks[table[i]]
@@ -143,6 +150,7 @@ class BlockManager:
             h = _chain_hash(parent_hash, tokens)
             if block.block_hash is None:
                 block.block_hash, block.token_ids, block.parent_block_id = h, tokens, parent_id
+                block.lora_name = seq.lora_name
                 # First writer wins; a duplicate computed concurrently simply stays unregistered.
                 self.hash_to_block_id.setdefault(h, block.block_id)
             parent_hash, parent_id = h, block.block_id

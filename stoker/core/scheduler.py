@@ -62,8 +62,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # Multi-LoRA: at most this many distinct adapters among the running sequences (the
+        # compute slots); a sequence whose adapter would be one more waits, the others go on.
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -131,8 +135,14 @@ class Scheduler:
             break  # seq itself was preempted: everything newer is gone too
 
         # 2. Waiting sequences, FCFS, unless this step had to preempt (memory is tight).
+        loras = {s.lora_name for s in self.running if s.lora_name is not None}
+        no_slot: list[Sequence] = []  # waiting for a LoRA slot: passed over, kept in order
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (self.max_loras is not None and seq.lora_name is not None and seq.lora_name not in loras
+                    and len(loras) >= self.max_loras):
+                no_slot.append(self.waiting.popleft())
+                continue
             if not self._leader_ready(seq):
                 break
             # A cached block has K/V but no logits: prompt logprobs recompute the whole prompt.
@@ -151,6 +161,9 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, bm.get_block_table(seq)))
             budget -= num_new
+            if seq.lora_name is not None:
+                loras.add(seq.lora_name)
+        self.waiting.extendleft(reversed(no_slot))
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out

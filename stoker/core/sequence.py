@@ -53,6 +53,7 @@ class Sequence:
     # prompt_logprobs: one entry per prompt token (None for the first), filled by the engine
     # as prefill chunks compute them. Only the request's first sequence computes them.
     prompt_logprobs: list | None = field(default=None, repr=False)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -41,6 +41,7 @@ class SeqStep:
     # prompt_logprobs: (top n, the prompt tokens the positions [start_pos, start_pos + len)
     # predict). Every rank needs it: the LM head's gather is a collective over those rows.
     prompt_logprobs: tuple[int, list[int]] | None = None
+    lora_slot: int = -1  # the LoRA slot its adapter is in (-1: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -117,15 +118,17 @@ def _prompt_logprob_targets(seq: Sequence, start_pos: int, num_tokens: int) -> t
     return (seq.sampling_params.prompt_logprobs, targets) if targets else None
 
 
-def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> StepMessage:
-    """The message for one planned step (decodes first; stable otherwise)."""
+def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots: dict[str, int] | None = None) -> StepMessage:
+    """The message for one planned step (decodes first; stable otherwise). lora_slots: adapter
+    name -> the slot it is loaded in, for every adapter of the step's sequences."""
     ordered = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
     seqs: list[SeqStep] = []
     sampling: dict[int, SampleSpec] = {}
     for s in ordered:
         seq = s.seq
+        slot = lora_slots[seq.lora_name] if seq.lora_name is not None and lora_slots is not None else -1
         seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample,
-                            _prompt_logprob_targets(seq, s.start_pos, s.num_tokens)))
+                            _prompt_logprob_targets(seq, s.start_pos, s.num_tokens), slot))
         if s.do_sample:
             p = seq.sampling_params
             history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None

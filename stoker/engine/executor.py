@@ -47,6 +47,13 @@ class Executor:
     def release(self, seq_id: int) -> None:
         self.runner.release(seq_id)
 
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Copy an adapter into a compute slot (LoRA runs in-process only: TP > 1 is refused)."""
+        self.runner.load_lora(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        self.runner.clear_lora(slot)
+
     def check_health(self) -> None:
         pass
 

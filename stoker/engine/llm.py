@@ -7,7 +7,8 @@ import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from stoker.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from stoker.lora.request import LoRARequest
+from stoker.config import LoRAConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from stoker.engine.llm_engine import LLMEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
@@ -42,6 +43,9 @@ class LLM:
         distributed_timeout_s: float = 600.0,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         config = EngineConfig(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
@@ -68,6 +72,7 @@ class LLM:
             ),
             device=device,
             enforce_eager=enforce_eager,
+            lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else None,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -88,8 +93,11 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """prompts: str | list[str] | {"prompt_token_ids": [...]} | a list of those."""
+        """prompts: str | list[str] | {"prompt_token_ids": [...]} | a list of those.
+        lora_request: one adapter for every prompt, or one (or None) per prompt, as vLLM's; an
+        adapter not yet known is read from its lora_path."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -101,12 +109,19 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; give one, or one per prompt")
+        for lr in {lr for lr in loras if lr is not None}:
+            if self.engine.lora is None or not self.engine.lora.has(lr.lora_name):
+                self.engine.load_lora(lr.lora_name, lr.lora_path)
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lr in zip(prompts, params_list, loras):
                 request_id = str(next(self._counter))
                 text, token_ids = _split_prompt(prompt)
-                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
+                                        lora_name=lr.lora_name if lr is not None else None)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:

@@ -22,6 +22,7 @@ from stoker.models.loader import read_hf_config
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from stoker.core.step import StepShape, build_step
 from stoker.engine.executor import WorkerFailedError, make_executor
+from stoker.engine.lora_manager import LoRAManager
 from stoker.sampling.prompt_logprobs import PromptLogprobChunk
 from stoker.sampling.sampler import SamplerOutput
 from stoker.sampling_params import SamplingParams
@@ -95,7 +96,11 @@ class LLMEngine:
             self.max_num_batched_tokens,
             self.max_model_len,
             sched_cfg.enable_chunked_prefill,
+            config.lora_config.max_loras if config.lora_config is not None else None,
         )
+        # Multi-LoRA: the adapters known (host) and those in the compute slots
+        self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor)
+                     if config.lora_config is not None else None)
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
         self._prompt_tokens = 0
@@ -149,9 +154,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_name is not None and (self.lora is None or not self.lora.has(lora_name)):
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded" if self.lora is not None else
+                             "LoRA is off: build the engine with enable_lora=True (stoker serve --enable-lora)")
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -177,7 +186,7 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.time()
         seqs: list[Sequence] = []
         for i in range(params.n):
-            seq = Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival)
+            seq = Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival, lora_name=lora_name)
             seq.group_leader = seqs[0] if seqs else None
             if seq.wants_prompt_logprobs:
                 seq.prompt_logprobs = [None] * len(prompt_token_ids)  # the first token has none, ever
@@ -209,6 +218,24 @@ class LLMEngine:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter (LoRAError naming what is wrong with it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is off: build the engine with enable_lora=True (stoker serve --enable-lora)")
+        self.lora.add(self.lora.read(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        """New requests may no longer name it; requests in flight with it finish first."""
+        if self.lora is None:
+            raise ValueError("LoRA is off")
+        self.lora.remove(name)
+        self.lora.collect_unloaded(self._lora_in_use())
+
+    def _lora_in_use(self) -> list[str]:
+        return [s.lora_name for r in list(self.requests.values()) for s in r.seqs
+                if s.lora_name is not None and not s.is_finished]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -244,7 +271,11 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if s.seq.is_prefill:
                 self._prompt_tokens += s.num_tokens
-        step = build_step(sched_out, self.eos_token_ids)
+        lora_slots = None
+        if self.lora is not None:
+            names = {s.seq.lora_name for s in sched_out.scheduled if s.seq.lora_name is not None}
+            lora_slots = self.lora.slots_for(names) if names else {}
+        step = build_step(sched_out, self.eos_token_ids, lora_slots)
         self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
         self.last_step_request_ids = sorted({s.seq.request_id for s in sched_out.scheduled})
         try:
@@ -260,6 +291,8 @@ class LLMEngine:
             logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
             raise StepFailed(exc, failed, []) from exc
         self.scheduler.update_after_step(sched_out)
+        if self.lora is not None:  # adapters being unloaded go once no sequence uses them
+            self.lora.collect_unloaded(self._lora_in_use())
         self._record_prompt_logprobs(result.prompt_logprobs)
         failures: dict[str, BaseException] = {}
         touched = self._process_samples(result.seq_ids, result.sampler_output, failures)

@@ -22,12 +22,18 @@ other tensors (scales) need of the checkpoint, the method says (`checkpoint_slic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.weight_method import LinearMethod
+
+
+if TYPE_CHECKING:
+    from stoker.lora.layers import LoRASlots
 
 
 class Linear(nn.Module):
@@ -53,6 +59,7 @@ class Linear(nn.Module):
         self.shard_offsets: dict[str, tuple[int, int]] = {}  # MergedLinear: shard -> (first local row, local rows)
         self.reduce = tp if not in_split.is_whole else None
         self.method: LinearMethod | None = None
+        self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' slots (lora/layers.py)
 
     def attach(self, method: LinearMethod) -> None:
         """Give this layer its weight method; the method creates the parameters (build time)."""
@@ -103,6 +110,8 @@ class Linear(nn.Module):
         if self.method is None:
             raise RuntimeError("this projection has no weight method: build models with models.loader.build_model")
         out = self.method.apply(self, x)
+        if self.lora is not None:  # the base GEMM once, then each adapter's low-rank update on its rows
+            out = self.lora.apply(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
     def extra_repr(self) -> str:

@@ -21,6 +21,8 @@ from stoker.layers.attention import set_attention_metadata
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
 from stoker.quantization import config as quant_config
+from stoker.lora.layers import lora_mapping
+from stoker.lora.model_slots import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import ModelInputs, prepare_inputs
@@ -90,8 +92,12 @@ class ModelRunner:
         self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
-        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
+        lora = config.lora_config
+        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp,
+                                 fuse_activations=lora is None)
         load_weights(self.model, config.model_config.model)
+        # Multi-LoRA: slots on every attention and MLP projection, filled by load_lora
+        self.lora = ModelLoRASlots(self.model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device) if lora else None
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
         cache = config.cache_config
@@ -193,6 +199,9 @@ class ModelRunner:
         """Capture the decode graphs (after allocate_kv_cache); a no-op on CPU or with enforce_eager."""
         if self.config.enforce_eager or self.device.type != "cuda":
             return
+        if self.lora is not None:
+            logger.warning("CUDA graphs off with LoRA (the per-step adapter mapping is not captured yet)")
+            return
         if self.tp.world_size > 1:
             # Capturing NCCL collectives is possible (vLLM does) but not yet verified here.
             logger.warning("CUDA graphs off under tensor parallelism (not yet verified with NCCL in the graph)")
@@ -225,8 +234,10 @@ class ModelRunner:
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
         else:
             set_attention_metadata(md)
+            mapping = self.lora.mapping(inputs.ordered, md.cu_seqlens_q) if self.lora is not None else None
             try:
-                hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
+                with lora_mapping(mapping):
+                    hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
             finally:
                 set_attention_metadata(None)
         self._score_prompts(inputs, hidden)
@@ -281,6 +292,15 @@ class ModelRunner:
             gen.manual_seed(seed + spec.index)
             self.generators[seq_id] = gen
         return gen
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Copy a host adapter into its compute slot (the engine's LoRA manager picks the slot)."""
+        assert self.lora is not None, "LoRA is off: build the engine with a LoRAConfig"
+        self.lora.load(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        assert self.lora is not None
+        self.lora.clear(slot)
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)

@@ -1,0 +1,140 @@
+"""A PEFT LoRA adapter from its folder (`adapter_config.json` + `adapter_model.safetensors`),
+checked against the served model and held in host memory until a slot needs it.
+
+Each target projection p of layer i gets W x + scaling * B (A x), A: (r, in), B: (out, r),
+scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT computes it. What this
+server cannot apply (DoRA, trained biases, modules_to_save, per-module rank or alpha patterns,
+targets outside the attention and MLP projections, fan_in_fan_out weights) is refused with a
+message that names the field, never loaded and half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The projections an adapter may target, as PEFT names them in Llama/Qwen checkpoints.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_WEIGHT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served as asked; the message says what to change."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    base_model: str | None
+    # (layer index, projection name) -> (A (r, in), B (out, r)), float32 on the host
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False, default_factory=dict)
+
+    @property
+    def targets(self) -> set[str]:
+        return {module for _, module in self.weights}
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def _refuse_unsupported(cfg: dict[str, Any], where: str) -> None:
+    checks = (
+        ("peft_type", cfg.get("peft_type", "LORA") != "LORA", "only LoRA adapters are served"),
+        ("use_dora", bool(cfg.get("use_dora")), "DoRA adapters are not supported"),
+        ("bias", cfg.get("bias", "none") != "none", "adapters that train biases are not supported (bias must be 'none')"),
+        ("modules_to_save", bool(cfg.get("modules_to_save")), "modules_to_save (fully trained modules) is not supported"),
+        ("rank_pattern", bool(cfg.get("rank_pattern")), "per-module ranks (rank_pattern) are not supported"),
+        ("alpha_pattern", bool(cfg.get("alpha_pattern")), "per-module alphas (alpha_pattern) are not supported"),
+        ("fan_in_fan_out", bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out weights (Conv1D models) are not supported"),
+        ("layers_to_transform", cfg.get("layers_to_transform") not in (None, []),
+         "layers_to_transform is not supported (the weights file says which layers it holds)"),
+    )
+    for name, bad, why in checks:
+        if bad:
+            raise LoRAError(f"{where}: {name}: {why}")
+
+
+def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_rank: int,
+                 served_model: str | None = None) -> LoRAAdapter:
+    """Read and check one adapter folder; LoRAError naming what is wrong."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise LoRAError(f"{folder}: no adapter_config.json (a PEFT LoRA adapter folder holds adapter_config.json and "
+                        "adapter_model.safetensors)")
+    cfg = json.loads(cfg_path.read_text())
+    where = f"adapter {name!r} ({folder})"
+    _refuse_unsupported(cfg, where)
+    rank = int(cfg.get("r", 0))
+    if rank < 1:
+        raise LoRAError(f"{where}: r must be >= 1, got {cfg.get('r')!r}")
+    if rank > max_rank:
+        raise LoRAError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}; raise --max-lora-rank")
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [t for t in TARGETS if re.fullmatch(targets, t) or re.search(targets + "$", t)]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise LoRAError(f"{where}: target_modules {unknown} are not supported (only {', '.join(TARGETS)})")
+    weights_path = folder / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        raise LoRAError(f"{where}: no adapter_model.safetensors (.bin adapters are not read: save with safetensors)")
+    tensors = load_file(str(weights_path))
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _WEIGHT.match(key)
+        if m is None:
+            raise LoRAError(f"{where}: weight {key!r} is not a LoRA A/B matrix of an attention or MLP projection")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in TARGETS:
+            raise LoRAError(f"{where}: weight {key!r} targets {module!r}; only {', '.join(TARGETS)} are supported")
+        pairs.setdefault((layer, module), {})[which] = tensor.float()
+    base = cfg.get("base_model_name_or_path")
+    if served_model and base and Path(str(base)).name != Path(served_model).name and str(base) != served_model:
+        logger.warning("%s was trained on %r; serving it on %r (the shapes are checked, not the weights)", where, base,
+                       served_model)
+    adapter = LoRAAdapter(name, str(folder), rank, scaling, base)
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"{where}: layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        a, b = ab["A"], ab["B"]
+        want_in, want_out = _shape(hf_config, module)
+        if layer >= hf_config["num_hidden_layers"] or a.shape != (rank, want_in) or b.shape != (want_out, rank):
+            raise LoRAError(f"{where}: layer {layer} {module} has A {tuple(a.shape)}, B {tuple(b.shape)}; this model "
+                            f"needs A ({rank}, {want_in}) and B ({want_out}, {rank}) in layers < "
+                            f"{hf_config['num_hidden_layers']}: the adapter was trained for another model")
+        adapter.weights[(layer, module)] = (a.contiguous(), b.contiguous())
+    if not adapter.weights:
+        raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    return adapter
+
+
+def _shape(cfg: dict[str, Any], module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a projection in the checkpoint."""
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    inter = cfg["intermediate_size"]
+    return {
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+    }[module]
