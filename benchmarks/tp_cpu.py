@@ -54,9 +54,9 @@ def decode_steps(llm: LLM, batch: int, input_len: int, output_len: int, seed: in
     current: dict[str, Any] = {}
     real_build = llm_engine_module.build_step
 
-    def timed_build(out: Any, eos: Any) -> Any:
+    def timed_build(out: Any, eos: Any, *rest: Any) -> Any:
         start = time.perf_counter()
-        msg = real_build(out, eos)
+        msg = real_build(out, eos, *rest)
         current["build"] = time.perf_counter() - start
         current["decode"] = all(len(s.token_ids) == 1 for s in msg.seqs)
         return msg

@@ -188,8 +188,11 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float, rows: float = tokens) -> OpCost:
         w = params * bytes_per_param / tp
         act = rows * (d_in + d_out) * act_bytes / tp
-        return _op(name, "gemm", rows * fpt[name] / tp, w + act, peak if bytes_per_param != act_bytes else act_peak,
-                   bw, eff.gemm_compute, eff.memory, w=w)
+        weight_math = bytes_per_param != act_bytes
+        # The share of peak is per tensor-core dtype (Efficiencies.gemm_share: 8-bit cores have their own).
+        share = eff.gemm_share(compute_dtype(wd, g) if weight_math else compute_dtype(normalize_dtype(act_dtype), g))
+        return _op(name, "gemm", rows * fpt[name] / tp, w + act, peak if weight_math else act_peak,
+                   bw, share, eff.memory, w=w)
 
     h, i_active = m.hidden_size, m.intermediate_size * (m.num_experts_per_tok if m.is_moe else 1)
     ops = [

@@ -16,6 +16,17 @@ class Efficiencies:
     # Matmuls (qkv/o/mlp/lm_head): share of dense peak FLOP/s. facts.md: a bf16 8192^3 matmul
     # runs at ~770-790 of 989 TFLOP/s on the H200 lent to this project (~0.79).
     gemm_compute: float = 0.78
+    # Matmuls on 8-bit tensor cores (FP8, and W8A8 INT8), when it differs: 0 means "same as
+    # gemm_compute" (the default, so every older profile and caller keeps its numbers). FP8 GEMMs
+    # reach a lower share of their (2x) datasheet peak than BF16 ones: vLLM's bench_fp8_gemm on an
+    # H100 (github.com/vllm-project/vllm/pull/49363, gemma N=12288 K=5376, M=128) gives 506 TFLOP/s
+    # FP8 with activation quantization vs 353 BF16, 1.4x where the datasheet says 2x; Databricks'
+    # FP8 training MFU on H100 is below its BF16 MFU for the same reason (scaling-factor work,
+    # github.com/NVIDIA/TransformerEngine/issues/1151). INT8 W8A8 shares it: the same 2x rate, the
+    # same activation quantization and scales (an assumption: the public points are all FP8; with
+    # one share for 16-bit and another for FP8 only, INT8 would price as the faster 8-bit choice
+    # for no reason). The engine profile fits it on FP8 points.
+    gemm_compute_8bit: float = 0.0
     # Attention math: FlashAttention-2 reaches 50-73% of A100 peak in the forward pass
     # (Dao 2023, arXiv:2307.08691, fig. 4); decode attention is rarely compute-bound anyway.
     attention_compute: float = 0.5
@@ -40,6 +51,9 @@ class Efficiencies:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
+        if not 0 <= self.gemm_compute_8bit <= 1:
+            raise ValueError(f"efficiency gemm_compute_8bit must be in [0, 1] (0: same as gemm_compute), "
+                             f"got {self.gemm_compute_8bit}")
         if self.layer_overhead_s < 0 or self.step_overhead_s < 0 or self.comm_latency_s < 0:
             raise ValueError("overheads must be >= 0")
 
@@ -48,6 +62,13 @@ class Efficiencies:
         """The roofline itself: every resource at its datasheet peak, no gaps."""
         return cls(gemm_compute=1.0, attention_compute=1.0, memory=1.0, comm=1.0, layer_overhead_s=0.0,
                    step_overhead_s=0.0, comm_latency_s=0.0)
+
+    def gemm_share(self, compute_dtype: str) -> float:
+        """Share of dense peak a matmul on `compute_dtype` tensor cores reaches ("fp8", "int8":
+        gemm_compute_8bit when set, else gemm_compute; every other dtype: gemm_compute)."""
+        if compute_dtype in ("fp8", "int8") and self.gemm_compute_8bit > 0:
+            return self.gemm_compute_8bit
+        return self.gemm_compute
 
     def replace(self, **changes: float) -> Efficiencies:
         return dataclasses.replace(self, **changes)

@@ -170,8 +170,13 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
                      mem.total_bytes / GiB, cost, bound, kv.tokens, seqs)
 
 
+# The weight dtypes Stoker's engine serves (--quantization fp8|int8, or float): a plan prints the
+# `stoker serve` command that runs it, so int4 (W4A16, not served yet) is only searched when asked.
+SERVABLE_WEIGHT_DTYPES = ("bf16", "fp8", "int8")
+
+
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
-         link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES,
+         link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] = SERVABLE_WEIGHT_DTYPES,
          kv_dtypes: tuple[str, ...] = KV_DTYPES, tp_degrees: tuple[int, ...] = TP_DEGREES,
          batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None, overlap_comm: bool = False) -> Plan:
     """Cheapest plans; `eff` None predicts with the "engine" profile (profiles.ENGINE)."""

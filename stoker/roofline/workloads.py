@@ -6,7 +6,11 @@
 A static batch (TensorRT-LLM's gptSessionBenchmark, the tables of docs/source/performance.md up to
 v0.6.1): every sequence is prefilled together (one context step over batch x input_len tokens),
 then output_len - 1 decode steps run at contexts input_len + 1 ... input_len + output_len - 1
-(the first output token comes from the context step). Output tokens/s = batch x output_len / total.
+(the first output token comes from the context step: TensorRT-LLM's gptSession.cpp runs step 0 as
+the context phase, then generation steps up to maxNewTokens). Output tokens/s = batch x output_len
+/ total, the prefill included: TensorRT-LLM defines out_tps = output_seqlen x batch_size /
+total_latency / tp (docs/source/blogs/XQA-kernel.md), per GPU; this function returns the group's
+figure (x tp of that), and published.py multiplies the tables' per-GPU numbers by TP to compare.
 A decode step's time is linear in context inside each op (max of two lines), so the sum over
 steps is taken at a few contexts (trapezoid), not at every one.
 

@@ -8,7 +8,7 @@ import math
 from stoker.roofline.hardware import get_gpu
 from stoker.roofline.kvcapacity import kv_capacity
 from stoker.roofline.modelspec import get_model_spec
-from stoker.roofline.planner import BATCHES, PlanTargets, plan, serving_times
+from stoker.roofline.planner import BATCHES, SERVABLE_WEIGHT_DTYPES, PlanTargets, plan, serving_times
 from stoker.roofline.profiles import ENGINE
 
 # The running example (docs/walkthrough.md): Llama-3-70B chat on H100s, 2000 output tokens/s,
@@ -21,7 +21,7 @@ def _brute_force_min_gpus(t: PlanTargets) -> int | None:
     from kvcapacity / serving_times directly (what the planner's search must not miss)."""
     m, g = get_model_spec("llama-3-70b"), get_gpu("H100")
     best = None
-    for wd in ("bf16", "fp8", "int8", "int4"):
+    for wd in SERVABLE_WEIGHT_DTYPES:  # what plan() searches by default
         for kvd in ("bf16", "fp8"):
             for tp in (1, 2, 4, 8):
                 kv = kv_capacity(m, g, tp=tp, weight_dtype=wd, kv_dtype=kvd,
@@ -67,7 +67,15 @@ def test_infeasible_target_reported_with_reasons() -> None:
     t = PlanTargets(50_000, tpot_ms=5, max_gpus=8)
     result = plan("llama-3-70b", "H100", t)
     assert result.feasible == ()
-    assert len(result.rejected) == 4 * 2 * 4  # every family, each with its reason
+    assert len(result.rejected) == len(SERVABLE_WEIGHT_DTYPES) * 2 * 4  # every family, each with its reason
     assert all(r.reason for r in result.rejected)
     assert any("TPOT" in r.reason for r in result.rejected)
     assert any("needs" in r.reason or "weights" in r.reason for r in result.rejected)
+
+
+def test_int4_is_searched_only_when_asked() -> None:
+    """int4 (W4A16) is not served by stoker serve yet: a default plan never prints it."""
+    t = PlanTargets(target_tokens_per_s=2000, ttft_p50_ms=1000)
+    assert all(c.weight_dtype != "int4" for c in plan("llama-3-70b", "H100", t).feasible)
+    wide = plan("llama-3-70b", "H100", t, weight_dtypes=("bf16", "fp8", "int8", "int4"))
+    assert any(c.weight_dtype == "int4" for c in wide.feasible)

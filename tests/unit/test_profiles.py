@@ -31,10 +31,73 @@ def test_engine_profile_beats_kernel_peak_on_public_measurements() -> None:
     assert len(pts) >= 30
     assert kernel["median_ratio"] > 1.3  # kernel peaks are optimistic for engines (issue 16)
     assert abs(engine["median_ratio"] - 1) < 0.05
-    assert engine["within"] >= 20 > kernel["within"]
+    assert engine["within"] >= 25 > kernel["within"]
     # Held out of the fit, the engine profile still lands closer than kernel peaks.
     held = published.held_out_points()
     assert points_loss(held, ENGINE) < points_loss(held, KERNEL)
+    assert published.summary(held, ENGINE)["within"] >= 8 > published.summary(held, KERNEL)["within"]
+
+
+def test_every_engine_miss_says_why() -> None:
+    # A point the engine profile misses by more than 25% carries a note (the docs table prints it):
+    # misses are explained or at least named, never silently absorbed.
+    for p in published.POINTS:
+        if abs(published.speed_ratio(p, ENGINE) - 1) > 0.25:
+            assert p.note, p.label
+
+
+def test_trt_llm_throughput_is_per_gpu_in_both_tables() -> None:
+    # performance.md reports out tok/s/GPU for H100 and (header from commit 77d24b5) A100 alike:
+    # the group's figure is the table's x TP. A100 LLaMA 70B TP4 b240 128/2048: 525/GPU.
+    row = next(p for p in published.POINTS if p.label == "TRT-LLM LLaMA-70B A100 fp16 TP4 b240 128/2048")
+    assert row.tp == 4 and row.measured == 4 * 525
+    h100 = next(p for p in published.POINTS if p.label == "TRT-LLM LLaMA-70B H100 fp8 TP2 b1024 128/128")
+    assert h100.measured == 2 * 2657
+
+
+def test_engine_profile_has_a_lower_8bit_gemm_share() -> None:
+    assert 0 < ENGINE.gemm_compute_8bit < ENGINE.gemm_compute
+    assert ENGINE.gemm_share("fp8") == ENGINE.gemm_share("int8") == ENGINE.gemm_compute_8bit
+    assert ENGINE.gemm_share("bf16") == ENGINE.gemm_share("fp32") == ENGINE.gemm_compute
+    # Kernel peaks keep one share for every dtype (0 = "same as gemm_compute"): unchanged numbers.
+    assert KERNEL.gemm_compute_8bit == 0 and KERNEL.gemm_share("fp8") == KERNEL.gemm_compute
+    assert Efficiencies.ideal().gemm_share("fp8") == 1.0
+
+
+def test_gemm_compute_8bit_prices_only_fp8_matmuls() -> None:
+    from stoker.roofline.costmodel import step_cost
+
+    def prefill(gpu: str, wd: str, eff: Efficiencies) -> float:
+        return step_cost("llama-2-7b", gpu, phase="prefill", context_len=2048, weight_dtype=wd, eff=eff).step_time_s
+
+    slow_8bit = KERNEL.replace(gemm_compute_8bit=KERNEL.gemm_compute / 2)
+    # H100 FP8 weights run on FP8 tensor cores: compute-bound prefill GEMMs take ~2x as long.
+    assert prefill("H100", "fp8", slow_8bit) > 1.5 * prefill("H100", "fp8", KERNEL)
+    assert prefill("H100", "int8", slow_8bit) > 1.5 * prefill("H100", "int8", KERNEL)  # W8A8 on int8 cores
+    # BF16 matmuls, FP8 weights on an A100 (no FP8 cores: BF16 math) and int4 (W4A16) do not use it.
+    assert prefill("H100", "bf16", slow_8bit) == prefill("H100", "bf16", KERNEL)
+    assert prefill("A100-80GB", "fp8", slow_8bit) == prefill("A100-80GB", "fp8", KERNEL)
+    assert prefill("H100", "int4", slow_8bit) == prefill("H100", "int4", KERNEL)
+    with pytest.raises(ValueError):
+        Efficiencies(gemm_compute_8bit=1.2)
+    with pytest.raises(ValueError):
+        Efficiencies(gemm_compute_8bit=-0.1)
+
+
+def test_fit_splits_8bit_from_the_sentinel_and_stops_when_converged() -> None:
+    from stoker.roofline.calibrate import coordinate_descent
+
+    # From the 0 sentinel, fit_points starts the 8-bit share at gemm_compute, so the two can move apart.
+    pts = [p for p in published.fit_points() if p.kind == "ttft"]
+    grids = {"gemm_compute": [0.4, 0.6, 0.8], "gemm_compute_8bit": [0.4, 0.6, 0.8]}
+    fitted = fit_points(pts, grids=grids)
+    assert fitted.gemm_compute_8bit > 0
+    # Early stop: more rounds than needed give the same answer as many more.
+    def loss(e: Efficiencies) -> float:
+        return (e.memory - 0.5) ** 2
+
+    grid = {"memory": [0.3, 0.4, 0.5, 0.6]}
+    assert coordinate_descent(loss, KERNEL, grid, rounds=2) == coordinate_descent(loss, KERNEL, grid, rounds=50)
 
 
 def test_ceiling_is_never_below_a_public_measurement() -> None:
@@ -58,6 +121,7 @@ def test_speed_ratio_reads_the_same_way_for_latency() -> None:
 def test_profile_file_round_trip_and_errors(tmp_path) -> None:
     f = tmp_path / "mine.yaml"
     eff = ENGINE.replace(memory=0.66, comm_latency_s=5e-6)
+    assert eff.gemm_compute_8bit == ENGINE.gemm_compute_8bit  # the FP8 share round-trips too
     save_profile(eff, f, name="mine", source="test")
     assert load_profile(f) == eff and get_profile(str(f)) == eff
     assert not list(tmp_path.glob(".mine.yaml.*"))  # no temp file left behind

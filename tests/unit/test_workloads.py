@@ -11,7 +11,7 @@ from stoker.roofline.costmodel import step_cost
 from stoker.roofline.hardware import get_link
 from stoker.roofline.planner import PlanTargets, serving_times
 from stoker.roofline.profiles import ENGINE
-from stoker.roofline.workloads import chunked_prefill_s, static_batch_time_s
+from stoker.roofline.workloads import chunked_prefill_s, static_batch_time_s, static_batch_tokens_per_s
 
 NVLINK = get_link("nvlink4")
 
@@ -91,3 +91,25 @@ def test_plan_times_chunked_prefill_under_the_token_budget() -> None:
 
 def _m_g() -> tuple[str, str]:
     return "llama-3-8b", "H100"
+
+
+def test_static_batch_throughput_is_output_tokens_over_the_whole_run() -> None:
+    # TensorRT-LLM's definition (docs/source/blogs/XQA-kernel.md): out_tps = output_seqlen x
+    # batch_size / total_latency / tp; total_latency includes the context phase. Ours is the
+    # group's figure, so per GPU it is divided by tp.
+    kw = dict(batch=64, input_len=2048, output_len=128, weight_dtype="fp8", kv_dtype="fp8", tp=2, eff=ENGINE)
+    total = static_batch_time_s("llama-2-70b", "H100", **kw)
+    assert static_batch_tokens_per_s("llama-2-70b", "H100", **kw) == pytest.approx(64 * 128 / total)
+    # The prefill is in the time: a 2048-token prompt costs more than a 128-token one at equal output.
+    short = static_batch_time_s("llama-2-70b", "H100", **{**kw, "input_len": 128})
+    assert total > short
+
+
+def test_fp8_gemm_share_slows_fp8_static_batches_only() -> None:
+    slow = ENGINE.replace(gemm_compute_8bit=ENGINE.gemm_compute_8bit / 2)
+    fp8 = dict(batch=256, input_len=2048, output_len=16, weight_dtype="fp8", kv_dtype="fp8")
+    bf16 = dict(batch=256, input_len=2048, output_len=16, weight_dtype="bf16")
+    assert static_batch_time_s("llama-2-7b", "H100", eff=slow, **fp8) > 1.3 * static_batch_time_s(
+        "llama-2-7b", "H100", eff=ENGINE, **fp8)
+    assert static_batch_time_s("llama-2-7b", "H100", eff=slow, **bf16) == static_batch_time_s(
+        "llama-2-7b", "H100", eff=ENGINE, **bf16)
