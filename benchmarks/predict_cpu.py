@@ -9,7 +9,9 @@ alone, against the same steps measured (issue 16, part 2).
    is given: the fp32 matmul peak and the streaming-read roof.
 2. Microbenchmarks (stoker/doctor/microbench.py, onmachine.py): the model's projection chain
    at every token count of the sweep, paged attention at one decode and one prefill shape the
-   sweep does not use, and the host overhead of a near-empty 8-layer model's step.
+   sweep does not use, the fixed part of the chain and of decode attention (near-empty
+   shapes), the layers' row kernels and activation copies, the host's input building per
+   prompt length, and the host overhead of a near-empty 8-layer model's step.
 3. `roofline.microfit.fit` -> efficiencies; `predict_step` prices each step with the cost model.
 4. The steps: `ModelRunner.execute` of the real engine (issue 2's model shape, random float32
    weights), median over steps and rounds. Nothing from 4 reaches 3.
@@ -86,6 +88,10 @@ def main() -> None:
     print(f"#   decode attention B={b} ctx={c}: {t * 1e3:.2f} ms (e memory {f.attention_memory:.3f}); prefill attention: "
           + ", ".join(f"{n} tokens {t * 1e3:.1f} ms (e compute {f.attention_compute_eff[n]:.3f})"
                       for n, t in sorted(mb.prefill_attention_s.items())))
+    print(f"#   fixed parts (subtracted before the fits; the host probe charges them): projection chain "
+          f"{mb.chain_fixed_s * 1e3:.2f} ms, decode attention {mb.decode_attention_fixed_s * 1e3:.2f} ms")
+    print("#   host input building beyond one token (prefill): " + ", ".join(
+        f"M={k}: {v * 1e3:.2f} ms" for k, v in sorted(f.host_tokens_s.items())))
     print("#   row kernels beyond one row: " + ", ".join(f"M={k}: {v * 1e3:.2f} ms" for k, v in sorted(f.row_ops_s.items())))
     print("#   host overhead per step: " + ", ".join(f"B={k}: {v * 1e3:.2f} ms" for k, v in sorted(f.overhead_s.items())))
     for line in table(rows):

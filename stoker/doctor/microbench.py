@@ -12,6 +12,7 @@ attention), called directly at the model's shapes, never the engine's step:
     projection_chain_s(spec, tokens)      every layer's qkv/o/gate_up/down, distinct weights per
                                           layer (the step's working set), M = tokens rows
     decode_attention_s / prefill_attention_s   the paged attention kernels over all layers
+    row_ops_s(spec, tokens)               the layers' row-wise kernels and activation copies
 """
 
 from __future__ import annotations
@@ -153,25 +154,42 @@ def prefill_attention_s(spec: ModelSpec, prompt_len: int, iters: int) -> float:
 
 
 def row_ops_s(spec: ModelSpec, tokens: int, iters: int) -> float:
-    """All layers' row-wise kernels at `tokens` rows: two fused residual-add + RMSNorms (T, hidden),
-    rotary on q (T, H, D) and k (T, Hkv, D), and the K/V store into a paged cache."""
+    """All layers' row-wise work at `tokens` rows, as the layer forward does it: residual-add +
+    RMSNorm on (T, hidden), q and k split from the qkv projection's output (T, q + 2 kv) and
+    rotated (strided views in, new (T, H, D) and (T, Hkv, D) out), K/V stored into a paged cache,
+    the attention output copied into the layer's (T, H, D) buffer (prefill's `out[nd:] = ...`;
+    decode returns the kernel's own: <= 64 x q_dim floats a layer at the sweep's batches, ~1% of
+    this term there), the second residual-add + RMSNorm; and the token embeddings' gather once.
+    Every layer has its own buffers, as in the step: the 8 layers' activations (~28 MB a layer at
+    2048 tokens) are not the cache-resident pair a loop over one layer's would be."""
     import torch
 
     from stoker.kernels.cpu import native
 
-    h, d = spec.hidden_size, spec.head_dim
+    h, d, q_dim, kv_dim = spec.hidden_size, spec.head_dim, spec.q_dim, spec.kv_dim
     gen = torch.Generator().manual_seed(2)
-    x, res, w = torch.randn(tokens, h, generator=gen), torch.randn(tokens, h, generator=gen), torch.ones(h)
-    q, k = torch.randn(tokens, spec.num_heads, d, generator=gen), torch.randn(tokens, spec.num_kv_heads, d, generator=gen)
     pos = torch.arange(tokens, dtype=torch.int64)
+    ids = (pos * 7) % spec.vocab_size
+    embed = torch.randn(spec.vocab_size, h, generator=gen)
     cos_sin = torch.randn(tokens, d, generator=gen)
+    w = torch.ones(h)
     caches, _ = _paged_caches(spec, 1, tokens)
+    layers = [{"x": torch.randn(tokens, h, generator=gen), "res": torch.randn(tokens, h, generator=gen),
+               "qkv": torch.randn(tokens, q_dim + 2 * kv_dim, generator=gen),
+               "attn": torch.randn(tokens, spec.num_heads, d, generator=gen),
+               "o": torch.randn(tokens, h, generator=gen)} for _ in range(spec.num_layers)]
 
     def run() -> None:
-        for kc, vc in caches:
-            native.fused_add_rms_norm(x, res, w, 1e-6)
-            qr, kr = native.rotary_embedding(pos, q, k, cos_sin)
-            native.store_kvcache(kr, kr, kc, vc, pos)
-            native.fused_add_rms_norm(x, res, w, 1e-6)
+        torch.nn.functional.embedding(ids, embed)
+        for (kc, vc), b in zip(caches, layers):
+            _, res = native.fused_add_rms_norm(b["x"], b["res"], w, 1e-6)
+            q, k, v = b["qkv"].split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k = native.rotary_embedding(pos, q.reshape(tokens, spec.num_heads, d),
+                                           k.reshape(tokens, spec.num_kv_heads, d), cos_sin)
+            native.store_kvcache(k, v.reshape(tokens, spec.num_kv_heads, d), kc, vc, pos)
+            out = torch.empty_like(q)
+            out[:] = b["attn"]
+            native.fused_add_rms_norm(b["o"], res, w, 1e-6)
+        native.fused_add_rms_norm(layers[-1]["o"], layers[-1]["res"], w, 1e-6)  # the final norm
 
     return median_s(run, iters)

@@ -1,9 +1,9 @@
 """The on-machine check of the cost model: predict the CPU engine's steps from microbenchmarks,
 then time the steps, and compare (benchmarks/predict_cpu.py prints it; a slow test asserts it).
 
-Held out: nothing measured in `measure_steps` reaches `fit`. The microbenchmarks run the
-engine's kernels at the model's shapes (microbench.py) and a near-empty model with the same
-layers for the host overhead; the steps run the real engine (`LLM` on a random checkpoint).
+Held out: nothing measured from the steps (`step_timing.step_seconds` of the real model) reaches `fit`. The microbenchmarks run the
+engine's kernels at the model's shapes (microbench.py), the same calls at near-empty shapes
+for their fixed parts, and a near-empty model with the same layers for the host overhead; the steps run the real engine (`LLM` on a random checkpoint).
 Rounds interleave the two, and each figure is the median over rounds, so load from other jobs
 on a shared machine falls on both sides alike.
 """
@@ -92,13 +92,22 @@ class Samples:
 
 
 def microbench_round(spec: ModelSpec, chain: microbench.ProjectionChain, overhead_llm: Any, tokens: set[int],
-                     batches: set[int], samples: Samples, iters: int) -> None:
+                     batches: set[int], samples: Samples, iters: int, tiny_chain: microbench.ProjectionChain | None = None,
+                     prompt_lens: set[int] = frozenset()) -> None:
     for m in sorted(tokens):
         samples.add(("chain", m), chain.seconds(m, iters if m < 512 else max(2, iters // 4)))
+    if tiny_chain is not None:
+        # The chain's fixed part: the same 4 x L calls on the probe's 64-wide weights, one row
+        # (at 2 threads each call's fork/join; the probe charges it).
+        samples.add(("chain_fixed",), tiny_chain.seconds(1, 3 * iters))
     for m in sorted(tokens | {1}):
         samples.add(("row_ops", m), microbench.row_ops_s(spec, m, iters))
     b, c = DECODE_ATTENTION_SHAPE
     samples.add(("decode_attention",), microbench.decode_attention_s(spec, b, c, iters))
+    samples.add(("decode_attention_fixed",), microbench.decode_attention_s(spec, 1, 1, 3 * iters))
+    bs = overhead_llm.engine.executor.runner.block_size
+    for n in sorted(prompt_lens | {1} if prompt_lens else set()):
+        samples.add(("host_inputs", n), step_timing.host_inputs_s(n, bs, iters))
     for n in PREFILL_ATTENTION_LENS:
         samples.add(("prefill_attention", n), microbench.prefill_attention_s(spec, n, max(2, iters // 4)))
     for b in sorted(batches):
@@ -113,7 +122,10 @@ def to_microbenchmarks(samples: Samples, device: GPUSpec, overhead_spec: ModelSp
                           eff=Efficiencies.ideal(), **FP32).latency_floor_s for b in overhead}  # type: ignore[arg-type]
     return Microbenchmarks(chain, (*DECODE_ATTENTION_SHAPE, samples.median(("decode_attention",))),
                            {n: samples.median(("prefill_attention", n)) for n in PREFILL_ATTENTION_LENS}, overhead, floor,
-                           {k[1]: samples.median(k) for k in keys if k[0] == "row_ops"})
+                           {k[1]: samples.median(k) for k in keys if k[0] == "row_ops"},
+                           samples.median(("chain_fixed",)) if ("chain_fixed",) in keys else 0.0,
+                           samples.median(("decode_attention_fixed",)) if ("decode_attention_fixed",) in keys else 0.0,
+                           {k[1]: samples.median(k) for k in keys if k[0] == "host_inputs"})
 
 
 @dataclass(frozen=True)
@@ -135,12 +147,13 @@ def run_check(points: Sequence[Point], device: GPUSpec, root: Path, rounds: int 
     spec, overhead_spec = get_model_spec(str(path)), get_model_spec(str(overhead_path))
     llm = build_llm(path, points)
     overhead_llm = build_llm(overhead_path, [Point("decode", p.batch, OVERHEAD_CONTEXT) for p in points])
-    chain = microbench.ProjectionChain(spec)
+    chain, tiny_chain = microbench.ProjectionChain(spec), microbench.ProjectionChain(overhead_spec)
     tokens = {p.tokens for p in points} | {p.batch for p in points}  # the LM head runs on `batch` rows
     batches = {p.batch for p in points if p.phase == "decode"} | {1}
+    prompt_lens = {p.tokens for p in points if p.phase == "prefill"}
     micro, steps = Samples({}), Samples({})
     for _ in range(rounds):
-        microbench_round(spec, chain, overhead_llm, tokens, batches, micro, iters)
+        microbench_round(spec, chain, overhead_llm, tokens, batches, micro, iters, tiny_chain, prompt_lens)
         for p in points:
             n = step_iters if p.tokens < 512 else max(2, step_iters // 3)
             steps.add(p, step_timing.step_seconds(llm, p.phase, p.batch, p.context_len, n, warmup=1))

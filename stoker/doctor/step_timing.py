@@ -44,3 +44,15 @@ def step_seconds(llm: Any, phase: str, batch: int, context_len: int, iters: int,
     if phase == "prefill" and batch != 1:
         raise ValueError("prefill steps are timed one prompt at a time")
     return median_s(lambda: runner.execute(msg), iters, warmup)
+
+
+def host_inputs_s(prompt_len: int, block_size: int, iters: int) -> float:
+    """Median seconds the host takes to build one prompt's input tensors (`prepare_inputs`: a
+    Python loop over the tokens for positions and KV slots, then the tensors): the per-token
+    host work of a prefill step, which the batch-1 overhead probe (one token) does not do."""
+    import torch
+
+    from stoker.runner.inputs import prepare_inputs
+
+    msg = prefill_message(prompt_len, block_size)
+    return median_s(lambda: prepare_inputs(msg, block_size, torch.device("cpu")), iters)

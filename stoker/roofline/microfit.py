@@ -6,21 +6,31 @@ never from the engine steps it predicts. `stoker/doctor/microbench.py` measures,
 the measurements into `Efficiencies`, `predict_step()` prices a step with `costmodel.step_cost`:
 
     gemm      the model's projection chain (every layer's qkv, o, gate_up, down: the weights the
-              step streams, distinct per layer) at M tokens -> e(M) = roofline floor / measured:
+              step streams, distinct per layer) at M tokens, less its fixed part (the same chain
+              of 4 x L calls on near-empty weights: Python, ctypes, the parallel region's fork
+              and join, which `overhead` already charges) -> e(M) = roofline floor / measured:
               the share of the roofline the matmuls reach at M rows (Efficiencies.gemm_compute
               and .memory both e(M), so the op keeps its bound and takes floor / e(M)).
               Between measured M, e is interpolated in log M.
-    attention decode: all layers' paged attention over (B, context) -> .memory for KV streaming;
+    attention decode: all layers' paged attention over (B, context), less the same at one sequence
+              of one block (the calls' fixed part, charged by `overhead`) -> .memory for KV streaming;
               prefill: causal attention over one prompt at two lengths -> .attention_compute,
               interpolated in log length (the causal kernel wastes less of each tile on longer
               prompts). Measured at shapes the sweep does not use: their scaling is predicted.
-    row ops   every layer's row-wise kernels (residual + RMSNorm twice, rotary, K/V store) at M
-              rows, less the same at one row (that part is dispatch, counted by `overhead`): the
-              activation traffic the roofline's matmul ops leave out (~4% of a long prefill).
-    overhead  per-step host work (Python dispatch of every op, input tensors, sampling): a step
-              of a model with the same layers and ops but almost no bytes or FLOPs, at the same
-              batch, minus its own roofline floor. Prefill charges the batch-1 figure (the same
-              ops; per-token host work is < 1% of any prefill measured here).
+    row ops   every layer's row-wise work at M rows (residual + RMSNorm twice, rotary, K/V store,
+              the attention output's copy; the embedding gather and final norm once), each layer
+              on its own buffers as in the step, less the same at one row (that part is dispatch,
+              counted by `overhead`): the activation traffic the roofline's matmul ops leave out
+              (~4-7% of a long prefill).
+    overhead  per-step host work (Python dispatch of every op, input tensors, sampling) and every
+              call's fixed cost: a step of a model with the same layers and ops but almost no
+              bytes or FLOPs, at the same batch and thread count, minus its own roofline floor.
+              With T > 1 threads this is where each parallel region's wake-up of the other
+              threads lands (OMP_WAIT_POLICY=PASSIVE: workers sleep between regions; on a 2-vCPU
+              VM waking the idle vCPU added 5-125 us per region, ~41 regions a decode step), so
+              the gemm and attention fits subtract their own fixed parts rather than count it
+              twice. Prefill charges the batch-1 figure plus the host's per-token input building
+              (`prepare_inputs` at M tokens less at one: Python lists of positions and slots).
 
 Pure Python (no torch): roofline/ must stay importable without it.
 """
@@ -53,6 +63,10 @@ class Microbenchmarks:
     overhead_step_s: dict[int, float]  # decode batch -> seconds of the near-empty model's step
     overhead_floor_s: dict[int, float] = field(default_factory=dict)  # its own roofline floor, subtracted
     row_ops_s: dict[int, float] = field(default_factory=dict)  # tokens M -> all layers' row kernels (M = 1 included)
+    # Fixed parts, subtracted before the fits (the overhead probe charges them once):
+    chain_fixed_s: float = 0.0  # the projection chain's 4 x L calls on near-empty weights, one row
+    decode_attention_fixed_s: float = 0.0  # all layers' decode attention at one sequence of one block
+    host_inputs_s: dict[int, float] = field(default_factory=dict)  # tokens M -> building one prompt's inputs (M = 1 included)
 
     def __post_init__(self) -> None:
         if not self.projection_chain_s or not self.overhead_step_s:
@@ -69,6 +83,7 @@ class MicroFit:
     attention_compute_eff: dict[int, float]  # prompt tokens -> prefill attention's share of the fp32 peak
     overhead_s: dict[int, float]  # decode batch -> host seconds per step
     row_ops_s: dict[int, float] = field(default_factory=dict)  # tokens M -> row kernels' seconds beyond M = 1
+    host_tokens_s: dict[int, float] = field(default_factory=dict)  # prompt tokens M -> host input building beyond M = 1
 
     def attention_compute(self, prompt_len: int) -> float:
         return _interp_log(self.attention_compute_eff, prompt_len)
@@ -117,11 +132,11 @@ def raise_roofs(model: ModelSpec, device: GPUSpec, mb: Microbenchmarks) -> GPUSp
     efficiencies are floor / measured, so the roofs cancel out of every prediction unless one
     had to be clamped: this is what keeps the check independent of when the peak was taken.)"""
     flops, nbytes = [device.peak_flops("fp32")], [device.hbm_bytes_per_s]
-    for m, t in mb.projection_chain_s.items():
+    for m, t in _chain_variable_s(mb).items():
         ops = [op for op in _floor(model, device, "prefill", 1, m).floor_ops if op.name in PROJECTIONS]
         flops.append(sum(op.flops for op in ops) / t)
         nbytes.append(sum(op.bytes for op in ops) / t)
-    b, ctx, t_dec = mb.decode_attention
+    b, ctx, t_dec = _decode_attention_variable(mb)
     nbytes.append(_attention_op(_floor(model, device, "decode", b, ctx)).bytes / t_dec)
     for n, t in mb.prefill_attention_s.items():
         flops.append(_attention_op(_floor(model, device, "prefill", 1, n)).flops / t)
@@ -131,8 +146,8 @@ def raise_roofs(model: ModelSpec, device: GPUSpec, mb: Microbenchmarks) -> GPUSp
 def fit(model: ModelSpec, device: GPUSpec, mb: Microbenchmarks) -> MicroFit:
     """Efficiencies from microbenchmarks alone: each is a roofline floor over a measured time."""
     device = raise_roofs(model, device, mb)
-    gemm = {m: _clamp(projection_floor_s(model, device, m) / t) for m, t in mb.projection_chain_s.items()}
-    b, ctx, t_dec = mb.decode_attention
+    gemm = {m: _clamp(projection_floor_s(model, device, m) / t) for m, t in _chain_variable_s(mb).items()}
+    b, ctx, t_dec = _decode_attention_variable(mb)
     dec = _attention_op(_floor(model, device, "decode", b, ctx))
     # Prefill attention's floor is its FLOPs at the fp32 peak (compute-bound: its bytes, K/V
     # written once and Q read, are a few % of that time): floor / measured is its compute share.
@@ -141,7 +156,24 @@ def fit(model: ModelSpec, device: GPUSpec, mb: Microbenchmarks) -> MicroFit:
     overhead = {k: max(0.0, v - mb.overhead_floor_s.get(k, 0.0)) for k, v in mb.overhead_step_s.items()}
     rows = mb.row_ops_s
     row = {m: max(0.0, t - rows.get(1, t)) for m, t in rows.items()}
-    return MicroFit(device, gemm, _clamp(dec.bytes / device.hbm_bytes_per_s / t_dec), attn_compute, overhead, row)
+    host = {m: max(0.0, t - mb.host_inputs_s.get(1, t)) for m, t in mb.host_inputs_s.items()}
+    return MicroFit(device, gemm, _clamp(dec.bytes / device.hbm_bytes_per_s / t_dec), attn_compute, overhead, row, host)
+
+
+def _variable(t: float, fixed: float) -> float:
+    # A fixed part above half the measurement would mean the two were taken in different
+    # states of the machine (a burst of load on one): keep at least half rather than divide by
+    # a difference of noise.
+    return max(t - fixed, 0.5 * t)
+
+
+def _chain_variable_s(mb: Microbenchmarks) -> dict[int, float]:
+    return {m: _variable(t, mb.chain_fixed_s) for m, t in mb.projection_chain_s.items()}
+
+
+def _decode_attention_variable(mb: Microbenchmarks) -> tuple[int, int, float]:
+    b, ctx, t = mb.decode_attention
+    return b, ctx, _variable(t, mb.decode_attention_fixed_s)
 
 
 def _attention_op(s: StepCost):  # -> OpCost
@@ -177,6 +209,7 @@ def predict_step(model: ModelSpec, f: MicroFit, *, phase: str, batch: int, conte
         "lm_head": sum(op.time_s for op in head.ops if op.name == "lm_head"),
         "attention": sum(op.time_s for op in attn.ops if op.op_class == "attention"),
         "row_ops": _interp_log(f.row_ops_s, tokens) if f.row_ops_s else 0.0,
-        "overhead": f.overhead(batch if phase == "decode" else 1),
+        "overhead": f.overhead(batch) if phase == "decode" else
+                    f.overhead(1) + (_interp_log(f.host_tokens_s, tokens) if f.host_tokens_s else 0.0),
     }
     return StepPrediction(phase, batch, context_len, parts)

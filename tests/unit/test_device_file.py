@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,6 +95,30 @@ def test_fit_recovers_efficiencies_and_prices_steps():
     prefill = microfit.predict_step(ISSUE2, f, phase="prefill", batch=1, context_len=2048)
     assert prefill.parts_s["row_ops"] == pytest.approx(0.02) and prefill.parts_s["overhead"] == 2e-3
 
+
+
+def test_fixed_parts_are_charged_once_and_prefill_pays_per_token_host_work():
+    # At 2 threads every parallel region pays a wake-up of the other thread (10-130 us on a
+    # 2-vCPU VM): the probe's step charges it once per call; the chain and the decode attention
+    # microbenchmarks contain it too, so their fixed parts (measured at near-empty shapes) come
+    # off before the efficiencies are fitted. The prompt's input building adds host time per token.
+    dev = to_spec(_device())
+    base = _synthetic(dev, {1: 0.9, 2048: 0.95}, e_dec=0.8, e_pre=0.5, host=6e-3)
+    chain_fixed, attn_fixed = 3e-3, 1e-3
+    mb = dataclasses.replace(
+        base, projection_chain_s={m: t + chain_fixed for m, t in base.projection_chain_s.items()},
+        decode_attention=(*base.decode_attention[:2], base.decode_attention[2] + attn_fixed),
+        chain_fixed_s=chain_fixed, decode_attention_fixed_s=attn_fixed, host_inputs_s={1: 2e-5, 2048: 2e-5 + 1e-3})
+    f, plain = microfit.fit(ISSUE2, dev, mb), microfit.fit(ISSUE2, dev, base)
+    assert f.gemm_eff == pytest.approx(plain.gemm_eff) and f.attention_memory == pytest.approx(plain.attention_memory)
+    dec = microfit.predict_step(ISSUE2, f, phase="decode", batch=1, context_len=128)
+    assert dec.step_time_s == pytest.approx(microfit.predict_step(ISSUE2, plain, phase="decode", batch=1,
+                                                                  context_len=128).step_time_s)
+    assert microfit.predict_step(ISSUE2, f, phase="prefill", batch=1, context_len=2048).parts_s["overhead"] == \
+        pytest.approx(6e-3 + 1e-3)
+    # A fixed part measured during a burst (above half the measurement) is capped at half.
+    burst = dataclasses.replace(base, chain_fixed_s=1.0)
+    assert microfit.fit(ISSUE2, dev, burst).gemm_eff[1] == pytest.approx(min(1.0, 2 * plain.gemm_eff[1]))
 
 def test_a_microbenchmark_above_the_roof_raises_the_roof():
     # The peak was measured during a burst of load (half the real one): the microbenchmarks
