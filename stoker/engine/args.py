@@ -29,6 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, per-layer scales from the checkpoint, else 1.0)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8"],
                    help="quantize the weights at load, one scale per output channel (a pre-quantized checkpoint needs no flag)")
+    lo = parser.add_argument_group("LoRA (vLLM's flags)")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on top of the model (docs/lora.md)")
+    lo.add_argument("--max-loras", type=int, default=1, help="adapters in the compute slots at once (one step mixes at most these)")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (slot size)")
 
 
     d = parser.add_argument_group("distributed (tensor parallelism across processes and nodes; env:// rendezvous)")
@@ -63,4 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         distributed_timeout_s=args.distributed_timeout,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )

@@ -209,6 +209,7 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Admit a request now (raises at once if refused); iterate the stream for outputs."""
         if self.dead_error is not None:
@@ -228,7 +229,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._num_queued += params.n
         arrival = time.time() if arrival_time is None else arrival_time
-        self._commands.append(("add", (request_id, prompt, params, prompt_token_ids, arrival)))
+        self._commands.append(("add", (request_id, prompt, params, prompt_token_ids, arrival, lora_name)))
         self._wake.set()
         return stream
 
@@ -288,9 +289,10 @@ class AsyncEngine:
         while self._commands:
             kind, payload = self._commands.popleft()
             if kind == "add":
-                request_id, prompt, params, prompt_token_ids, arrival = payload
+                request_id, prompt, params, prompt_token_ids, arrival, lora_name = payload
                 try:
-                    self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, arrival_time=arrival)
+                    self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                            arrival_time=arrival, lora_name=lora_name)
                 except Exception as exc:  # a bad request fails alone
                     self._notify_failed(request_id)
                     self._call_loop(self._fail, request_id, exc)

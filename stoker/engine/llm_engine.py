@@ -67,6 +67,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens, cumulative
     generation_tokens: int  # sampled tokens, cumulative
+    running_loras: tuple[str, ...] = ()  # LoRA adapters of running / waiting sequences (vllm:lora_requests_info)
+    waiting_loras: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -448,6 +450,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            running_loras=tuple(sorted({s.lora_name for s in self.scheduler.running if s.lora_name})),
+            waiting_loras=tuple(sorted({s.lora_name for s in self.scheduler.waiting if s.lora_name})),
         )
 
     def check_health(self) -> None:

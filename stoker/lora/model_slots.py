@@ -24,7 +24,9 @@ _TARGET = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj
 class ModelLoRASlots:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras = max_loras
+        self.max_rank = max_rank
         self.device = device
+        self.dtype = dtype
         shard_names = {(merged, shard): name for name, (merged, shard) in getattr(model, "packed_modules", {}).items()}
         self.layers: list[LoRASlots] = []
         for name, module in model.named_modules():
@@ -51,16 +53,12 @@ class ModelLoRASlots:
             layer.clear(slot)
 
     def mapping(self, seqs: list[SeqStep], cu_seqlens: list[int]) -> LoRAMapping | None:
-        """Which rows of the step's packed tokens use which slot; None when no sequence has one."""
-        rows: dict[int, list[int]] = {}
+        """The step's (T, S * R) token -> slot mask; None when no sequence has an adapter."""
+        if all(s.lora_slot < 0 for s in seqs):
+            return None
+        r = self.max_rank
+        mask = torch.zeros(cu_seqlens[-1], self.max_loras * r)
         for i, s in enumerate(seqs):
             if s.lora_slot >= 0:
-                rows.setdefault(s.lora_slot, []).extend(range(cu_seqlens[i], cu_seqlens[i + 1]))
-        if not rows:
-            return None
-        total = cu_seqlens[-1]
-        groups = tuple(
-            (slot, None if len(r) == total else torch.tensor(r, dtype=torch.int64).to(self.device, non_blocking=True))
-            for slot, r in rows.items()
-        )
-        return LoRAMapping(groups)
+                mask[cu_seqlens[i]:cu_seqlens[i + 1], s.lora_slot * r:(s.lora_slot + 1) * r] = 1.0
+        return LoRAMapping(mask.to(device=self.device, dtype=self.dtype, non_blocking=True))

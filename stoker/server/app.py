@@ -27,6 +27,7 @@ from stoker.server.errors import ApiError, describe_validation_errors, error_bod
 from stoker.server.http_limits import install_redaction
 from stoker.server.metrics import EngineLogLine
 from stoker.server.middleware import Gatekeeper
+from stoker.server.pooling_models import load_pooling
 from stoker.server.routes import router
 from stoker.server.serving import ClientDisconnected
 from stoker.server.state import ServerSettings, ServerState
@@ -63,11 +64,15 @@ def _wall_model(engine: LLMEngine, profile: str | None) -> Any:
 
 def create_app(
     settings: ServerSettings,
-    engine_factory: EngineFactory,
+    engine_factory: EngineFactory | None,
     on_fatal: Callable[[BaseException], None] | None = None,
     drain_timeout_s: float | None = 30.0,
+    pooling: Any = None,
 ) -> FastAPI:
+    """`engine_factory` builds the generative engine (None: the server holds pooling models only);
+    `pooling` (server/pooling_models.py: PoolingModels) the embedding / reranker models, if any."""
     state = ServerState(settings)
+    state.pooling, state.serves_generation = pooling, engine_factory is not None
 
     # Loading, warm-up and every step run on this one thread (see AsyncEngine's docstring).
     executor = engine_executor()
@@ -79,6 +84,9 @@ def create_app(
             loop = asyncio.get_running_loop()
             engine = await loop.run_in_executor(executor, engine_factory)
             engines.append(engine)
+            for name, path in settings.lora_modules:  # a bad adapter stops start-up, naming it
+                await loop.run_in_executor(executor, engine.load_lora, name, path)
+                logger.info("LoRA adapter %r loaded from %s", name, path)
             from stoker.engine.tokenizer import load_tokenizer
 
             state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
@@ -114,7 +122,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(load()), asyncio.create_task(log_engine())]
+        tasks = [asyncio.create_task(load()) if engine_factory is not None else None, asyncio.create_task(log_engine()),
+                 asyncio.create_task(load_pooling(state, on_fatal)) if pooling is not None else None]
+        tasks = [t for t in tasks if t is not None]
         try:
             yield
         finally:
@@ -129,6 +139,8 @@ def create_app(
                 await asyncio.to_thread(engine.shutdown)
             if state.tokenization is not None:
                 state.tokenization.close()
+            if state.pooling is not None:
+                await state.pooling.shutdown()
 
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.state.stoker = state

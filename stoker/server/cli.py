@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.engine.args import add_engine_args, engine_kwargs
+from stoker.server.pooling_cli import add_pooling_args, pooling_models_from_args
 from stoker.server.tool_parsers import PARSERS
 
 
@@ -58,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--enable-request-timing", action="store_true",
                    help="add stoker_timing to each response (the final chunk when streamed): queue, prefill and decode "
                         "seconds, engine steps taken and the wall they ran against")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora): NAME=PATH or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}'; a request's model NAME uses the adapter")
+    s.add_argument("--allow-runtime-lora-updates", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter while serving (vLLM: "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine log lines (only when busy)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to let in-flight requests finish before closing them (default: wait)")
@@ -65,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--headless", action="store_true",
                    help="run only this node's tensor-parallel ranks, no server (nodes other than 0 of --nnodes)")
     s.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_pooling_args(p)
     p.set_defaults(func=run, parser=p)
 
 
@@ -144,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         roofline_profile=args.roofline_profile,
         enable_request_timing=args.enable_request_timing,
+        lora_modules=parse_lora_modules(args.lora_modules, args.enable_lora),
+        allow_runtime_lora_updates=args.allow_runtime_lora_updates,
     )
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -153,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, lambda: LLM(model_path, **kwargs).engine, on_fatal=on_fatal, drain_timeout_s=args.shutdown_timeout)
+    pooling = pooling_models_from_args(args, model_path, settings.served_model_names)  # an embedding / reranker folder
+    app = create_app(settings, None if pooling else lambda: LLM(model_path, **kwargs).engine, on_fatal=on_fatal,
+                     drain_timeout_s=args.shutdown_timeout, pooling=pooling)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
@@ -165,3 +177,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"stoker serve: error: {fatal[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def parse_lora_modules(items: list[str], enabled: bool) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH or '{"name": ..., "path": ...}' -> ((name, path), ...)."""
+    import json
+
+    out: list[tuple[str, str]] = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            d = json.loads(item)
+            name, path = d.get("name"), d.get("path")
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: give NAME=PATH (or {{\"name\": ..., \"path\": ...}})")
+        out.append((name, path))
+    if out and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return tuple(out)

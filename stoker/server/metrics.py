@@ -89,6 +89,13 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Sequences preempted to free KV blocks", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
+        if engine.engine.lora is not None:
+            # vLLM's: an info gauge whose labels name the adapters in use, valued at the scrape time
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(engine.engine.config.lora_config.max_loras), ",".join(s.running_loras),
+                          ",".join(s.waiting_loras)], time.time())
+            yield g
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
         yield gauge("stoker:num_requests_queued", "Sequences (n per request) admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)

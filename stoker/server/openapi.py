@@ -52,11 +52,16 @@ _ROUTES: dict[str, dict[str, tuple[dict[str, Any] | None, tuple[int, ...]]]] = {
     "/tokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/detokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/models": {"get": (_JSON, (401, 500, 503))},
+    "/v1/embeddings": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/rerank": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/score": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/health": {"get": (None, (500, 503))},
     "/v1/health/live": {"get": (_JSON, (500, 503))},
     "/v1/health/ready": {"get": (_JSON, (500, 503))},
     "/metrics": {"get": ({"text/plain": {"schema": {"type": "string"}}}, (500,))},
     "/tokenizer_info": {"get": (_JSON, (401, 404, 500, 503))},
+    "/v1/load_lora_adapter": {"post": ({"text/plain": {"schema": {"type": "string"}}}, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/unload_lora_adapter": {"post": ({"text/plain": {"schema": {"type": "string"}}}, (400, 401, 404, 408, 413, 500, 503))},
 }
 
 

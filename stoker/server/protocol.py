@@ -372,6 +372,16 @@ class ChatCompletionRequest(_SamplingFields):
         return tool or asked
 
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: SmallInt | None = None  # vLLM's; the name identifies the adapter here
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

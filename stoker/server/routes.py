@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from stoker.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from stoker.server.responses_protocol import ResponsesRequest
 from stoker.server.serving import Serving
 from stoker.server.serving_chat import OpenAIServingChat
 from stoker.server.serving_completion import OpenAIServingCompletion
 from stoker.server.serving_responses import OpenAIServingResponses
+from stoker.server.model_readiness import check_generation, check_ready, pooling_model_cards
+from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.serving_pooling import OpenAIServingPooling
 from stoker.server.state import ServerState
 
 router = APIRouter()
@@ -26,29 +32,52 @@ def _state(request: Request) -> ServerState:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    check_generation(_state(request), "Completions API")
     return await OpenAIServingCompletion(_state(request)).create(body, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    check_generation(_state(request), "Chat Completions API")
     return await OpenAIServingChat(_state(request)).create(body, request)
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
+    check_generation(_state(request), "Responses API")
     return await OpenAIServingResponses(_state(request)).create(body, request)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     st = _state(request)
-    Serving(st).engine()  # max_model_len is known once the model is loaded
-    data = [
+    check_ready(st)  # max_model_len is known once the model is loaded
+    data = [] if not st.serves_generation else [
         {"id": name, "object": "model", "created": st.created, "owned_by": "stoker", "root": st.settings.model_path,
          "parent": None, "max_model_len": st.max_model_len}
         for name in st.settings.served_model_names
     ]
+    lora = st.engine.engine.lora if st.engine is not None else None
+    for name in lora.names() if lora is not None else []:  # adapters: their parent is the base model
+        data.append({"id": name, "object": "model", "created": st.created, "owned_by": "stoker",
+                     "root": lora.path_of(name), "parent": st.settings.model_name, "max_model_len": st.max_model_len})
+    data += pooling_model_cards(st)
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+    return await OpenAIServingPooling(_state(request)).embeddings(body)
+
+
+@router.post("/v1/rerank")
+async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
+    return await OpenAIServingPooling(_state(request)).rerank(body)
+
+
+@router.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> JSONResponse:
+    return await OpenAIServingPooling(_state(request)).score(body)
 
 
 @router.get("/health")
@@ -56,7 +85,7 @@ async def health(request: Request) -> Response:
     """vLLM's meaning: ready for requests. 503 while the model loads, once the engine has died,
     and while shutting down (scripts, Docker health checks and Helm charts poll it before
     sending traffic); liveness is /v1/health/live."""
-    Serving(_state(request)).engine()
+    check_ready(_state(request))
     return Response(status_code=200)
 
 
@@ -72,7 +101,7 @@ async def live(request: Request) -> JSONResponse:
 @router.get("/v1/health/ready")
 async def ready(request: Request) -> JSONResponse:
     st = _state(request)
-    Serving(st).engine()  # 503 while loading, after a crash, or while shutting down
+    check_ready(st)  # 503 while loading, after a crash, or while shutting down
     return JSONResponse({"object": "health.response", "message": "Service is ready."})
 
 
@@ -142,3 +171,42 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
+
+
+def _runtime_lora(request: Request) -> ServerState:
+    st = _state(request)
+    if not st.settings.allow_runtime_lora_updates:
+        raise ApiError(404, "loading and unloading LoRA adapters while serving is off; start the server with "
+                            "--allow-runtime-lora-updates (and --enable-lora)")
+    Serving(st).engine()
+    if st.engine.engine.lora is None:
+        raise bad_request("LoRA is off; start the server with --enable-lora", "lora_name")
+    return st
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+    """vLLM's: read, check and register an adapter; requests may name it once this answers."""
+    from stoker.lora.adapter import LoRAError
+
+    st = _runtime_lora(request)
+    if body.lora_name in st.settings.served_model_names:
+        raise bad_request(f"{body.lora_name!r} is the base model's name; give the adapter another", "lora_name")
+    try:
+        await asyncio.to_thread(st.engine.engine.load_lora, body.lora_name, body.lora_path)
+    except LoRAError as exc:
+        raise bad_request(str(exc), "lora_path" if "already loaded" not in str(exc) else "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+    """vLLM's: new requests may no longer name it; requests already running with it finish."""
+    from stoker.lora.adapter import LoRAError
+
+    st = _runtime_lora(request)
+    try:
+        st.engine.engine.unload_lora(body.lora_name)
+    except LoRAError as exc:
+        raise ApiError(404, str(exc), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

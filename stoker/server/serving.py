@@ -60,10 +60,26 @@ class Serving:
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> str:
+        """The model name the request asked for: a served name of the base model, or (with
+        --enable-lora) a loaded adapter's name; anything else is a 404 in OpenAI's shape."""
         names = self.state.settings.served_model_names
-        if model is not None and model not in names:
-            raise ApiError(404, f"The model `{model}` does not exist. Served: {', '.join(names)}", "model")
+        if model is not None and model not in names and self.lora_name(model) is None:
+            served = list(names) + self.adapter_names()
+            raise ApiError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}", "model")
         return model or names[0]
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, or None for the base model."""
+        st = self.state
+        if model is None or model in st.settings.served_model_names or st.engine is None:
+            return None
+        lora = st.engine.engine.lora
+        return model if lora is not None and lora.has(model) else None
+
+    def adapter_names(self) -> list[str]:
+        st = self.state
+        lora = st.engine.engine.lora if st.engine is not None else None
+        return lora.names() if lora is not None else []
 
     def engine(self) -> AsyncEngine:
         st = self.state
@@ -123,7 +139,8 @@ class Serving:
             raise bad_request(f"{param} must be in [0, {cap}], got {value}", param)
 
     # ------------------------------------------------------------------ engine
-    def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestStream]:
+    def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                lora_name: str | None = None) -> list[RequestStream]:
         """One engine request per prompt; all admitted or none (earlier ones aborted)."""
         engine = self.engine()
         num_seqs = sum(p.n for p in params)
@@ -136,7 +153,7 @@ class Serving:
         try:
             for i, ((text, ids), p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(engine.add_request(rid, ids, p, text))
+                streams.append(engine.add_request(rid, ids, p, text, lora_name=lora_name))
         except QueueFullError as exc:
             for s in streams:
                 s.abort()

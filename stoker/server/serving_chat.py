@@ -51,7 +51,7 @@ class OpenAIServingChat(Serving):
                 raise bad_request(f"tools: {exc.message}", "tools") from None
             raise
         request_id = new_id("chatcmpl")
-        streams = self.add_all(request_id, [(None, ids)], [params])
+        streams = self.add_all(request_id, [(None, ids)], [params], lora_name=self.lora_name(req.model))
         created = now_s()
         if req.stream:
             body = self._stream(request_id, model, created, streams, params, len(ids), req, plan)

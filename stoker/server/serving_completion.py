@@ -63,7 +63,7 @@ class OpenAIServingCompletion(Serving):
         await self.compile_grammar(params[0])
         echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
         request_id = new_id("cmpl")
-        streams = self.add_all(request_id, prompts, params)
+        streams = self.add_all(request_id, prompts, params, lora_name=self.lora_name(req.model))
         created = now_s()
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:

@@ -34,6 +34,9 @@ class ServerSettings:
     # Per request: queue, prefill and decode time, steps and their wall, as `stoker_timing` in
     # the response (the final chunk when streamed). Off by default, as it adds a field.
     enable_request_timing: bool = False
+    # LoRA adapters to load at start-up (name, PEFT folder); runtime (un)loading through the API
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updates: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -73,6 +76,10 @@ class ServerState:
     vocab_size: int = 0
     ready: bool = False
     load_error: BaseException | None = None
+    # Embedding / reranker models (server/pooling_models.py: PoolingModels), None when the server
+    # holds none; serves_generation is False for a server of pooling models only.
+    pooling: Any = None
+    serves_generation: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
 

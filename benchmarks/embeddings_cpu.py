@@ -1,0 +1,148 @@
+"""Embedding throughput: `stoker serve` with the dynamic batcher on and off, against
+sentence-transformers' `encode` at its best batch size, same inputs, same run.
+
+Model: a MiniLM-L6-shaped random BERT (all-MiniLM-L6-v2's shape: hidden 384, 6 layers,
+12 heads, intermediate 1536, mean pooling, normalized) in the sentence-transformers layout,
+built by stoker/testing/tiny_pooling.py (its WordPiece vocabulary is small; the compute per
+token is MiniLM's). Inputs: `--inputs` sentences of 8-40 words (random, seeded).
+Server: `python -m stoker serve DIR` in a subprocess on 127.0.0.1; batcher on =
+`--max-batch-size 32 --max-queue-delay-microseconds 2000`, off = `--max-batch-size 1`. The
+client (aiohttp, this process) sends one input per /v1/embeddings request, `c` at a time.
+sentence-transformers runs in this process with the server idle, batch sizes 1..128, the
+best kept. Throughput = inputs / wall seconds; each figure is the median of `--runs`.
+
+    .venv/bin/python benchmarks/embeddings_cpu.py [--runs 3] [--inputs 512] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.machine import cpu_model, isa  # noqa: E402
+
+MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+              max_position_embeddings=512)
+
+
+def make_inputs(n: int, seed: int = 0) -> list[str]:
+    from stoker.testing.tiny_pooling import _WORDS
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 40))) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", str(model_dir), "--port", str(port), "--served-model-name", "m",
+           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def _load(url: str, inputs: list[str], concurrency: int) -> float:
+    import aiohttp
+
+    queue = list(enumerate(inputs))
+    async with aiohttp.ClientSession() as session:
+        async def worker() -> None:
+            while queue:
+                _, text = queue.pop()
+                async with session.post(url + "/v1/embeddings", json={"model": "m", "input": text}) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return len(inputs) / (time.perf_counter() - t0)
+
+
+def st_best(model_dir: Path, inputs: list[str]) -> tuple[float, int]:
+    from sentence_transformers import SentenceTransformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        st = SentenceTransformer(str(model_dir), device="cpu")
+    st.encode(inputs[:64], batch_size=32)  # warm-up
+    best = (0.0, 0)
+    for bs in (1, 8, 32, 64, 128):
+        t0 = time.perf_counter()
+        st.encode(inputs, batch_size=bs)
+        rate = len(inputs) / (time.perf_counter() - t0)
+        best = max(best, (rate, bs))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--inputs", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="also concurrency 128")
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from stoker.testing.tiny_pooling import make_bert_embedder
+
+    levels = [1, 8, 32] + ([128] if args.quick else [])
+    configs = {"batcher on": ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000"],
+               "batcher off": ["--max-batch-size", "1"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_bert_embedder(Path(tmp) / "minilm", **MINILM)
+        inputs = make_inputs(args.inputs)
+        results: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in configs}
+        st_runs: list[tuple[float, int]] = []
+        for run in range(args.runs):
+            st_runs.append(st_best(model_dir, inputs))
+            for name, flags in configs.items():
+                proc, url = start_server(model_dir, flags)
+                try:
+                    asyncio.run(_load(url, inputs[:64], 8))  # warm-up
+                    for c in levels:
+                        n = inputs if c > 1 or name == "batcher on" else inputs[: len(inputs) // 2]
+                        results[name][c].append(asyncio.run(_load(url, n, c)))
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+            print(f"run {run + 1}: st {st_runs[-1][0]:.1f}/s (batch {st_runs[-1][1]}), "
+                  + ", ".join(f"{k} c{c} {v[c][-1]:.1f}/s" for k, v in results.items() for c in levels), flush=True)
+    st_rate = statistics.median(r for r, _ in st_runs)
+    print(f"\nCPU: {cpu_model()} ({isa()}), {os.cpu_count()} CPUs; {args.inputs} inputs of 8-40 words; "
+          f"medians of {args.runs} runs")
+    print(f"sentence-transformers encode, best batch size: {st_rate:.1f} inputs/s "
+          f"(batch sizes chosen: {[b for _, b in st_runs]})\n")
+    print("| concurrency | batcher on (inputs/s) | batcher off (inputs/s) | on / off | on / sentence-transformers best |")
+    print("|---:|---:|---:|---:|---:|")
+    for c in levels:
+        on, off = statistics.median(results["batcher on"][c]), statistics.median(results["batcher off"][c])
+        print(f"| {c} | {on:.1f} | {off:.1f} | {on / off:.2f}x | {100 * on / st_rate:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The batcher's default preferred batch, from the roofline rather than a guess. Pure Python.
+
+A pooling step is one prefill: every token of every sequence goes through the weight GEMMs
+once. A (tokens x in) @ (in x out) GEMM reads its weights once whatever the rows, so it stays
+weight-bound (memory) until its rows carry ridge = peak FLOP/s / bandwidth FLOPs per weight
+byte; past that it is compute-bound and batching more only adds latency. The crossover is a
+number of tokens, not of sequences: `roofline.costmodel.crossover_batch` finds it (a decode
+step of B sequences is B tokens through the same GEMMs). So the default is in tokens
+(`BatcherConfig.preferred_batch_tokens`): the batcher sends as soon as that much work waits.
+
+The device is the hardware table's entry for the GPU torch names, or on a CPU the device file
+`stoker doctor --write-device-file` measured. Without either, there is no default: Triton's
+behaviour without `preferred_batch_size` (batches as large as `max_batch_size` allows within
+`max_queue_delay_microseconds`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("stoker.server")
+
+
+def _spec_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """An encoder's config in the decoder shape the cost model prices: same hidden size, heads
+    and layers; its two-matrix MLP (up, down) as a gated one of 2/3 the width (same weights)."""
+    if "intermediate_size" not in hf_config or hf_config.get("model_type") not in ("bert", "xlm-roberta", "roberta"):
+        return hf_config
+    return {**hf_config, "intermediate_size": max(1, int(hf_config["intermediate_size"]) * 2 // 3),
+            "num_key_value_heads": hf_config["num_attention_heads"], "tie_word_embeddings": True}
+
+
+def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, weight_dtype: str) -> int | None:
+    """Tokens per batch where the weight GEMMs stop being weight-bound on this device, or None
+    when the device is not known (no table entry, no device file)."""
+    from stoker.roofline.costmodel import crossover_batch
+    from stoker.roofline.modelspec import spec_from_config
+
+    gpu = _device_spec(device_name)
+    if gpu is None:
+        return None
+    try:
+        spec = spec_from_config(_spec_config(hf_config), name="pooling-model")
+        return crossover_batch(spec, gpu, context_len=1, weight_dtype=weight_dtype)
+    except (ValueError, KeyError) as exc:  # a config the cost model cannot price: no default, said once
+        logger.info("batcher: no roofline default for preferred batch tokens (%s)", exc)
+        return None
+
+
+def _device_spec(device_name: str | None) -> Any:
+    from stoker.roofline.hardware import gpu_from_device_name
+
+    if device_name:
+        return gpu_from_device_name(device_name)
+    from stoker.roofline.device_file import default_path, read_device_file, to_spec
+
+    if not default_path().exists():
+        return None
+    try:
+        return to_spec(read_device_file())
+    except ValueError as exc:
+        logger.info("batcher: the device file is unreadable (%s)", exc)
+        return None

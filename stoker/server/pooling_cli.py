@@ -1,0 +1,47 @@
+"""`stoker serve` flags for pooling models: `--runner` (vLLM's) and the dynamic batcher's
+knobs (Triton's names, in flag form: max_batch_size -> --max-batch-size)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_pooling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pooling models (embeddings, rerank) and their dynamic batcher")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate (completions, chat) or pooling (embeddings, rerank, score); auto: from config.json's "
+                        "architectures and a sentence-transformers modules.json, as vLLM chooses")
+    g.add_argument("--max-batch-size", type=int, default=32, help="most inputs (sequences) in one forward (default 32)")
+    g.add_argument("--preferred-batch-size", type=int, nargs="+", default=None,
+                   help="batch sizes sent at once when the queue holds them (Triton's); default: as soon as the queued "
+                        "tokens reach the roofline's weight-bound edge on this device, if known")
+    g.add_argument("--max-queue-delay-microseconds", type=int, default=0,
+                   help="longest an input waits for a fuller batch before its batch is sent (default 0: at once)")
+    g.add_argument("--priority-levels", type=int, default=0,
+                   help="request priority levels (1 highest); 0: none, requests may not send priority (default)")
+    g.add_argument("--default-priority-level", type=int, default=None,
+                   help="level of a request with priority 0 (default: the lowest, --priority-levels)")
+    g.add_argument("--max-queue-size", type=int, default=0,
+                   help="most inputs waiting; beyond it 503 + Retry-After (default 0: no limit)")
+    g.add_argument("--default-timeout-microseconds", type=int, default=0,
+                   help="an input still queued this long fails with 503 (default 0: no timeout)")
+
+
+def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
+    """The PoolingModels to serve when the folder (or --runner) says pooling; None for generation."""
+    from stoker.pooling.config import resolve_runner
+    from stoker.server.batcher import BatcherConfig
+    from stoker.server.pooling_models import PoolingModels, PoolingModelSpec
+
+    if args.model_dir is None or resolve_runner(model_path, args.runner) != "pooling":
+        if args.runner == "pooling":
+            raise ValueError("--runner pooling needs MODEL_DIR: the demo model is generative")
+        return None
+    batcher = BatcherConfig(
+        max_batch_size=args.max_batch_size, preferred_batch_size=tuple(args.preferred_batch_size or ()),
+        max_queue_delay_microseconds=args.max_queue_delay_microseconds, priority_levels=args.priority_levels,
+        default_priority_level=args.default_priority_level or args.priority_levels, max_queue_size=args.max_queue_size,
+        default_timeout_microseconds=args.default_timeout_microseconds,
+    )
+    return PoolingModels([PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len)])

@@ -1,0 +1,151 @@
+"""The pooling models a server holds: each with its tokenizer thread, its worker thread (one
+model instance) and its dynamic batcher. A registry by served name, so one server can hold
+several (issue 18 part 4 adds them from a config file); routes look models up by `model`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.pooling.config import PoolingConfig
+from stoker.server.batcher import BatchRecord, BatcherConfig, DynamicBatcher
+from stoker.server.errors import ApiError
+
+logger = logging.getLogger("stoker.server")
+
+
+@dataclass(frozen=True)
+class PoolingModelSpec:
+    """What to load and how to serve it (`stoker serve` flags, or a model-repository entry)."""
+
+    path: str
+    names: tuple[str, ...]
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+
+
+@dataclass
+class PoolingModel:
+    spec: PoolingModelSpec
+    config: PoolingConfig
+    runner: Any  # pooling.runner.PoolingRunner (torch): kept out of this module's imports
+    tokenizer: Any  # used only on `tokenizer_thread` (HF tokenizers are not shared across threads)
+    vocab_size: int
+    tokenizer_thread: ThreadPoolExecutor
+    worker: ThreadPoolExecutor  # the model's one instance: every forward runs here
+    batcher: DynamicBatcher | None = None
+    batch_sizes: collections.Counter = field(default_factory=collections.Counter)
+    recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.spec.names
+
+    def _record(self, record: BatchRecord) -> None:
+        self.batch_sizes[record.size] += 1
+        self.recent_batches.append(record)
+
+    def start(self) -> None:
+        """On the event loop: start the batcher."""
+        self.batcher = DynamicBatcher(self.runner.run_rows, self.spec.batcher, self.worker, on_batch=self._record)
+        self.batcher.start()
+
+    async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, self.tokenizer, *args)
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        # not waited for on the event loop: a batch still running finishes on its own thread
+        self.worker.shutdown(wait=False)
+        self.tokenizer_thread.shutdown(wait=False)
+
+
+def load_pooling_model(spec: PoolingModelSpec, worker: ThreadPoolExecutor | None = None) -> PoolingModel:
+    """Blocking (weights, tokenizer): call it on `worker`, the thread that will run every forward.
+    On CPU, OpenMP keeps a thread team per calling thread, and a second thread using torch slows
+    the first (docs/benchmarks.md, "Server overhead"): load and run on one thread."""
+    import json
+    from pathlib import Path
+
+    from stoker.engine.tokenizer import load_tokenizer
+    from stoker.pooling.runner import PoolingRunner
+    from stoker.server.batch_defaults import preferred_batch_tokens
+
+    runner = PoolingRunner.from_folder(spec.path, spec.dtype, spec.device, spec.max_model_len)
+    hf_config = json.loads((Path(spec.path) / "config.json").read_text())
+    batcher = spec.batcher
+    if not batcher.preferred_batch_size and batcher.preferred_batch_tokens is None:
+        import dataclasses
+
+        import torch
+
+        device = runner.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(runner.model.parameters()).dtype]
+        tokens = preferred_batch_tokens(hf_config, name, dtype)
+        batcher = dataclasses.replace(batcher, preferred_batch_tokens=tokens)
+        logger.info("batcher for %s: preferred batch %s", spec.names[0],
+                    f"{tokens} tokens (the roofline's weight-bound edge)" if tokens else
+                    f"none known for this device (batches up to --max-batch-size {batcher.max_batch_size})")
+    spec = PoolingModelSpec(spec.path, spec.names, batcher, spec.dtype, spec.device, spec.max_model_len)
+    return PoolingModel(spec, runner.config, runner, load_tokenizer(spec.path), int(hf_config["vocab_size"]),
+                        ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenize"),
+                        worker or ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling"))
+
+
+class PoolingModels:
+    """The served pooling models; `ready` once every one has loaded."""
+
+    def __init__(self, specs: list[PoolingModelSpec],
+                 loader: Callable[[PoolingModelSpec, ThreadPoolExecutor], PoolingModel] = load_pooling_model) -> None:
+        self.specs, self.loader = specs, loader
+        self.models: list[PoolingModel] = []
+        self.ready = False
+
+    @property
+    def names(self) -> list[str]:
+        return [n for s in self.specs for n in s.names]
+
+    async def load(self) -> None:
+        for spec in self.specs:
+            worker = ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling")
+            model = await asyncio.get_running_loop().run_in_executor(worker, self.loader, spec, worker)
+            model.start()
+            self.models.append(model)
+            logger.info("ready: serving %s as %s (%s, %s pooling, max_model_len %d)", spec.path, ", ".join(spec.names),
+                        model.config.kind, model.config.pooling, model.config.max_model_len)
+        self.ready = True
+
+    def get(self, name: str | None, retry_after_s: int = 1) -> PoolingModel:
+        if name is not None and name not in self.names:
+            raise ApiError(404, f"The model `{name}` does not exist. Served: {', '.join(self.names)}", "model")
+        if not self.ready:
+            raise ApiError(503, "the model is still loading; retry when /v1/health/ready answers 200",
+                           headers={"Retry-After": str(retry_after_s)})
+        return next(m for m in self.models if name is None or name in m.names)
+
+    async def shutdown(self) -> None:
+        self.ready = False
+        for model in self.models:
+            await model.stop()
+
+
+async def load_pooling(state: Any, on_fatal: Callable[[BaseException], None] | None) -> None:
+    """The app's start-up task for `state.pooling`: a failure is the server's (as a model that
+    fails to load stops `stoker serve`)."""
+    try:
+        await state.pooling.load()
+    except Exception as exc:  # noqa: BLE001 - logged, then the server stops
+        logger.exception("loading a pooling model failed")
+        state.load_error = exc
+        if on_fatal is not None:
+            on_fatal(exc)
