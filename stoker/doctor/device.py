@@ -39,7 +39,7 @@ def cpu_model() -> str:
 
 
 def isa() -> str:
-    """avx512 / avx2 / other (benchmarks/machine.py's rule; what the C kernels' build can use)."""
+    """avx512 / avx2 / other, from the CPU's flags (what the C kernels' native build can use)."""
     flags = set((_cpuinfo("flags") or "").split())
     return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
