@@ -23,6 +23,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "stoker.fleet.cli",  # fleet plan
     "stoker.telemetry.cli",  # top, telemetry
     "stoker.doctor.cli",  # doctor
+    "stoker.finetune.cli",  # finetune
 )
 
 
