@@ -154,7 +154,7 @@ def run_roofline(args: argparse.Namespace) -> int:
 
         title = (f"{spec.name} on {'%d x ' % tp if tp > 1 else ''}{gpu.name}, {args.phase}, context {args.context}, "
                  f"{args.dtype} weights / {args.kv_dtype or 'bf16'} KV")
-        plot_roofline(args.plot, gpu, steps, title=title, measured=util)
+        plot_roofline(args.plot, gpu, steps, title=title, eff=eff, measured=util)  # the profile that predicted
     if args.json:
         out: list[dict[str, object]] = [{"kind": "prediction", "model": spec.name, "profile": args.profile, **s.as_dict()}
                                         for s in steps]
