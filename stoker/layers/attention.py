@@ -91,19 +91,21 @@ class Attention(nn.Module):
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window, *kv_scales
             )
-        out = torch.empty_like(q)
-        if nd:
-            block_tables, context_lens = md.decode_views()
-            out[:nd] = ops.paged_decode_attention(
-                q[:nd], self.k_cache, self.v_cache, block_tables, context_lens, self.scale, self.sliding_window, *kv_scales
-            )
         if q.is_cuda and md.prefill_cu_seqlens_q is not None:
             cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
         else:  # the torch twin loops over sequences on the host: plain lists cost no syncs
             cu = md.cu_seqlens_q
             cu_seqlens, context_lens = [x - cu[nd] for x in cu[nd:]], md.context_lens_list[nd:]
-        out[nd:] = ops.paged_attention(
+        prefill = ops.paged_attention(
             q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale,
             self.sliding_window, *kv_scales,
         )  # fmt: skip
+        if not nd:  # pure prefill: the kernel's output is the answer (no (T, H, D) copy)
+            return prefill
+        out = torch.empty_like(q)
+        block_tables, decode_lens = md.decode_views()
+        out[:nd] = ops.paged_decode_attention(
+            q[:nd], self.k_cache, self.v_cache, block_tables, decode_lens, self.scale, self.sliding_window, *kv_scales
+        )
+        out[nd:] = prefill
         return out
