@@ -293,8 +293,6 @@ class LLMEngine:
             logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
             raise StepFailed(exc, failed, []) from exc
         self.scheduler.update_after_step(sched_out)
-        if self.lora is not None:  # adapters being unloaded go once no sequence uses them
-            self.lora.collect_unloaded(self._lora_in_use())
         self._record_prompt_logprobs(result.prompt_logprobs)
         failures: dict[str, BaseException] = {}
         touched = self._process_samples(result.seq_ids, result.sampler_output, failures)
@@ -302,6 +300,8 @@ class LLMEngine:
         for req in touched:
             if req.finished and req.request_id not in failures:
                 self._finish_request(req)
+        if self.lora is not None:  # adapters being unloaded go once no sequence uses them
+            self.lora.collect_unloaded(self._lora_in_use())
         if failures:
             for request_id in failures:
                 self.abort_request(request_id)
