@@ -26,7 +26,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
     g.add_argument("--endpoint", default="completions",
-                   help="completions | chat | a path such as /v1/chat/completions")
+                   help="completions | chat | embeddings | a path such as /v1/chat/completions")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before one request counts as failed (timeout)")
@@ -88,6 +88,11 @@ def register(subparsers: Any) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier, >1 smoother, inf = constant")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    g = serve.add_argument_group("embeddings (--endpoint embeddings)")
+    g.add_argument("--embedding-input", choices=("text", "ids"), default="text",
+                   help="send the random prompts as text, or as token ids (needs --tokenizer)")
+    g.add_argument("--embedding-inputs-per-request", type=int, default=1,
+                   help="inputs in each request's input list (default 1)")
     _add_report_args(serve)
     serve.add_argument("--save-result", default=None, metavar="FILE.json",
                        help="save metrics, settings and every per-request timing")

@@ -90,8 +90,11 @@ def first_model_id(models: dict[str, Any]) -> str:
 
 
 async def run_load(endpoint: Endpoint, specs: list[RequestSpec], load: LoadConfig,
-                   progress: BenchProgress | None = None) -> RunOutcome:
-    """Send every spec once; return per-request results in spec order and the duration."""
+                   progress: BenchProgress | None = None, *, send: Any = send_request) -> RunOutcome:
+    """Send every spec once; return per-request results in spec order and the duration.
+
+    `send(session, endpoint, spec, t0, counters)` sends one request (default: a streamed
+    completion; `bench/embeddings.py` passes its embeddings POST)."""
     load.validate()
     offsets = arrival_offsets(len(specs), load.request_rate, load.burstiness, load.seed)
     progress = progress or BenchProgress(total=len(specs), enabled=False)
@@ -108,7 +111,7 @@ async def run_load(endpoint: Endpoint, specs: list[RequestSpec], load: LoadConfi
                 await sem.acquire()
             try:
                 counters.sent += 1
-                result = await send_request(session, endpoint, spec, t0, counters)
+                result = await send(session, endpoint, spec, t0, counters)
             finally:
                 if sem is not None:
                     sem.release()

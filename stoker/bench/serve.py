@@ -154,6 +154,10 @@ def load_from_args(args: argparse.Namespace) -> LoadConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from stoker.bench import embeddings
+
+    if embeddings.is_embeddings(args.endpoint):
+        return embeddings.cmd_serve_embeddings(args)
     load = load_from_args(args)
     load.validate()
     from stoker.bench.arrivals import validate_rate

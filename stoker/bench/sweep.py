@@ -86,6 +86,11 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from stoker.bench.embeddings import is_embeddings
+
+    if is_embeddings(args.endpoint):
+        raise ValueError("bench sweep does not drive embeddings yet: run bench serve --endpoint embeddings "
+                         "at each --request-rate / --max-concurrency")
     if args.num_rates < 0:
         raise ValueError(f"--num-rates must be >= 0, got {args.num_rates}")
     if not 0 <= args.max_error_rate <= 1:
