@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint folder (config.json + *.safetensors + tokenizer); default: the built-in demo model")
     add_engine_args(p, model_required=False)
     s = p.add_argument_group("server")
+    s.add_argument("--config", default=None, metavar="models.yaml",
+                   help="serve several models: at most one generative and any number of embedding / reranker models, "
+                        "each with its own settings (docs/server.md, \"Several models in one server\"); replaces "
+                        "MODEL_DIR and the per-model flags")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
@@ -120,13 +124,50 @@ def run(args: argparse.Namespace) -> int:
         return _run_headless(args)  # torchrun / Kubernetes: a rank > 0 serves the group, not HTTP
     import uvicorn
 
+    from stoker.server.http_limits import header_timeout_protocol
+
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app, settings = build_app(args, on_fatal)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+        http=header_timeout_protocol(settings.header_read_timeout_s),
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if fatal:
+        print(f"stoker serve: error: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]:
+    """The app `stoker serve` runs for these flags (MODEL_DIR, the demo model, or --config) and its settings."""
     from stoker.engine.llm import LLM
     from stoker.server.app import create_app
     from stoker.server.demo_model import DEMO_NAME, RANDOM_WEIGHTS_NOTICE, demo_model_dir
-    from stoker.server.http_limits import header_timeout_protocol
     from stoker.server.state import ServerSettings
 
-    if args.model_dir is None:
+    models_config = None
+    if args.config is not None:
+        from stoker.server.model_config import load_serve_config, refuse_flags_with_config
+
+        refuse_flags_with_config(args, args.parser)
+        models_config = load_serve_config(args.config)
+        first = models_config.generate or models_config.pooling[0]
+        model_path, default_name = first.path, first.names[0]
+        names = first.names
+        gen = models_config.generate
+        kwargs = _llm_kwargs(gen.args) if gen else {}
+        enable_lora = gen.args.enable_lora if gen else False
+    elif args.model_dir is None:
         print("stoker serve: preparing the demo model (first run only; a few seconds)...", file=sys.stderr, flush=True)
         model_path = str(demo_model_dir())
         print(RANDOM_WEIGHTS_NOTICE.format(name=DEMO_NAME, path=model_path), file=sys.stderr, flush=True)
@@ -136,10 +177,12 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"{model_path}: no config.json; MODEL_DIR must be a Hugging Face checkpoint folder")
         default_name = model_path
-    kwargs = _llm_kwargs(args)
+    if models_config is None:
+        kwargs = _llm_kwargs(args)
+        names, enable_lora = tuple(args.served_model_name or [default_name]), args.enable_lora
     settings = ServerSettings(
         model_path=model_path,
-        served_model_names=tuple(args.served_model_name or [default_name]),
+        served_model_names=names,
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -152,31 +195,20 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         roofline_profile=args.roofline_profile,
         enable_request_timing=args.enable_request_timing,
-        lora_modules=parse_lora_modules(args.lora_modules, args.enable_lora),
+        lora_modules=parse_lora_modules(args.lora_modules, enable_lora),
         allow_runtime_lora_updates=args.allow_runtime_lora_updates,
     )
-    fatal: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    if models_config is not None:
+        from stoker.server.pooling_models import PoolingModels
 
-    def on_fatal(exc: BaseException) -> None:
-        fatal.append(exc)
-        if server is not None:
-            server.should_exit = True
-
-    pooling = pooling_models_from_args(args, model_path, settings.served_model_names)  # an embedding / reranker folder
-    app = create_app(settings, None if pooling else lambda: LLM(model_path, **kwargs).engine, on_fatal=on_fatal,
+        pooling = PoolingModels(models_config.pooling) if models_config.pooling else None
+        generative = models_config.generate is not None
+    else:
+        pooling = pooling_models_from_args(args, model_path, settings.served_model_names)  # an embedding / reranker folder
+        generative = pooling is None
+    app = create_app(settings, (lambda: LLM(model_path, **kwargs).engine) if generative else None, on_fatal=on_fatal,
                      drain_timeout_s=args.shutdown_timeout, pooling=pooling)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-        http=header_timeout_protocol(settings.header_read_timeout_s),
-    )
-    server = uvicorn.Server(config)
-    server.run()
-    if fatal:
-        print(f"stoker serve: error: {fatal[0]}", file=sys.stderr)
-        return 1
-    return 0
+    return app, settings
 
 
 def parse_lora_modules(items: list[str], enabled: bool) -> tuple[tuple[str, str], ...]:

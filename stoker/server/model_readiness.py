@@ -17,10 +17,14 @@ def check_ready(st: ServerState) -> None:
         st.pooling.get(None, st.settings.retry_after_s)
 
 
-def check_generation(st: ServerState, api: str) -> None:
-    """vLLM's answer to a generation request on a server of pooling models: a 400 naming `model`."""
+def check_generation(st: ServerState, api: str, model: str | None = None) -> None:
+    """vLLM's answer to a generation request on a server of pooling models, or (a server holding
+    both) to one whose `model` names a pooling model: a 400 naming `model`."""
     if not st.serves_generation:
         raise bad_request(f"The model does not support {api}: this server holds only embedding / reranker models "
+                          "(/v1/embeddings, /v1/rerank, /v1/score)", "model")
+    if model is not None and st.pooling is not None and model in st.pooling.names:
+        raise bad_request(f"The model `{model}` does not support {api}: it is an embedding / reranker model "
                           "(/v1/embeddings, /v1/rerank, /v1/score)", "model")
 
 

@@ -31,17 +31,25 @@ def add_pooling_args(parser: argparse.ArgumentParser) -> None:
 def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
     """The PoolingModels to serve when the folder (or --runner) says pooling; None for generation."""
     from stoker.pooling.config import resolve_runner
-    from stoker.server.batcher import BatcherConfig
-    from stoker.server.pooling_models import PoolingModels, PoolingModelSpec
+    from stoker.server.pooling_models import PoolingModels
 
     if args.model_dir is None or resolve_runner(model_path, args.runner) != "pooling":
         if args.runner == "pooling":
             raise ValueError("--runner pooling needs MODEL_DIR: the demo model is generative")
         return None
+    return PoolingModels([pooling_spec(args, model_path, names)])
+
+
+def pooling_spec(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
+    """One PoolingModelSpec from the flags above (and --dtype, --device, --max-model-len): also what
+    a `--config` file's pooling entry is turned into (server/model_config.py)."""
+    from stoker.server.batcher import BatcherConfig
+    from stoker.server.pooling_models import PoolingModelSpec
+
     batcher = BatcherConfig(
         max_batch_size=args.max_batch_size, preferred_batch_size=tuple(args.preferred_batch_size or ()),
         max_queue_delay_microseconds=args.max_queue_delay_microseconds, priority_levels=args.priority_levels,
         default_priority_level=args.default_priority_level or args.priority_levels, max_queue_size=args.max_queue_size,
         default_timeout_microseconds=args.default_timeout_microseconds,
     )
-    return PoolingModels([PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len)])
+    return PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len)

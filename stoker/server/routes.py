@@ -32,19 +32,19 @@ def _state(request: Request) -> ServerState:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    check_generation(_state(request), "Completions API")
+    check_generation(_state(request), "Completions API", body.model)
     return await OpenAIServingCompletion(_state(request)).create(body, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    check_generation(_state(request), "Chat Completions API")
+    check_generation(_state(request), "Chat Completions API", body.model)
     return await OpenAIServingChat(_state(request)).create(body, request)
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    check_generation(_state(request), "Responses API")
+    check_generation(_state(request), "Responses API", body.model)
     return await OpenAIServingResponses(_state(request)).create(body, request)
 
 

@@ -23,6 +23,7 @@ from stoker.server.batcher import QueueFullError, QueueTimeoutError
 from stoker.server.errors import ApiError, bad_request
 from stoker.server.pooling_models import PoolingModel
 from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.serving import Serving
 from stoker.server.state import ServerState
 
 _API = {"embed": "Embeddings API", "score": "Score API", "rerank": "Rerank API"}
@@ -42,6 +43,11 @@ class OpenAIServingPooling:
         registry = self.state.pooling
         if registry is None:  # vLLM: a generative model answers the pooling APIs with a 400
             raise bad_request(f"The model does not support {_API[api]}", "model")
+        st = self.state
+        if (name is not None and name not in registry.names and st.serves_generation
+                and (name in st.settings.served_model_names or Serving(st).lora_name(name) is not None)):
+            # a server holding both: `model` names the generative model (or one of its adapters)
+            raise bad_request(f"The model `{name}` does not support {_API[api]}: it is a generative model", "model")
         model = registry.get(name, self.state.settings.retry_after_s)
         if api == "embed" and model.config.kind != "embed":
             raise bad_request(f"The model `{model.names[0]}` is a reranker (cross-encoder): it does not support "

@@ -1,0 +1,132 @@
+"""`stoker serve --config models.yaml` (issue 18 part 4): one server holding a chat model and an
+embedding model, built by the real CLI path and driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("sentence_transformers")
+
+
+def _args(*argv: str):
+    from stoker.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from stoker.testing.tiny_checkpoint import make_tiny_checkpoint
+    from stoker.testing.tiny_pooling import make_bert_embedder
+
+    root = tmp_path_factory.mktemp("multi-model")
+    return {"chat": make_tiny_checkpoint(root / "chat"), "emb": make_bert_embedder(root / "emb"), "root": root}
+
+
+def _write(root: Path, text: str, name: str = "models.yaml") -> Path:
+    path = root / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folders: dict[str, Path]):
+    import uvicorn
+
+    from stoker.server.cli import build_app
+
+    from tests.server.conftest import free_port
+
+    cfg = _write(folders["root"], f"""
+generate:
+  path: {folders['chat']}
+  served_model_name: [tiny-chat]
+  max_model_len: 128
+  max_num_seqs: 4
+  kv_cache_memory_bytes: 4000000
+pooling:
+  - path: {folders['emb'].relative_to(folders['root'])}   # relative to this file
+    served_model_name: tiny-embed
+    max_batch_size: 4
+    max_queue_delay_microseconds: 1000
+""")
+    app, _ = build_app(_args("--config", str(cfg), "--log-interval", "3600"))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/health/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the multi-model server did not become ready"
+        time.sleep(0.05)
+    yield url, app
+    srv.should_exit = True
+    thread.join(30)
+
+
+def test_both_models_answer_through_openai(server) -> None:
+    from openai import OpenAI
+
+    url, app = server
+    st = app.state.stoker
+    assert st.ready and st.pooling.ready  # /v1/health/ready waited for both
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny-chat", "tiny-embed"]
+    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0)
+    assert chat.model == "tiny-chat" and chat.usage.completion_tokens >= 1
+    emb = client.embeddings.create(model="tiny-embed", input=["a furnace", "a stoker"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) == 64
+
+
+def test_a_request_to_the_other_kind_of_model_is_a_400(server) -> None:
+    url, _ = server
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-embed", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    r = httpx.post(url + "/v1/embeddings", json={"model": "tiny-chat", "input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "does not support Embeddings API" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/embeddings", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("body, words", [
+    ("pooling:\n  - path: {emb}\n    max_batch_sise: 4\n", ["pooling[0]", "max_batch_sise", "unknown key"]),
+    ("pooling:\n  - path: {emb}\n    served_model_name: e\n    max_batch_size: many\n", ["'e'", "max_batch_size", "integer"]),
+    ("generate:\n  path: {chat}\n  served_model_name: c\n  dtype: float64\n", ["generate", "'c'", "dtype"]),
+    ("generate:\n  path: {emb}\n", ["generate", "pooling model"]),
+    ("pooling:\n  - path: {emb}\n    served_model_name: x\n  - path: {emb}\n    served_model_name: x\n", ["'x'", "two models"]),
+    ("models: []\n", ["unknown key", "models"]),
+])
+def test_a_bad_config_is_refused_naming_the_key(folders: dict[str, Path], body: str, words: list[str]) -> None:
+    from stoker.server.model_config import ConfigError, load_serve_config
+
+    cfg = _write(folders["root"], body.format(emb=folders["emb"], chat=folders["chat"]), "bad.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(cfg)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_config_with_model_dir_or_per_model_flags_is_refused(folders: dict[str, Path]) -> None:
+    from stoker.server.cli import build_app
+
+    cfg = _write(folders["root"], f"pooling:\n  - path: {folders['emb']}\n", "ok.yaml")
+    with pytest.raises(ValueError, match="MODEL_DIR"):
+        build_app(_args(str(folders["chat"]), "--config", str(cfg)))
+    with pytest.raises(ValueError, match="--max-batch-size, --max-model-len"):
+        build_app(_args("--config", str(cfg), "--max-model-len", "64", "--max-batch-size", "2"))
