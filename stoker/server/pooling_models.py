@@ -44,6 +44,7 @@ class PoolingModel:
     batcher: DynamicBatcher | None = None
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    metrics: Any = None  # server/pooling_metrics.py PoolingMetrics, set by the server
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -52,6 +53,8 @@ class PoolingModel:
     def _record(self, record: BatchRecord) -> None:
         self.batch_sizes[record.size] += 1
         self.recent_batches.append(record)
+        if self.metrics is not None:
+            self.metrics.on_batch(self.names[0], record)
 
     def start(self) -> None:
         """On the event loop: start the batcher."""
@@ -110,6 +113,7 @@ class PoolingModels:
         self.specs, self.loader = specs, loader
         self.models: list[PoolingModel] = []
         self.ready = False
+        self.metrics: Any = None  # PoolingMetrics, shared by the models (each labels its own name)
 
     @property
     def names(self) -> list[str]:
@@ -119,6 +123,7 @@ class PoolingModels:
         for spec in self.specs:
             worker = ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling")
             model = await asyncio.get_running_loop().run_in_executor(worker, self.loader, spec, worker)
+            model.metrics = self.metrics
             model.start()
             self.models.append(model)
             logger.info("ready: serving %s as %s (%s, %s pooling, max_model_len %d)", spec.path, ", ".join(spec.names),
@@ -143,6 +148,9 @@ async def load_pooling(state: Any, on_fatal: Callable[[BaseException], None] | N
     """The app's start-up task for `state.pooling`: a failure is the server's (as a model that
     fails to load stops `stoker serve`)."""
     try:
+        from stoker.server.pooling_metrics import PoolingMetrics
+
+        state.pooling.metrics = PoolingMetrics(state.metrics.registry)
         await state.pooling.load()
     except Exception as exc:  # noqa: BLE001 - logged, then the server stops
         logger.exception("loading a pooling model failed")

@@ -87,21 +87,27 @@ class OpenAIServingPooling:
     # ------------------------------------------------------------------ the batcher
     async def _run(self, model: PoolingModel, inputs: list[Any], lengths: list[int], priority: int) -> list[Any]:
         assert model.batcher is not None
+        count = model.metrics.on_request if model.metrics is not None else (lambda name, outcome: None)
         try:
             futures = model.batcher.submit_many(inputs, lengths, priority)
         except ValueError as exc:
+            count(model.names[0], "refused")
             raise bad_request(str(exc), "priority") from None
         except QueueFullError as exc:
+            count(model.names[0], "queue_full")
             raise ApiError(503, f"the server is busy ({exc}); retry later",
                            headers={"Retry-After": str(self.state.settings.retry_after_s)}) from None
         try:
-            return list(await asyncio.gather(*futures))
+            out = list(await asyncio.gather(*futures))
         except QueueTimeoutError as exc:
+            count(model.names[0], "timeout")
             raise ApiError(503, f"the request timed out in the queue ({exc}); retry later",
                            headers={"Retry-After": str(self.state.settings.retry_after_s)}) from None
         finally:
             for f in futures:  # a client gone: its items are dropped when a batch is formed
                 f.cancel()
+        count(model.names[0], "ok")
+        return out
 
     async def _embed(self, model: PoolingModel, ids: list[list[int]], priority: int) -> list[np.ndarray]:
         from stoker.pooling.runner import PoolInput

@@ -121,6 +121,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server) ->
                  for t in texts[:8]]
     model = next(m for m in app.state.stoker.pooling.models if EMB in m.names)
     model.recent_batches.clear()
+    before = _samples(url)
 
     def one(t: str) -> np.ndarray:
         with httpx.Client(timeout=60) as c:
@@ -135,6 +136,26 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server) ->
     sizes = [r.size for r in model.recent_batches]
     assert sum(sizes) == 32 and max(sizes) <= 8
     assert max(sizes) > 1, f"concurrent requests were never batched: {sizes}"
+    # the same batches in /metrics, per model
+    after = _samples(url)
+    lbl = f'{{model_name="{EMB}"}}'
+
+    def delta(name: str) -> float:
+        return after.get(name + lbl, 0.0) - before.get(name + lbl, 0.0)
+
+    assert delta("stoker:pooling_batch_size_count") == len(sizes) and delta("stoker:pooling_batch_size_sum") == 32
+    assert delta("stoker:pooling_inputs_total") == 32 and delta("stoker:pooling_queue_time_seconds_count") == len(sizes)
+    ok = f'stoker:pooling_requests_total{{model_name="{EMB}",outcome="ok"}}'
+    assert after[ok] - before.get(ok, 0.0) == 32
+
+
+def _samples(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 def test_rerank_and_score(server) -> None:
