@@ -23,19 +23,31 @@ BOUND = 0.25
 POINTS = [Point("decode", 1, 128), Point("decode", 16, 1024), Point("decode", 64, 256), Point("prefill", 1, 512)]
 
 
-@pytest.mark.slow
-def test_steps_predicted_from_microbenchmarks_alone(tmp_path):
+def _measure(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a busy neighbour then slows, not stalls, each parallel region
     try:
         device = to_spec(measure_device(read_mib=256, gemm_sizes=(512,), iters=5))
-        fit, mb, rows = run_check(POINTS, device, tmp_path, rounds=3, iters=5, step_iters=7)
+        return run_check(POINTS, device, tmp_path, rounds=3, iters=5, step_iters=7)
     finally:
         torch.set_num_threads(threads)
-    report = "\n".join(f"{r.point}: predicted {r.predicted.step_time_s * 1e3:.2f} ms {r.predicted.parts_s}, "
-                       f"measured {r.measured_s * 1e3:.2f} ms, ratio {r.ratio:.3f}" for r in rows)
+
+
+@pytest.mark.slow
+def test_steps_predicted_from_microbenchmarks_alone(tmp_path):
+    # A burst of load from the other worker can land on the microbenchmarks or on the steps
+    # (seen in CI: a batch-1 decode at 1.28x and a prefill at 1.37x in one run, within 10% the
+    # next): one miss is measured again, from scratch, before the check fails.
+    reports = []
+    for attempt in range(2):
+        fit, mb, rows = _measure(tmp_path / f"attempt{attempt}")
+        reports.append("\n".join(f"{r.point}: predicted {r.predicted.step_time_s * 1e3:.2f} ms {r.predicted.parts_s}, "
+                                  f"measured {r.measured_s * 1e3:.2f} ms, ratio {r.ratio:.3f}" for r in rows))
+        if all(abs(r.ratio - 1) <= BOUND for r in rows):
+            break
+    report = reports[-1]
     for r in rows:
-        assert abs(r.ratio - 1) <= BOUND, report
+        assert abs(r.ratio - 1) <= BOUND, "\n--- measured again ---\n".join(reports)
     # The weight stream and the KV stream each carry their weight: without either, some point
     # misses by more than the bound. (The host term, ~20% of a batch-1 step here, is too close
     # to the bound to be checked this way on a shared machine; the benchmark shows it.)

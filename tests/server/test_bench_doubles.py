@@ -120,7 +120,7 @@ def test_serve_cli_exit_codes(capsys: pytest.CaptureFixture) -> None:
                      "--random-input-len", "2", "--disable-tqdm"]) == 1  # nothing succeeded
         assert main(["bench", "serve", "--base-url", srv.base_url, "--request-rate", "0"]) == 2
         assert main(["bench", "serve", "--base-url", srv.base_url, "--goodput", "itl:5"]) == 2
-        assert main(["bench", "serve", "--base-url", srv.base_url, "--endpoint", "embeddings"]) == 2
+        assert main(["bench", "serve", "--base-url", srv.base_url, "--endpoint", "images"]) == 2
         port = srv.port
     assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
