@@ -337,3 +337,16 @@ def rotary_embedding(
         return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
 
     return rotate(query), rotate(key)
+
+
+def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor,
+              col_offset: int = 0) -> torch.Tensor:
+    """Twin of kernels/lora_bgmv.py: out[t, col_offset:col_offset + N] += (x[t] @ A[s].T) @ B[s].T
+    for s = slot_ids[t] >= 0, in float32, rounded once into out's dtype."""
+    n = b.shape[1]
+    for s in sorted({int(v) for v in slot_ids.tolist() if v >= 0}):
+        rows = (slot_ids == s).nonzero().flatten()
+        delta = (x[rows].float() @ a[s].float().T) @ b[s].float().T  # (rows, N)
+        cols = slice(col_offset, col_offset + n)
+        out[rows, cols] = (out[rows, cols].float() + delta).to(out.dtype)
+    return out

@@ -35,6 +35,8 @@ from stoker.lora.adapter import LoRAAdapter
 @dataclass
 class LoRAMapping:
     mask: torch.Tensor  # (T, S * R): 1 in the R columns of each token's slot, 0 elsewhere (all 0: base)
+    # (T,) int32 slot per token (-1: base), for the GPU kernel that reads only each token's slot
+    slot_ids: torch.Tensor | None = None
     _tiled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def tiled(self, num_shards: int) -> torch.Tensor:
@@ -99,6 +101,8 @@ class LoRASlots:
         mapping = _mapping
         if mapping is None:
             return out
+        if x.is_cuda and mapping.slot_ids is not None:
+            return self._apply_bgmv(x, out, mapping.slot_ids)
         xa = x @ self.A.T  # (T, num_shards * S * R)
         xa.mul_(mapping.tiled(len(self.shards)))
         width = self.max_loras * self.max_rank
@@ -108,4 +112,16 @@ class LoRASlots:
                 out = out.addmm(part, self.B[k].T)
             else:
                 out[:, first:first + rows].addmm_(part, self.B[k].T)
+        return out
+
+    def _apply_bgmv(self, x: torch.Tensor, out: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """GPU: the Triton kernel (kernels/lora_bgmv.py) reads each token's own slot only."""
+        from stoker.kernels.lora_bgmv import lora_bgmv
+
+        num_shards, s, r = len(self.shards), self.max_loras, self.max_rank
+        a = self.A.view(num_shards, s, r, -1)
+        out = out.contiguous()
+        for k, (_, first, rows) in enumerate(self.shards):
+            b = self.B[k].view(rows, s, r).permute(1, 0, 2)  # (S, rows, R) over the (rows, S, R) buffer
+            lora_bgmv(x.contiguous(), a[k], b, slot_ids, out, first)
         return out

@@ -58,7 +58,11 @@ class ModelLoRASlots:
             return None
         r = self.max_rank
         mask = torch.zeros(cu_seqlens[-1], self.max_loras * r)
+        slot_ids = torch.full((cu_seqlens[-1],), -1, dtype=torch.int32)
         for i, s in enumerate(seqs):
             if s.lora_slot >= 0:
                 mask[cu_seqlens[i]:cu_seqlens[i + 1], s.lora_slot * r:(s.lora_slot + 1) * r] = 1.0
-        return LoRAMapping(mask.to(device=self.device, dtype=self.dtype, non_blocking=True))
+                slot_ids[cu_seqlens[i]:cu_seqlens[i + 1]] = s.lora_slot
+        on_gpu = self.device.type == "cuda"
+        return LoRAMapping(mask.to(device=self.device, dtype=self.dtype, non_blocking=True),
+                           slot_ids.to(self.device, non_blocking=True) if on_gpu else None)
