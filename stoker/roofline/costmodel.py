@@ -322,11 +322,13 @@ def mixed_step_cost(
     link: Interconnect | str | None = None,
     eff: Efficiencies | None = None,
     act_dtype: str = "bf16",
+    with_floor: bool = True,
 ) -> StepCost:
     """One step of a continuous-batching engine as it ran: prefill chunks (`prefill_tokens`
     tokens attending `prefill_attended` positions in all) beside `decode_seqs` decodes reading
     `decode_context` cached tokens in all, weights read once. The server prices every step
-    with it (roofline/live.py)."""
+    with it (roofline/live.py), without the floor (`with_floor=False`: floor_ops empty, half
+    the work on the engine thread)."""
     m, g = _resolve(model, gpu)
     tokens = prefill_tokens + decode_seqs
     if tokens < 1 or logits_rows < 0:
@@ -341,4 +343,5 @@ def mixed_step_cost(
     batch = decode_seqs if prefill_tokens == 0 else 1
     return StepCost(phase, batch, max(round(attn_ctx), 1), tp, weight_dtype, kvd, g.name,
                     _token_ops(*args, eff or Efficiencies(), False, act_dtype),
-                    _token_ops(*args, Efficiencies.ideal(), False, act_dtype), tokens if prefill_tokens else None)
+                    _token_ops(*args, Efficiencies.ideal(), False, act_dtype) if with_floor else (),
+                    tokens if prefill_tokens else None)

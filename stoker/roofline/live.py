@@ -36,7 +36,6 @@ class StepVerdict:
     kind: str  # prefill | decode | mixed
     seconds: float  # measured
     predicted_s: float  # the cost model with the profile's efficiencies
-    ceiling_s: float  # the same step at 100% of every peak, no gaps
     flops: float  # modelled (matmuls and attention), per tensor-parallel rank
     bytes: float  # modelled weights + KV + activations moved, per rank
     wall: str  # memory | compute | collective: the largest share of the prediction; overhead: that, or
@@ -86,11 +85,12 @@ class WallModel:
             self.spec, self.device, prefill_tokens=shape.num_prefill_tokens, prefill_attended=shape.prefill_attended,
             decode_seqs=shape.num_decode_seqs, decode_context=shape.decode_context, logits_rows=shape.num_sampled,
             weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype, tp=self.tp, eff=self.eff, act_dtype=self.act_dtype,
+            with_floor=False,  # the verdict divides by the peaks; the floor would double the work per step
         )
         wall = _WALLS.get(cost.bound, cost.bound)
         if seconds > OVERHEAD_RATIO * cost.step_time_s:
             wall = "overhead"
-        return StepVerdict(shape.kind, seconds, cost.step_time_s, cost.latency_floor_s, cost.flops, cost.bytes, wall,
+        return StepVerdict(shape.kind, seconds, cost.step_time_s, cost.flops, cost.bytes, wall,
                            self.peak_flops, self.peak_bytes_per_s)
 
     def describe(self) -> str:

@@ -32,7 +32,7 @@ from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GiB, GPUSpec, Interconnect, get_gpu, get_link
 from stoker.roofline.kvcapacity import KVCapacity, kv_capacity
 from stoker.roofline.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, vram
-from stoker.roofline.modelspec import KV_DTYPES, WEIGHT_DTYPES, ModelSpec, get_model_spec
+from stoker.roofline.modelspec import KV_DTYPES, ModelSpec, get_model_spec
 from stoker.roofline.profiles import ENGINE
 from stoker.roofline.workloads import chunked_prefill_s
 
