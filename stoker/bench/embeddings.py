@@ -292,21 +292,10 @@ def run_embeddings(args: argparse.Namespace, *, label: str = "serve") -> dict[st
 
 
 def format_embed_report(result: dict[str, Any], percentiles: list[float]) -> str:
-    from stoker.bench.report import _fmt
+    from stoker.bench.report import WIDTH, report_head
 
-    w = 50
-    lines = [" Embedding Benchmark Result ".center(w, "=")]
-
-    def row(name: str, value: object) -> None:
-        lines.append(f"{name:<40} {_fmt(value):<10}")
-
-    row("Successful requests:", result["completed"])
-    row("Failed requests:", result["failed"])
-    for reason, n in result["failures"].items():
-        row(f"  {reason}:", n)
-    row("Request rate (req/s, target):", result["request_rate"])
-    row("Maximum request concurrency:", result["max_concurrency"])
-    row("Benchmark duration (s):", result["duration"])
+    w = WIDTH
+    lines, row = report_head("Embedding Benchmark Result", result)
     row("Total inputs:", result["total_inputs"])
     row("Total input tokens:", result["total_input_tokens"])
     row("Request throughput (req/s):", result["request_throughput"])

@@ -88,10 +88,13 @@ def _fmt(v: object, digits: int = 2) -> str:
     return str(v)
 
 
-def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
-    """The human summary, laid out like vLLM's so eyes trained on it find things."""
-    w = 50
-    lines = [" Serving Benchmark Result ".center(w, "=")]
+WIDTH = 50
+
+
+def report_head(title: str, result: dict[str, Any]) -> tuple[list[str], Any]:
+    """The report's title and the rows every mode starts with (counts, failures by reason, the
+    load asked for, duration); returns (lines, row) for the mode to go on with."""
+    lines = [f" {title} ".center(WIDTH, "=")]
 
     def row(name: str, value: object, digits: int = 2) -> None:
         lines.append(f"{name:<40} {_fmt(value, digits):<10}")
@@ -103,6 +106,13 @@ def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
     row("Request rate (req/s, target):", result["request_rate"])
     row("Maximum request concurrency:", result["max_concurrency"])
     row("Benchmark duration (s):", result["duration"])
+    return lines, row
+
+
+def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
+    """The human summary, laid out like vLLM's so eyes trained on it find things."""
+    w = WIDTH
+    lines, row = report_head("Serving Benchmark Result", result)
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
     row("Request throughput (req/s):", result["request_throughput"])

@@ -101,17 +101,9 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; give one, or one per prompt")
+        params_list = _one_per_prompt(SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
+                                      len(prompts), "sampling_params")
+        loras = _one_per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora_requests")
         for lr in {lr for lr in loras if lr is not None}:
             if self.engine.lora is None or not self.engine.lora.has(lr.lora_name):
                 self.engine.load_lora(lr.lora_name, lr.lora_path)
@@ -208,3 +200,13 @@ def apply_chat_template(
     text = render_chat_text(tokenizer, conversation, add_generation_prompt, chat_template)
     # The template writes BOS itself where the model wants one.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _one_per_prompt(value: Any, single: type | tuple[type, ...], num_prompts: int, name: str) -> list[Any]:
+    """One value for every prompt, or a sequence of one per prompt (as vLLM's generate takes them)."""
+    if isinstance(value, single):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {name} for {num_prompts} prompts; give one, or one per prompt")
+    return values
