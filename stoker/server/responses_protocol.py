@@ -158,6 +158,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """text.format -> chat response_format."""
+    verbosity = (text or {}).get("verbosity")
+    if verbosity not in (None, "medium"):  # the model's own length is all this server has
+        raise ValueError(f"text.verbosity {verbosity!r} is not enforced here; omit it or send 'medium' "
+                         "(bound the length with max_output_tokens)")
     fmt = (text or {}).get("format")
     if fmt is None:
         return None

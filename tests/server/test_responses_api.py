@@ -116,6 +116,7 @@ def test_a_named_function_tool_is_called_with_valid_arguments(client: OpenAI) ->
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}], "input"),
     ("input", [{"type": "item_reference", "id": "msg_1"}], "input"),
     ("text", {"format": {"type": "xml"}}, "text"),
+    ("text", {"verbosity": "low"}, "text"),
     ("reasoning", {"effort": "high"}, "reasoning"),
     ("include", ["message.output_text.logprobs"], "include"),
 ])
