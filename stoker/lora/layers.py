@@ -17,7 +17,8 @@ the extra work is the low-rank product for all S slots (a token's other slots ar
 which costs S x R x (in + out) per token and reads every slot's A and B once per step. With a
 handful of slots of rank 8-64 that is a few percent of the base layer's bytes on real model
 sizes, and the op count does not grow with the number of adapters in the step (the grouped
-alternative, one gather/matmul/scatter per adapter per projection, measured 4x slower on CPU).
+alternative, one gather/matmul/scatter per adapter per projection, ran at 0.23 of base throughput
+against this path's 0.74 on CPU: docs/benchmarks.md, "Multi-LoRA on CPU").
 A smaller rank or a missing target is zero-padding. The mask is set for one forward, as the
 attention metadata is.
 """
