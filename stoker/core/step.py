@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from stoker.core.scheduler import SchedulerOutput
+from stoker.core.scheduler import ScheduledSequence, SchedulerOutput
 from stoker.core.sequence import Sequence
 from stoker.sampling_params import SamplingParams
 
@@ -119,14 +119,21 @@ def _prompt_logprob_targets(seq: Sequence, start_pos: int, num_tokens: int) -> t
 
 
 def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots: dict[str, int] | None = None) -> StepMessage:
-    """The message for one planned step (decodes first; stable otherwise). lora_slots: adapter
-    name -> the slot it is loaded in, for every adapter of the step's sequences."""
-    ordered = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
+    """The message for one planned step: decodes first, then prefills, each grouped by LoRA slot
+    (so an adapter's tokens are contiguous: lora/layers.py multiplies each run once); stable
+    otherwise. lora_slots: adapter name -> the slot it is loaded in, for every adapter of the
+    step's sequences."""
+
+    def slot_of(s: ScheduledSequence) -> int:
+        name = s.seq.lora_name
+        return lora_slots[name] if name is not None and lora_slots is not None else -1
+
+    ordered = sorted(out.scheduled, key=lambda s: (s.num_tokens != 1, slot_of(s)))
     seqs: list[SeqStep] = []
     sampling: dict[int, SampleSpec] = {}
     for s in ordered:
         seq = s.seq
-        slot = lora_slots[seq.lora_name] if seq.lora_name is not None and lora_slots is not None else -1
+        slot = slot_of(s)
         seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample,
                             _prompt_logprob_targets(seq, s.start_pos, s.num_tokens), slot))
         if s.do_sample:

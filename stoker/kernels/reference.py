@@ -350,3 +350,14 @@ def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ids: torch
         cols = slice(col_offset, col_offset + n)
         out[rows, cols] = (out[rows, cols].float() + delta).to(out.dtype)
     return out
+
+
+def lora_segments(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, segments: list[tuple[int, int, int]],
+                  out: torch.Tensor) -> torch.Tensor:
+    """Twin of kernels/cpu/native.lora (and the CPU path without the C kernels): for each
+    segment (slot s, tokens t0:t1), out[t0:t1, :N] += (x[t0:t1] @ A[s].T) @ BT[s]. BT's zeros
+    outside the kernel's blocks and past each adapter's rank are multiplied here, skipped there."""
+    n = bt.shape[2]
+    for slot, t0, t1 in segments:
+        out[t0:t1, :n].addmm_(x[t0:t1] @ a[slot].T, bt[slot])
+    return out

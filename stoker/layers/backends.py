@@ -59,8 +59,6 @@ class LinearMethodChooser:
     model: nn.Module
     chosen: Counter = field(default_factory=Counter)
     weight_only_said: bool = False
-    # LoRA adds its update to gate and up before the activation: no fused SiLU-and-mul then
-    fuse_activations: bool = True
 
     def __post_init__(self) -> None:
         self.cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
@@ -110,7 +108,7 @@ class LinearMethodChooser:
         from stoker.kernels.cpu import native
         from stoker.layers.activation import SiluAndMul
 
-        if not self.fuse_activations or backend not in ("cpu", "cpu_q8") or list(layer.shard_offsets) != ["gate", "up"]:
+        if backend not in ("cpu", "cpu_q8") or list(layer.shard_offsets) != ["gate", "up"]:
             return False
         parent = self.model.get_submodule(name.rpartition(".")[0])
         return isinstance(getattr(parent, "act", None), SiluAndMul) and native.gate_up_fusable(layer.out_features // 2)

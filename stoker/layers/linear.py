@@ -30,6 +30,7 @@ from torch import nn
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.weight_method import LinearMethod
+from stoker.lora.layers import lora_active
 
 
 if TYPE_CHECKING:
@@ -109,10 +110,20 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.method is None:
             raise RuntimeError("this projection has no weight method: build models with models.loader.build_model")
-        out = self.method.apply(self, x)
-        if self.lora is not None:  # the base GEMM once, then each adapter's low-rank update on its rows
-            out = self.lora.apply(x, out)
+        if self.lora is not None and lora_active():
+            out = self._forward_with_lora(x)
+        else:
+            out = self.method.apply(self, x)
         return out if self.reduce is None else self.reduce.all_reduce(out)
+
+    def _forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """The base GEMM once for the whole batch, then each adapter's low-rank update on its tokens."""
+        if not self.fused_silu_and_mul:
+            return self.lora.apply(x, self.method.apply(self, x))
+        # The update goes in before SiLU: the fused kernel's pre-activation (panel order), the
+        # update in that order, then SiLU-and-mul as the fused kernel would have applied it.
+        pre = self.method.apply_pre_activation(self, x)  # (T, 2I)
+        return self.method.activate(self.lora.apply(x, pre))  # (T, I)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, method={self.method.describe() if self.method else None}"

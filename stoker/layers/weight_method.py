@@ -127,7 +127,26 @@ class ColumnMajorMethod(LinearMethod):
         layer.weight.data = w.t().contiguous().t()
 
 
-class PackedCpuMethod(LinearMethod):
+class FusedGateUpMixin:
+    """A CPU method whose [gate; up] layer may apply SiLU-and-mul itself (fuse_silu_and_mul).
+    LoRA adds its update before the activation, so such a layer can also give its
+    pre-activation (`apply_pre_activation`, columns in the kernel's panel order:
+    `output_rows`) and then `activate` it, as the fused kernel would have."""
+
+    fuse_silu_and_mul: bool
+
+    def output_rows(self, layer: Linear) -> torch.Tensor:
+        from stoker.kernels.cpu import native
+
+        return native.gate_up_rows(layer.out_features)
+
+    def activate(self, pre: torch.Tensor) -> torch.Tensor:  # (T, 2I) panel order -> (T, I)
+        from stoker.kernels.cpu import native
+
+        return native.silu_and_mul_panels(pre)
+
+
+class PackedCpuMethod(FusedGateUpMixin, LinearMethod):
     """CPU float32 with the C kernels: the weight as (ceil(out / NR), in, NR) panels for
     `kernels/cpu/linear.c` (NR = 64 with AVX-512), each streamed once, contiguously.
 
@@ -151,6 +170,9 @@ class PackedCpuMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.out_features, layer.bias, self.fuse_silu_and_mul)
+
+    def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.out_features, layer.bias, False)
 
 
 class TiedMethod(LinearMethod):

@@ -1,52 +1,55 @@
-"""LoRA slots on the model's projections, and the per-step token -> slot mask.
+"""LoRA slots on the model's projections, and the per-step map of tokens to slots.
 
 Every target projection (qkv, o, gate_up, down) holds `max_loras` slots (S) of rank up to
-`max_rank` (R) for each of its shards (q, k, v; gate, up; or the whole layer):
+`max_rank` (R) for each of its shards (num_shards: q, k, v; gate, up; or 1 for a whole layer),
+W = num_shards * R:
 
-    A: (num_shards * S * R, in)          every shard's and slot's A stacked along the rank axis
-    B[k]: (rows of shard k, S * R)       shard k's B matrices side by side, scaling folded in
+    A: (S, W, in)     one slot's shards stacked along the rank axis
+    BT: (S, W, out)   one slot's expand, transposed: shard k's R rows reach only shard k's
+                      output columns (zero elsewhere), the adapter's scaling folded in
 
-One step, whatever adapters its tokens use, is then a fixed handful of ops per projection:
+The step's sequences are grouped by slot (core/step.build_step orders decodes, then prefills,
+each by slot), so each adapter's tokens are one or two contiguous runs ("segments"), and per
+segment (slot s, tokens t0:t1) the update is
 
-    xa = x @ A.T                         (T, num_shards * S * R): every token against every slot
-    xa *= mask                           keep, per token, only its own slot's R columns
-    out[:, shard k] += xa[:, k] @ B[k].T per shard
+    out[t0:t1] += (x[t0:t1] @ A[s].T) @ BT[s]
 
-The base GEMM runs once for the whole batch (whatever the weight method: float, FP8, INT8);
-the extra work is the low-rank product for all S slots (a token's other slots are masked out),
-which costs S x R x (in + out) per token and reads every slot's A and B once per step. With a
-handful of slots of rank 8-64 that is a few percent of the base layer's bytes on real model
-sizes, and the op count does not grow with the number of adapters in the step (the grouped
-alternative, one gather/matmul/scatter per adapter per projection, ran at 0.23 of base throughput
-against this path's 0.74 on CPU: docs/benchmarks.md, "Multi-LoRA on CPU").
-A smaller rank or a missing target is zero-padding. The mask is set for one forward, as the
-attention metadata is.
+a token paying for its own adapter only, each slot's weights read once per step, the base GEMM
+run once for the whole batch whatever its weight method. On CPU float32 one C call per
+projection does every segment (kernels/cpu/lora.c: it skips BT's zero blocks and the rows
+past each adapter's rank); elsewhere on CPU its torch twin (two GEMMs per segment). On CUDA the
+Triton kernel (kernels/lora_bgmv.py) reads each token's slot through `slot_ids` over views of
+the same buffers. Earlier CPU paths measured slower (docs/benchmarks.md, "Multi-LoRA on CPU"):
+every slot for every token then a mask (0.74 of base), a gather/scatter per adapter in the
+step's arrival order (0.23), and these segments as torch ops (0.71: ~10 us of dispatch per tiny
+GEMM, two per segment per projection).
+
+A fused [gate; up] CPU layer (its kernel writes silu(gate) * up in one pass) takes its update
+before the activation: the layer asks the kernel for the pre-activation, whose columns come
+in panel order (`out_rows`), and BT's columns follow that order. A smaller rank or a missing
+target is zero-padding. The mapping is set for one forward, as the attention metadata is.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from stoker.kernels import reference
 from stoker.lora.adapter import LoRAAdapter
 
 
 @dataclass
 class LoRAMapping:
-    mask: torch.Tensor  # (T, S * R): 1 in the R columns of each token's slot, 0 elsewhere (all 0: base)
-    # (T,) int32 slot per token (-1: base), for the GPU kernel that reads only each token's slot
+    # (slot, first token, end token): maximal runs of the step's tokens on one adapter (base: none)
+    segments: list[tuple[int, int, int]]
+    # (T,) int32 slot per token (-1: base), for the GPU kernel
     slot_ids: torch.Tensor | None = None
-    _tiled: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def tiled(self, num_shards: int) -> torch.Tensor:
-        """(T, num_shards * S * R): the mask repeated once per shard (made once per step)."""
-        if num_shards == 1:
-            return self.mask
-        if num_shards not in self._tiled:
-            self._tiled[num_shards] = self.mask.repeat(1, num_shards)
-        return self._tiled[num_shards]
+    def __post_init__(self) -> None:
+        self.segments_tensor = torch.tensor(self.segments, dtype=torch.int64).reshape(-1, 3)  # for the C kernel
 
 
 _mapping: LoRAMapping | None = None
@@ -62,40 +65,74 @@ def lora_mapping(mapping: LoRAMapping | None):
         _mapping = previous
 
 
-class LoRASlots:
-    """The slots of one projection. shards: [(checkpoint module name, first output row, rows)]."""
+def lora_active() -> bool:
+    """Some token of the running step is on an adapter."""
+    return _mapping is not None
 
-    def __init__(self, layer_idx: int, shards: list[tuple[str, int, int]], in_features: int, out_features: int,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+
+def segments_of(slot_per_seq: list[int], cu_seqlens: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive sequences on the same slot >= 0, as (slot, t0, t1) token spans."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slot_per_seq):
+        if slot < 0 or cu_seqlens[i] == cu_seqlens[i + 1]:
+            continue
+        if runs and runs[-1][0] == slot and runs[-1][2] == cu_seqlens[i]:
+            runs[-1] = (slot, runs[-1][1], cu_seqlens[i + 1])
+        else:
+            runs.append((slot, cu_seqlens[i], cu_seqlens[i + 1]))
+    return runs
+
+
+class LoRASlots:
+    """The slots of one projection. shards: [(checkpoint module name, first local output row, local
+    rows, the rows of the adapter's B this rank holds)]; in_cols: the columns of A it holds (all
+    but for a row-parallel layer under tensor parallelism).
+    out_rows: (N,) the logical output row of each column the base kernel writes, when that is not
+    the identity (a fused [gate; up] CPU layer's panel order)."""
+
+    def __init__(self, layer_idx: int, shards: list[tuple[str, int, int, slice]], in_features: int,
+                 out_features: int, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 out_rows: torch.Tensor | None = None, in_cols: slice = slice(None)) -> None:
+        from stoker.kernels.cpu import build as cpu_kernels
+
         self.layer_idx = layer_idx
         self.shards = shards
+        self.in_cols = in_cols
         self.max_loras = max_loras
         self.max_rank = max_rank
-        width = max_loras * max_rank
-        self.A = torch.zeros(len(shards) * width, in_features, dtype=dtype, device=device)
-        self.B = [torch.zeros(rows, width, dtype=dtype, device=device) for _, _, rows in shards]
-
-    def _cols(self, k: int, slot: int) -> slice:
-        """Shard k's rank columns of `slot` in A's rows (and, minus k's offset, in B[k]'s columns)."""
-        start = (k * self.max_loras + slot) * self.max_rank
-        return slice(start, start + self.max_rank)
+        width = len(shards) * max_rank
+        self.A = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.BT = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        self.out_rows = None if out_rows is None else out_rows.to(device)
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # the rank of the adapter in each slot (0: empty)
+        # The nonzero blocks of BT, for the C kernel: shard k's R rank rows (of which the slot's
+        # adapter fills the first `rank`) reach its columns only (in panel order gate and up
+        # columns interleave: each shard's rows then span all of them).
+        r = max_rank
+        self.blocks = torch.tensor([(k * r, (k + 1) * r, *((0, out_features) if self.out_rows is not None else
+                                                           (first, first + rows)))
+                                    for k, (_, first, rows, _) in enumerate(shards)], dtype=torch.int64)
+        # The CPU path, chosen once: the C kernel on float32, else its torch twin.
+        self.use_c_kernel = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
-        for k, (module, _, _) in enumerate(self.shards):
+        r = self.max_rank
+        logical = torch.zeros_like(self.BT[slot])  # (W, N), columns in [q; k; v] / [gate; up] order
+        for k, (module, first, rows, b_rows) in enumerate(self.shards):
             ab = adapter.weights.get((self.layer_idx, module))
             if ab is None:
                 continue
-            a, b = ab  # (r, in), (rows, r)
-            rows = self._cols(k, slot)
-            self.A[rows.start:rows.start + adapter.rank] = a.to(self.A.dtype)
-            first = slot * self.max_rank
-            self.B[k][:, first:first + adapter.rank] = (b * adapter.scaling).to(self.B[k].dtype)
+            a, b = ab  # the whole (rank, in), (rows, rank): this rank's part of each
+            self.A[slot, k * r:k * r + adapter.rank] = a[:, self.in_cols].to(self.A.dtype)
+            logical[k * r:k * r + adapter.rank, first:first + rows] = (b[b_rows] * adapter.scaling).T.to(logical.dtype)
+        self.BT[slot] = logical if self.out_rows is None else logical[:, self.out_rows]
+        self.ranks[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
-        for k in range(len(self.shards)):
-            self.A[self._cols(k, slot)].zero_()
-            self.B[k][:, slot * self.max_rank:(slot + 1) * self.max_rank].zero_()
+        self.A[slot].zero_()
+        self.BT[slot].zero_()
+        self.ranks[slot] = 0
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x: (T, in), out: (T, out) the base projection's output; adds each token's adapter update."""
@@ -104,25 +141,22 @@ class LoRASlots:
             return out
         if x.is_cuda and mapping.slot_ids is not None:
             return self._apply_bgmv(x, out, mapping.slot_ids)
-        xa = x @ self.A.T  # (T, num_shards * S * R)
-        xa.mul_(mapping.tiled(len(self.shards)))
-        width = self.max_loras * self.max_rank
-        for k, (_, first, rows) in enumerate(self.shards):
-            part = xa[:, k * width:(k + 1) * width]
-            if len(self.shards) == 1:
-                out = out.addmm(part, self.B[k].T)
-            else:
-                out[:, first:first + rows].addmm_(part, self.B[k].T)
-        return out
+        if self.use_c_kernel:
+            from stoker.kernels.cpu import native
+
+            return native.lora(x, self.A, self.BT, mapping.segments_tensor, self.blocks, self.ranks, out)
+        return reference.lora_segments(x, self.A, self.BT, mapping.segments, out)
 
     def _apply_bgmv(self, x: torch.Tensor, out: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """GPU: the Triton kernel (kernels/lora_bgmv.py) reads each token's own slot only."""
         from stoker.kernels.lora_bgmv import lora_bgmv
 
-        num_shards, s, r = len(self.shards), self.max_loras, self.max_rank
-        a = self.A.view(num_shards, s, r, -1)
+        if self.out_rows is not None:
+            raise RuntimeError("a panel-ordered (fused CPU) projection has no GPU LoRA path")
+        r = self.max_rank
         out = out.contiguous()
-        for k, (_, first, rows) in enumerate(self.shards):
-            b = self.B[k].view(rows, s, r).permute(1, 0, 2)  # (S, rows, R) over the (rows, S, R) buffer
-            lora_bgmv(x.contiguous(), a[k], b, slot_ids, out, first)
+        for k, (_, first, rows, _) in enumerate(self.shards):
+            a = self.A[:, k * r:(k + 1) * r]  # (S, R, in), slot stride W * in
+            b = self.BT[:, k * r:(k + 1) * r, first:first + rows].transpose(1, 2)  # (S, rows, R) view
+            lora_bgmv(x.contiguous(), a, b, slot_ids, out, first)
         return out

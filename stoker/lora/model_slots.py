@@ -16,7 +16,7 @@ from torch import nn
 from stoker.core.step import SeqStep
 from stoker.layers.linear import Linear
 from stoker.lora.adapter import LoRAAdapter
-from stoker.lora.layers import LoRAMapping, LoRASlots
+from stoker.lora.layers import LoRAMapping, LoRASlots, segments_of
 
 _TARGET = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
@@ -34,12 +34,18 @@ class ModelLoRASlots:
             if m is None or not isinstance(module, Linear):
                 continue
             layer_idx, kind = int(m.group(1)), m.group(2)
+            # Under tensor parallelism each rank holds its rows of B (column-parallel: qkv, gate_up)
+            # or its columns of A (row-parallel: o, down; the partial updates are summed by the
+            # layer's all-reduce, as its base output is), cut as the base weight is.
             if module.shard_offsets:
-                shards = [(shard_names[(kind, shard)], first, rows) for shard, (first, rows) in module.shard_offsets.items()]
+                shards = [(shard_names[(kind, shard)], first, rows, module.checkpoint_rows(shard))
+                          for shard, (first, rows) in module.shard_offsets.items()]
             else:
-                shards = [(kind, 0, module.out_features)]
+                shards = [(kind, 0, module.out_features, module.checkpoint_rows(None))]
+            # a fused [gate; up] CPU kernel writes its pre-activation in panel order: the update follows it
+            out_rows = module.method.output_rows(module) if module.fused_silu_and_mul else None
             module.lora = LoRASlots(layer_idx, shards, module.in_features, module.out_features, max_loras, max_rank,
-                                    dtype, device)
+                                    dtype, device, out_rows, in_cols=module.checkpoint_cols())
             self.layers.append(module.lora)
         if not self.layers:
             raise ValueError("this model has no projections LoRA can target")
@@ -53,16 +59,18 @@ class ModelLoRASlots:
             layer.clear(slot)
 
     def mapping(self, seqs: list[SeqStep], cu_seqlens: list[int]) -> LoRAMapping | None:
-        """The step's (T, S * R) token -> slot mask; None when no sequence has an adapter."""
-        if all(s.lora_slot < 0 for s in seqs):
+        """The step's token -> slot map (runs of tokens per adapter; on GPU also a (T,) slot per
+        token); None when no sequence has an adapter."""
+        slots = [s.lora_slot for s in seqs]
+        segments = segments_of(slots, cu_seqlens)
+        if not segments:
             return None
-        r = self.max_rank
-        mask = torch.zeros(cu_seqlens[-1], self.max_loras * r)
-        slot_ids = torch.full((cu_seqlens[-1],), -1, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            if s.lora_slot >= 0:
-                mask[cu_seqlens[i]:cu_seqlens[i + 1], s.lora_slot * r:(s.lora_slot + 1) * r] = 1.0
-                slot_ids[cu_seqlens[i]:cu_seqlens[i + 1]] = s.lora_slot
-        on_gpu = self.device.type == "cuda"
-        return LoRAMapping(mask.to(device=self.device, dtype=self.dtype, non_blocking=True),
-                           slot_ids.to(self.device, non_blocking=True) if on_gpu else None)
+        slot_ids = None
+        if self.device.type == "cuda":
+            per_token = torch.tensor(slots, dtype=torch.int32).repeat_interleave(torch.tensor(seqs_lengths(cu_seqlens)))
+            slot_ids = per_token.to(self.device, non_blocking=True)
+        return LoRAMapping(segments, slot_ids)
+
+
+def seqs_lengths(cu_seqlens: list[int]) -> list[int]:
+    return [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]

@@ -71,7 +71,6 @@ def build_model(
     device: torch.device,
     quant: QuantConfig | None = None,
     tp: TensorParallelGroup | None = None,
-    fuse_activations: bool = True,
 ) -> nn.Module:
     """The model (this rank's shard of it under tensor parallelism) with every projection's
     weight method chosen (layers/backends.py) and its parameters created, uninitialised, on
@@ -84,7 +83,7 @@ def build_model(
     try:
         with torch.device(device):
             model = model_cls(hf_config, max_position, tp)
-            chooser = LinearMethodChooser(quant, device, dtype, model, fuse_activations=fuse_activations)
+            chooser = LinearMethodChooser(quant, device, dtype, model)
             for name, module in list(model.named_modules()):
                 if isinstance(module, Linear):
                     module.attach(chooser(name, module))

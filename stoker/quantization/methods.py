@@ -29,14 +29,14 @@ from torch import nn
 
 from stoker.kernels import reference
 from stoker.layers.linear import Linear
-from stoker.layers.weight_method import LinearMethod, copy_rows, expect_shape
+from stoker.layers.weight_method import FusedGateUpMixin, LinearMethod, copy_rows, expect_shape
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
 
 BACKENDS = ("cpu_q8", "int8pack", "scaled_mm", "triton_w8", "dequant")
 
 
-class QuantizedLinearMethod(LinearMethod):
+class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
     def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown quantized backend {backend!r}")
@@ -195,6 +195,10 @@ class QuantizedLinearMethod(LinearMethod):
 
     def _cpu_q8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, self.fuse_silu_and_mul)
+
+    def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
+        return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, False)
 
     def _int8pack(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

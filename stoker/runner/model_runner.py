@@ -93,8 +93,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
         lora = config.lora_config
-        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp,
-                                 fuse_activations=lora is None)
+        self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
         load_weights(self.model, config.model_config.model)
         # Multi-LoRA: slots on every attention and MLP projection, filled by load_lora
         self.lora = ModelLoRASlots(self.model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device) if lora else None

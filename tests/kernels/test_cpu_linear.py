@@ -134,3 +134,19 @@ def test_fused_silu_and_mul(num_tokens: int, bias: bool) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     twin = reference.linear_packed(x, packed, 2 * inter, packed_bias, silu_and_mul=True)
     torch.testing.assert_close(twin, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_up_pre_activation_in_panel_order() -> None:
+    """The same gate_up-packed weight without silu_and_mul gives the pre-activation with its
+    columns in panel order (gate_up_rows says which [gate; up] row each is), and
+    silu_and_mul_panels of it equals the fused kernel: the path a LoRA update goes through."""
+    inter = 3 * native.panel_width() // 2
+    w, b = weights(2 * inter, 80, True)
+    x = torch.randn(9, 80)
+    packed, packed_bias = native.pack_linear_weight(w, gate_up=True), pack(b, gate_up=True)
+    pre = native.linear(x, packed, 2 * inter, packed_bias)
+    rows = native.gate_up_rows(2 * inter)
+    assert sorted(rows.tolist()) == list(range(2 * inter)) and rows.tolist() != list(range(2 * inter))
+    torch.testing.assert_close(pre, F.linear(x, w, b)[:, rows], rtol=1e-5, atol=1e-5)
+    fused = native.linear(x, packed, 2 * inter, packed_bias, silu_and_mul=True)
+    torch.testing.assert_close(native.silu_and_mul_panels(pre), fused, rtol=1e-6, atol=1e-6)
