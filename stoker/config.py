@@ -173,8 +173,5 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
 
     def __post_init__(self) -> None:
-        if self.lora_config is not None and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet (the adapters' "
-                             "updates are not sharded); serve LoRA at tensor-parallel size 1")
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")

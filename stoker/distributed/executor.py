@@ -138,6 +138,22 @@ class DistributedExecutor(Executor):
         assert result is not None
         return result
 
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Every rank copies its part of the adapter into the slot (the whole adapter travels:
+        each rank cuts it as its base weights are cut, lora/model_slots.py)."""
+        def load() -> None:
+            self.tp.broadcast_object(("load_lora", (slot, adapter)))
+            self.runner.load_lora(slot, adapter)
+
+        self._collective("loading a LoRA adapter", load)
+
+    def clear_lora(self, slot: int) -> None:
+        def clear() -> None:
+            self.tp.broadcast_object(("clear_lora", slot))
+            self.runner.clear_lora(slot)
+
+        self._collective("clearing a LoRA slot", clear)
+
     def check_health(self) -> None:
         self._collective("a ping of the tensor-parallel ranks", self.tp.broadcast_object, ("ping", None))
 

@@ -104,6 +104,10 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
             from stoker.distributed.collective_stats import calibrate
 
             calibrate(tp, runner.device)
+        elif kind == "load_lora":
+            runner.load_lora(*payload)
+        elif kind == "clear_lora":
+            runner.clear_lora(payload)
         elif kind == "ping":
             pass
         elif kind == "shutdown":

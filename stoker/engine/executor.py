@@ -48,7 +48,7 @@ class Executor:
         self.runner.release(seq_id)
 
     def load_lora(self, slot: int, adapter: Any) -> None:
-        """Copy an adapter into a compute slot (LoRA runs in-process only: TP > 1 is refused)."""
+        """Copy an adapter into a compute slot (on every rank under tensor parallelism)."""
         self.runner.load_lora(slot, adapter)
 
     def clear_lora(self, slot: int) -> None:

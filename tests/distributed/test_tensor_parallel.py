@@ -231,3 +231,26 @@ def test_structured_outputs_at_tp2(tiny_checkpoints) -> None:
     want = texts()
     assert all(json.loads(t)["k"] in ("a", "b") for t in want[:3])
     assert texts(tensor_parallel_size=2) == want
+
+
+def test_lora_at_tp2_equals_peft(tiny_checkpoints, tmp_path: Path) -> None:
+    """Multi-LoRA under tensor parallelism: each rank holds its rows of B (q/k/v, gate/up) or
+    columns of A (o, down: summed by the all-reduce), a KV head replicated on both ranks; a
+    batch mixing the base model and two adapters gives PEFT's tokens on every request."""
+    from stoker import LoRARequest
+    from tests.model.helpers import make_adapter, peft_greedy
+
+    path = tiny_checkpoints("llama", num_key_value_heads=1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [make_adapter(path, tmp_path / "all", targets, 8, seed=3),
+                make_adapter(path, tmp_path / "attn", targets[:4], 16, seed=4)]
+    loras = [LoRARequest("all", 1, str(adapters[0])), None, LoRARequest("attn", 2, str(adapters[1]))]
+    with engine(path, tensor_parallel_size=2, enable_lora=True, max_loras=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=loras)
+        got = [o.outputs[0].token_ids for o in outs]
+        llm.engine.check_integrity()
+    with engine(path) as llm:
+        base = run(llm, GREEDY)[1][0]
+    assert got[1] == base
+    assert got[0] == peft_greedy(path, adapters[0], PROMPTS[0], 12)
+    assert got[2] == peft_greedy(path, adapters[1], PROMPTS[2], 12)

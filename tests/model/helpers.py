@@ -1,4 +1,4 @@
-"""Shared helpers for the model tests: HF reference runs."""
+"""Shared helpers for the model tests: HF reference runs, PEFT adapters and their greedy tokens."""
 
 from __future__ import annotations
 
@@ -52,3 +52,29 @@ def engine_logits(llm, ids: list[int]) -> torch.Tensor:
             return runner.model.compute_logits(hidden)
     finally:
         set_attention_metadata(None)
+
+
+def make_adapter(base: Path, out: Path, targets: list[str], rank: int, seed: int, rslora: bool = False) -> Path:
+    """A PEFT adapter with random (not zero) B matrices, saved in PEFT's format."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = load_hf(base)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                  lora_dropout=0.0, use_rslora=rslora))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name or "lora_A" in name:
+            p.data.normal_(0, 0.2)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+@torch.no_grad()
+def peft_greedy(base: Path, adapter: Path, prompt: list[int], n: int) -> list[int]:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_hf(base), str(adapter)).eval()
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         min_new_tokens=n)
+    return out[0, len(prompt):].tolist()

@@ -7,42 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from stoker import LLM, LoRARequest, SamplingParams
 from stoker.lora.adapter import LoRAError
-from tests.model.helpers import load_hf
+from tests.model.helpers import make_adapter, peft_greedy
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 17, 300, 42, 7, 99, 5], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 2, 3]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def make_adapter(base: Path, out: Path, targets: list[str], rank: int, seed: int, rslora: bool = False) -> Path:
-    """A PEFT adapter with random (not zero) B matrices, saved in PEFT's format."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = load_hf(base)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                                  lora_dropout=0.0, use_rslora=rslora))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name or "lora_A" in name:
-            p.data.normal_(0, 0.2)
-    peft_model.save_pretrained(str(out))
-    return out
-
-
-@torch.no_grad()
-def peft_greedy(base: Path, adapter: Path, prompt: list[int], n: int) -> list[int]:
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(load_hf(base), str(adapter)).eval()
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 def _llm(path: Path, **kw) -> LLM:
