@@ -9,8 +9,7 @@ Workload (issue 2's): a Llama-shaped random checkpoint (hidden 512, intermediate
 lengths uniform in [16, 128], ignore_eos, greedy, float32 on CPU. Three engines, run in turn
 each round (the peers side by side on this noisy machine):
   base      LoRA off (the reference);
-  lora-off  --enable-lora, every request on the base model (what enabling LoRA costs by itself:
-            on CPU the fused SiLU-and-mul of the MLP kernel is off, since LoRA adds to gate/up);
+  lora-off  --enable-lora, every request on the base model (what enabling LoRA costs by itself);
   lora-4    --enable-lora --max-loras 4, request i on adapter i % 4 (rank 16, all projections).
 Target (issue 17): lora-4 at least 80% of base's output tokens/s.
 
