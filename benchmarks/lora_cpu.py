@@ -76,17 +76,18 @@ def run(llm: LLM, prompts: list, params: list, loras: list | None) -> float:
 
 
 def roofline(rank: int, num_adapters: int) -> dict[str, float]:
-    from stoker.roofline.modelspec import spec_from_config
+    from stoker.roofline.lora import LoRACost, LoRASpec
+    from stoker.roofline.modelspec import dtype_bytes, spec_from_config
 
     cfg = {**ISSUE2_SHAPE, "vocab_size": 1024, "architectures": ["LlamaForCausalLM"]}
     m = spec_from_config(cfg, "issue2")
-    h, kv, inter, L = m.hidden_size, m.kv_dim, m.intermediate_size, m.num_layers
-    dims = [(h, m.q_dim), (h, kv), (h, kv), (m.q_dim, h), (h, inter), (h, inter), (inter, h)]
-    params_per_adapter = L * sum(rank * (i + o) for i, o in dims)
+    # the roofline's account (roofline/lora.py): a step of num_adapters sequences, each on its own
+    # adapter targeting all seven projections (TARGETS), float32 like the engine here
+    lora = LoRACost.of(m, LoRASpec(rank, num_adapters, tuple(TARGETS)), seqs=num_adapters, act_dtype="fp32")
     base_params = m.num_params
-    return {"adapter_params": params_per_adapter, "base_params": base_params,
-            "extra_bytes_per_step_share": num_adapters * params_per_adapter / base_params,
-            "extra_flops_per_token_share": params_per_adapter / base_params}
+    return {"adapter_params": round(lora.params_per_adapter), "base_params": base_params,
+            "extra_bytes_per_step_share": lora.weight_bytes / (base_params * dtype_bytes("fp32")),
+            "extra_flops_per_token_share": lora.flops_per_token / (2 * base_params)}
 
 
 def main() -> None:

@@ -40,13 +40,16 @@ _GRIDS: dict[str, list[float]] = {
 
 
 # Grids for fitting the engine profile to public end-to-end points (fit_points). Values are rounded
-# so a fitted profile reads as the decimals written in profiles.py. Six knobs are fitted (23 points
+# so a fitted profile reads as the decimals written in profiles.py. Seven knobs are fitted (23 points
 # in published.fit_points()): the GEMM share of peak, separately for 8-bit (FP8/INT8) tensor cores (see
 # Efficiencies.gemm_compute_8bit for the public evidence that FP8 GEMMs reach a lower share), the
-# HBM share, and the three overheads. attention_compute and comm stay at their kernel defaults,
-# which have their own sources (FlashAttention-2's paper; nccl-tests): left free, the fit used them
-# as spare knobs to absorb misses it cannot explain (comm fell to 0.25 of NVLink to slow down the
-# 70B TP rows whose real cause is the 2023 GQA decode kernel; published.py notes those rows).
+# HBM share, the three overheads every step pays and the per-layer context setup of a step holding
+# prefill tokens (Efficiencies.prefill_layer_overhead_s; only the ttft and static points see it).
+# attention_compute and comm stay at their kernel defaults, which have their own sources
+# (FlashAttention-2's paper; nccl-tests): left free, the fit used them
+# as spare knobs to absorb misses it cannot explain (in the six-knob fit comm fell to 0.25 of NVLink
+# to slow down the 70B TP rows whose real cause is the 2023 GQA decode kernel, published.py notes
+# those rows; with the seventh knob both rise to 1.0 instead).
 PROFILE_GRIDS: dict[str, list[float]] = {
     "memory": [round(0.30 + 0.02 * i, 2) for i in range(36)],
     "gemm_compute": [round(0.30 + 0.02 * i, 2) for i in range(36)],
@@ -54,6 +57,9 @@ PROFILE_GRIDS: dict[str, list[float]] = {
     "comm_latency_s": [round(1e-6 * i, 9) for i in range(0, 61, 2)],
     "layer_overhead_s": [round(1e-6 * i, 9) for i in range(0, 61, 2)],
     "step_overhead_s": [round(1e-4 * i, 6) for i in range(41)],
+    # Per layer, once per step holding prefill tokens (Efficiencies.prefill_layer_overhead_s):
+    # 0-300 us in 5 us steps. Last, so the descent visits the six older knobs in their old order.
+    "prefill_layer_overhead_s": [round(5e-6 * i, 9) for i in range(61)],
 }
 
 

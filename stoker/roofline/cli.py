@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoker.roofline.lora import LoRASpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object per batch size")
     r.add_argument("--measured", metavar="RESULT.json", help="a stoker bench result to place against the roofline")
     r.add_argument("--device-file", metavar="DEVICES.yaml", help="add devices from YAML (see docs/roofline.md)")
+    r.add_argument("--lora-rank", "--max-lora-rank", dest="lora_rank", type=int, default=None, metavar="R",
+                   help="every sequence on a rank-R LoRA adapter: the step prediction includes the adapters' weight "
+                        "reads and FLOPs, and a table shows them beside the base's")
+    r.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="distinct adapters a step may hold (vLLM's --max-loras; default 1); a step of b sequences "
+                        "holds min(N, b)")
+    r.add_argument("--lora-targets", default=None, metavar="q_proj,k_proj,...",
+                   help="projections the adapters target (default all seven: q,k,v,o,gate,up,down_proj)")
     _profile_flags(r)
     r.set_defaults(func=run_roofline)
     sub = r.add_subparsers(dest="roofline_command", metavar="{kv,calibrate}")
@@ -113,6 +125,18 @@ def _batches(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def _lora_spec(args: argparse.Namespace) -> LoRASpec | None:
+    """--lora-rank / --max-loras / --lora-targets as a LoRASpec (None: no adapters)."""
+    from stoker.roofline.lora import LORA_TARGETS, LoRASpec
+
+    if args.lora_rank is None:
+        if args.max_loras is not None or args.lora_targets is not None:
+            raise ValueError("--max-loras and --lora-targets need --lora-rank R")
+        return None
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else LORA_TARGETS
+    return LoRASpec(rank=args.lora_rank, max_loras=args.max_loras or 1, targets=targets)
+
+
 def _need(value: str | None, flag: str, choices: list[str]) -> str:
     if not value:
         raise ValueError(f"{flag} is required (or a --measured file that names it); choose one of: {', '.join(choices)}")
@@ -139,7 +163,10 @@ def run_roofline(args: argparse.Namespace) -> int:
               kv_dtype=args.kv_dtype or ("fp32" if fp32 else None), tp=tp, link=args.link, eff=eff,
               overlap_comm=args.overlap_comm, act_dtype="fp32" if fp32 else "bf16", last_token_logits=fp32)
     modelspec.dtype_bytes(args.dtype)
-    steps = [costmodel.step_cost(spec, gpu, batch=b, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
+    lora = _lora_spec(args)
+    steps = [costmodel.step_cost(spec, gpu, batch=b, lora=lora, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
+    lora_rows = [report.lora_summary(lora, spec, s, costmodel.step_cost(spec, gpu, batch=s.batch, **kw),  # type: ignore[arg-type]
+                                     act_dtype=str(kw["act_dtype"])) for s in steps] if lora else []
     cdt = costmodel.compute_dtype(args.dtype, gpu)
     ridge_batch = costmodel.crossover_batch(spec, gpu, context_len=args.context, weight_dtype=args.dtype,
                                             kv_dtype=args.kv_dtype, tp=tp, link=args.link) if args.phase == "decode" else None
@@ -158,6 +185,8 @@ def run_roofline(args: argparse.Namespace) -> int:
     if args.json:
         out: list[dict[str, object]] = [{"kind": "prediction", "model": spec.name, "profile": args.profile, **s.as_dict()}
                                         for s in steps]
+        for row, extra in zip(out, lora_rows):
+            row["lora"] = extra
         if util:
             out.append({"kind": "measured", "model": spec.name, "gpu": gpu.name, "assumptions": list(run.assumptions), **util})  # type: ignore[union-attr]
         print(json.dumps(out, indent=2))
@@ -172,6 +201,9 @@ def run_roofline(args: argparse.Namespace) -> int:
         print(report.ops_table(s))
     print()
     print(report.summary_table(steps))
+    if lora:
+        print()
+        print(report.lora_table(lora, lora_rows, act_dtype=str(kw["act_dtype"])))
     print()
     for line in report.verdict(steps, ridge_batch, gpu.ridge_point(cdt)):
         print(line)

@@ -17,6 +17,11 @@ A float32 engine (Stoker on CPU) is `weight_dtype="fp32", act_dtype="fp32"`: act
 head and the router are then 4-byte, priced at the device's fp32 rate where it has one.
 `last_token_logits=True` applies the LM head to one row per prompt in prefill, as engines do
 (Stoker's runner gathers `logits_indices` first); the default keeps every row (the old model).
+Fixed costs: `launch_gaps` (layers x layer_overhead_s + step_overhead_s) on every step, and
+`prefill_gaps` (layers x prefill_layer_overhead_s) once more on a step holding prefill tokens
+(a prefill step, a chunk, a mixed step): efficiency.py says what each stands for.
+`lora=LoRASpec(rank, max_loras)`: every sequence on an adapter; their weight reads and FLOPs are
+one more op, `lora` (roofline/lora.py).
 Not modelled: pipeline/expert parallelism, the logits gather, speculative decoding.
 """
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from stoker.roofline.collectives import all_reduce_time
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GPUSpec, Interconnect, get_gpu, get_link
+from stoker.roofline.lora import LoRACost, LoRASpec
 from stoker.roofline.modelspec import (
     ModelSpec,
     dtype_bytes,
@@ -161,21 +167,26 @@ def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: 
 
 def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
          link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
-         act_dtype: str = "bf16", last_token_logits: bool = False) -> tuple[OpCost, ...]:
+         act_dtype: str = "bf16", last_token_logits: bool = False, lora: LoRASpec | None = None) -> tuple[OpCost, ...]:
     tokens = batch if phase == "decode" else (chunk or batch * ctx)
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
     # Decode reads every sequence's whole KV; prefill writes it (flash-attention keeps scores on chip).
     kv_tokens = batch * ctx if phase == "decode" else tokens
+    # Sequences in the step (each on its own adapter): a chunk holds chunk / ctx prompts, at least one.
+    seqs = max(batch, -(-chunk // ctx)) if chunk else batch
+    lora_cost = LoRACost.of(m, lora, tp=tp, seqs=seqs, tokens=tokens, act_dtype=act_dtype) if lora else None
     return _token_ops(m, g, tokens, attn_ctx, kv_tokens, batch if last_token_logits else tokens, wd, kvd, tp, link,
-                      eff, overlap, act_dtype)
+                      eff, overlap, act_dtype, prefill=phase == "prefill", lora=lora_cost)
 
 
 def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens: float, logit_rows: int, wd: str,
                kvd: str, tp: int, link: Interconnect, eff: Efficiencies, overlap: bool = False,
-               act_dtype: str = "bf16") -> tuple[OpCost, ...]:
+               act_dtype: str = "bf16", *, prefill: bool = False, lora: LoRACost | None = None) -> tuple[OpCost, ...]:
     """The ops of a step computing `tokens` tokens that attend to `attn_ctx` positions on average,
-    moving `kv_tokens` tokens' K/V, with `logit_rows` rows of logits."""
+    moving `kv_tokens` tokens' K/V, with `logit_rows` rows of logits. `prefill`: the step holds
+    prompt (context) tokens, and pays the per-layer context setup (eff.prefill_layer_overhead_s).
+    `lora`: the step's adapters (roofline/lora.py), one more op."""
     act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
     fpt = m.flops_per_token(attn_ctx)
     lp, L = m.layer_params, m.num_layers
@@ -206,6 +217,12 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
         gemm("mlp_down", L * lp["mlp_down"] * frac, i_active, h, wb),
         gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=logit_rows),
     ]
+    if lora is not None:
+        # Every token's shrink and expand on its own adapter, each adapter's weights read once per
+        # step, in the activation dtype on its tensor cores (lora.py).
+        act_cd = compute_dtype(normalize_dtype(act_dtype), g)
+        ops.append(_op("lora", "gemm", lora.flops, lora.bytes, act_peak, bw, eff.gemm_share(act_cd), eff.memory,
+                       w=lora.weight_bytes))
     # Attention: KV heads split over TP ranks (replicated when tp > kv heads).
     kv = kv_tokens * m.kv_bytes_per_token(kvd, tp)
     q_io = 2 * tokens * m.q_dim * act_bytes * L / tp
@@ -225,6 +242,12 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     gaps = L * eff.layer_overhead_s + eff.step_overhead_s
     if gaps > 0:
         ops.append(OpCost("launch_gaps", "overhead", 0.0, 0.0, gaps, "overhead"))
+    if prefill and eff.prefill_layer_overhead_s > 0:
+        # A fixed cost per layer of a step holding context tokens, beside the launch gaps every
+        # step pays: TensorRT-LLM's first-token latency at 128 tokens (performance.md, v0.5) sits
+        # 1.6-1.8x above a forward pass the 2048-token rows fit, a gap that grows with layers
+        # (efficiency.py, profiles.py: what it is thought to be, and the fit).
+        ops.append(OpCost("prefill_gaps", "overhead", 0.0, 0.0, L * eff.prefill_layer_overhead_s, "overhead"))
     return tuple(ops)
 
 
@@ -244,12 +267,15 @@ def step_cost(
     overlap_comm: bool = False,
     act_dtype: str = "bf16",
     last_token_logits: bool = False,
+    lora: LoRASpec | None = None,
 ) -> StepCost:
     """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
     (`batch` prompts of `context_len` tokens; with `chunk_tokens`, one chunk of that many prompt
     tokens, attending on average to half a `context_len` prompt, as chunked prefill runs it).
     `overlap_comm` hides TP all-reduce time under the step's compute (prediction and floor).
-    `act_dtype`, `last_token_logits`: see the module docstring (a float32 CPU engine)."""
+    `act_dtype`, `last_token_logits`: see the module docstring (a float32 CPU engine).
+    `lora`: every sequence on a LoRA adapter of that rank (at most max_loras distinct in a
+    step): the adapters' weight reads and FLOPs are one more op (roofline/lora.py)."""
     m, g = _resolve(model, gpu)
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, not {phase!r}")
@@ -267,7 +293,7 @@ def step_cost(
         raise ValueError("chunk_tokens applies to prefill and must be >= 1")
     dtype_bytes(act_dtype)
     args = (m, g, phase, batch, context_len, normalize_dtype(weight_dtype), kvd, tp, lnk)
-    extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits)
+    extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits, lora)
     return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
                     _ops(*args, eff or Efficiencies(), *extra), _ops(*args, Efficiencies.ideal(), *extra), chunk_tokens)
 
@@ -341,7 +367,8 @@ def mixed_step_cost(
     args = (m, g, tokens, attn_ctx, kv_tokens, max(logits_rows, 1), wd, kvd, tp, lnk)
     phase = "decode" if prefill_tokens == 0 else "prefill"
     batch = decode_seqs if prefill_tokens == 0 else 1
+    prefill = prefill_tokens > 0  # a mixed step holds context tokens: it pays the context setup once
     return StepCost(phase, batch, max(round(attn_ctx), 1), tp, weight_dtype, kvd, g.name,
-                    _token_ops(*args, eff or Efficiencies(), False, act_dtype),
-                    _token_ops(*args, Efficiencies.ideal(), False, act_dtype) if with_floor else (),
+                    _token_ops(*args, eff or Efficiencies(), False, act_dtype, prefill=prefill),
+                    _token_ops(*args, Efficiencies.ideal(), False, act_dtype, prefill=prefill) if with_floor else (),
                     tokens if prefill_tokens else None)

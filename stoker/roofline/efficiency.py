@@ -45,6 +45,18 @@ class Efficiencies:
     # Seconds added to every TP collective beyond the link model (its launch, the barrier of the
     # ranks, the copy into a registered buffer). 0 at kernel peak; the engine profile fits it.
     comm_latency_s: float = 0.0
+    # Seconds per decoder layer charged once more on every step that holds prefill (context)
+    # tokens, on top of layer_overhead_s, which every step pays: the fixed work a context pass does
+    # per layer and a decode step does not. What it is thought to be (a plausible account, not a
+    # measured breakdown): TensorRT-LLM v0.5's context phase (gptSession.cpp runs step 0 as its own
+    # pass over the prompts, after reshaping its buffers to their lengths), in which each layer's GPT
+    # attention plugin (plugins/gptAttentionCommon/gptAttentionCommon.cpp, enqueueContext) binds
+    # cuBLAS to the stream and workspace, rebuilds cu_seqlens, padding offsets and the mask
+    # (invokeBuildDecoderInfo) and sets up the fused-MHA runner before any math. Its size comes from
+    # the measured rows (published.py): TensorRT-LLM's first-token latency at 128 prompt tokens sits
+    # 3.7-17 ms above a forward pass that fits the 2048-token rows, ~115-150 us per layer on H100
+    # and ~215 on A100. 0 at kernel peak; the engine profile fits one value (profiles.py).
+    prefill_layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gemm_compute", "attention_compute", "memory", "comm"):
@@ -54,14 +66,14 @@ class Efficiencies:
         if not 0 <= self.gemm_compute_8bit <= 1:
             raise ValueError(f"efficiency gemm_compute_8bit must be in [0, 1] (0: same as gemm_compute), "
                              f"got {self.gemm_compute_8bit}")
-        if self.layer_overhead_s < 0 or self.step_overhead_s < 0 or self.comm_latency_s < 0:
+        if min(self.layer_overhead_s, self.step_overhead_s, self.comm_latency_s, self.prefill_layer_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
 
     @classmethod
     def ideal(cls) -> Efficiencies:
         """The roofline itself: every resource at its datasheet peak, no gaps."""
         return cls(gemm_compute=1.0, attention_compute=1.0, memory=1.0, comm=1.0, layer_overhead_s=0.0,
-                   step_overhead_s=0.0, comm_latency_s=0.0)
+                   step_overhead_s=0.0, comm_latency_s=0.0, prefill_layer_overhead_s=0.0)
 
     def gemm_share(self, compute_dtype: str) -> float:
         """Share of dense peak a matmul on `compute_dtype` tensor cores reaches ("fp8", "int8":

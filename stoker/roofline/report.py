@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from stoker.roofline.costmodel import StepCost
+from stoker.roofline.lora import LoRASpec, adapter_params
+from stoker.roofline.modelspec import ModelSpec, dtype_bytes
 
 
 def wall_shares(step: StepCost) -> dict[str, float]:
@@ -79,3 +81,37 @@ def measured_lines(util: dict[str, float], assumptions: tuple[str, ...]) -> list
              f"model predicts {util['predicted_tokens_per_s']:,.0f}."]
     lines += [f"  assumed: {a}" for a in assumptions]
     return lines
+
+
+def lora_summary(lora: LoRASpec, spec: ModelSpec, with_lora: StepCost, base: StepCost,
+                 act_dtype: str = "bf16") -> dict[str, float]:
+    """The adapters' extra work in one step (per GPU) beside the same step without them: weights
+    read per step, FLOPs per token, each as a share of the base's, and both step times."""
+    op = next(o for o in with_lora.ops if o.name == "lora")
+    tokens = with_lora.tokens_per_step
+    params = adapter_params(spec, lora.rank, lora.targets, with_lora.tp)
+    return {"batch": base.batch, "rank": lora.rank, "max_loras": lora.max_loras,
+            "adapters_in_step": lora.adapters_in_step(base.batch),
+            "params_per_adapter": params, "bytes_per_adapter": params * dtype_bytes(act_dtype),
+            "weight_bytes_per_step": op.weight_bytes, "bytes_per_step": op.bytes,
+            "weight_bytes_share": op.weight_bytes / base.weight_bytes,
+            "flops_per_token": op.flops / tokens, "flops_per_token_share": op.flops / base.flops,
+            "base_step_time_s": base.step_time_s, "step_time_s": with_lora.step_time_s}
+
+
+def lora_table(lora: LoRASpec, rows: list[dict[str, float]], act_dtype: str = "bf16") -> str:
+    """`stoker roofline --lora-rank R --max-loras N`: what the adapters add per step, per batch."""
+    first = rows[0]
+    head = (f"LoRA: rank {lora.rank} on {','.join(lora.targets)}, up to {lora.max_loras} adapter"
+            f"{'s' if lora.max_loras > 1 else ''} a step (one per sequence): {first['params_per_adapter'] / 1e6:,.2f}M "
+            f"params per adapter per GPU ({first['bytes_per_adapter'] / 1e6:,.1f} MB in {act_dtype})")
+    # Weights: each adapter in the step read once. Traffic: those weights + the updates' activations
+    # (the shrink reads x again, the expand adds into the output), what dominates a long prefill.
+    out = [head, f"{'batch':>6}{'adapters':>10}{'weights MB':>12}{'of base weights':>17}{'traffic MB':>12}"
+                 f"{'MFLOP/token':>13}{'of base FLOPs':>15}{'step ms base -> LoRA':>23}"]
+    for r in rows:
+        out.append(f"{r['batch']:>6}{r['adapters_in_step']:>10}{r['weight_bytes_per_step'] / 1e6:>12,.1f}"
+                   f"{r['weight_bytes_share']:>17.2%}{r['bytes_per_step'] / 1e6:>12,.1f}"
+                   f"{r['flops_per_token'] / 1e6:>13,.1f}{r['flops_per_token_share']:>15.2%}"
+                   f"{r['base_step_time_s'] * 1e3:>12.2f} -> {r['step_time_s'] * 1e3:.2f}")
+    return "\n".join(out)

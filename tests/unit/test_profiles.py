@@ -31,11 +31,73 @@ def test_engine_profile_beats_kernel_peak_on_public_measurements() -> None:
     assert len(pts) >= 30
     assert kernel["median_ratio"] > 1.3  # kernel peaks are optimistic for engines (issue 16)
     assert abs(engine["median_ratio"] - 1) < 0.05
-    assert engine["within"] >= 25 > kernel["within"]
+    assert engine["within"] >= 28 > kernel["within"]
     # Held out of the fit, the engine profile still lands closer than kernel peaks.
     held = published.held_out_points()
     assert points_loss(held, ENGINE) < points_loss(held, KERNEL)
-    assert published.summary(held, ENGINE)["within"] >= 8 > published.summary(held, KERNEL)["within"]
+    assert published.summary(held, ENGINE)["within"] >= 9 > published.summary(held, KERNEL)["within"]
+
+
+def test_first_token_latency_rows_with_the_context_setup() -> None:
+    # Issue 16: without a per-layer context setup the 128-token TTFT rows were 1.56-1.84x
+    # optimistic while the 2048-token rows fit. With it (fitted), every TTFT row lands within
+    # 0.85-1.26 (7B A100 at 128 tokens is the worst, 1.2506: A100 rows imply more per layer).
+    ttft = [p for p in published.POINTS if p.kind == "ttft"]
+    assert len(ttft) == 8
+    for p in ttft:
+        assert 0.85 < published.speed_ratio(p, ENGINE) < 1.26, p.label
+        assert published.speed_ratio(p, ENGINE.replace(prefill_layer_overhead_s=0.0)) > 1.5 or p.input_len > 128
+
+
+def test_prefill_layer_overhead_is_charged_once_per_step_holding_prefill() -> None:
+    from stoker.core.step import StepShape
+    from stoker.roofline.costmodel import mixed_step_cost, step_cost
+    from stoker.roofline.hardware import get_gpu
+    from stoker.roofline.live import WallModel
+    from stoker.roofline.modelspec import get_model_spec
+    from stoker.roofline.workloads import chunked_prefill_s, static_batch_time_s
+
+    x, L = 100e-6, 32  # llama-2-7b has 32 layers: each step holding prefill tokens pays 32 x 100 us
+    on = KERNEL.replace(prefill_layer_overhead_s=x)
+    kw = dict(context_len=128, weight_dtype="bf16")
+
+    def step(eff: Efficiencies, **more) -> float:
+        return step_cost("llama-2-7b", "H100", eff=eff, **{**kw, **more}).step_time_s
+
+    # A prefill step (whole prompts, or one chunk): + L x once; a decode step: nothing.
+    assert step(on, phase="prefill", batch=4) - step(KERNEL, phase="prefill", batch=4) == pytest.approx(L * x)
+    assert step(on, phase="prefill", chunk_tokens=512) - step(KERNEL, phase="prefill", chunk_tokens=512) == pytest.approx(L * x)
+    assert step(on, batch=8) == step(KERNEL, batch=8)
+    s = step_cost("llama-2-7b", "H100", phase="prefill", eff=on, **kw)
+    gaps = [op for op in s.ops if op.name == "prefill_gaps"]
+    assert len(gaps) == 1 and gaps[0].time_s == pytest.approx(L * x) and gaps[0].bound == "overhead"
+    assert s.latency_floor_s == step_cost("llama-2-7b", "H100", phase="prefill", eff=KERNEL, **kw).latency_floor_s
+    # Chunked prefill: once per chunk (4096 prompt tokens in 1024-token chunks: 4 x).
+    chunked = dict(prompt_tokens=4096, prompt_len=2048, chunk_tokens=1024)
+    assert (chunked_prefill_s("llama-2-7b", "H100", eff=on, **chunked)
+            - chunked_prefill_s("llama-2-7b", "H100", eff=KERNEL, **chunked)) == pytest.approx(4 * L * x)
+    # A static batch has one context step.
+    static = dict(batch=8, input_len=128, output_len=16)
+    assert (static_batch_time_s("llama-2-7b", "H100", eff=on, **static)
+            - static_batch_time_s("llama-2-7b", "H100", eff=KERNEL, **static)) == pytest.approx(L * x)
+    # A mixed step (prefill chunk beside decodes) pays it once; a decode-only step does not.
+    mixed = dict(prefill_attended=64 * 65 // 2, decode_seqs=4, decode_context=4 * 300, logits_rows=5)
+    assert (mixed_step_cost("llama-2-7b", "H100", prefill_tokens=64, eff=on, **mixed).step_time_s
+            - mixed_step_cost("llama-2-7b", "H100", prefill_tokens=64, eff=KERNEL, **mixed).step_time_s) == pytest.approx(L * x)
+    decode_only = dict(mixed, prefill_attended=0)
+    assert (mixed_step_cost("llama-2-7b", "H100", prefill_tokens=0, eff=on, **decode_only).step_time_s
+            == mixed_step_cost("llama-2-7b", "H100", prefill_tokens=0, eff=KERNEL, **decode_only).step_time_s)
+    # The live wall prices served steps with the same term.
+    m, g = get_model_spec("llama-2-7b"), get_gpu("H100")
+    shape = StepShape(num_prefill_tokens=64, prefill_attended=64 * 65 // 2, num_decode_seqs=4, decode_context=1200,
+                      num_sampled=5)
+    assert (WallModel(m, g, on).judge(shape, 0.01).predicted_s
+            - WallModel(m, g, KERNEL).judge(shape, 0.01).predicted_s) == pytest.approx(L * x)
+    # Kernel peaks and the ceiling have none; the engine profile fits one; it cannot be negative.
+    assert KERNEL.prefill_layer_overhead_s == 0 == Efficiencies.ideal().prefill_layer_overhead_s
+    assert ENGINE.prefill_layer_overhead_s > 0
+    with pytest.raises(ValueError):
+        Efficiencies(prefill_layer_overhead_s=-1e-6)
 
 
 def test_every_engine_miss_says_why() -> None:
@@ -120,7 +182,7 @@ def test_speed_ratio_reads_the_same_way_for_latency() -> None:
 
 def test_profile_file_round_trip_and_errors(tmp_path) -> None:
     f = tmp_path / "mine.yaml"
-    eff = ENGINE.replace(memory=0.66, comm_latency_s=5e-6)
+    eff = ENGINE.replace(memory=0.66, comm_latency_s=5e-6, prefill_layer_overhead_s=1e-4)
     assert eff.gemm_compute_8bit == ENGINE.gemm_compute_8bit  # the FP8 share round-trips too
     save_profile(eff, f, name="mine", source="test")
     assert load_profile(f) == eff and get_profile(str(f)) == eff

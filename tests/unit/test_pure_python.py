@@ -23,6 +23,8 @@ PURE_MODULES = [
     "stoker.roofline.device_file",
     "stoker.roofline.profiles",
     "stoker.roofline.kvcapacity",
+    "stoker.roofline.lora",
+    "stoker.roofline.report",
 ]
 
 
