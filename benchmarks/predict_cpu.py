@@ -11,7 +11,9 @@ alone, against the same steps measured (issue 16, part 2).
    at every token count of the sweep, paged attention at one decode and one prefill shape the
    sweep does not use, the fixed part of the chain and of decode attention (near-empty
    shapes), the layers' row kernels and activation copies, the host's input building per
-   prompt length, and the host overhead of a near-empty 8-layer model's step.
+   prompt length, and the host overhead of a near-empty 8-layer model's step, run on cold caches
+   (a 4 MiB read before each projection, its own time subtracted), as a real step's host work
+   runs between weight streams; decode attention is timed after a cache flush too.
 3. `roofline.microfit.fit` -> efficiencies; `predict_step` prices each step with the cost model.
 4. The steps: `ModelRunner.execute` of the real engine (issue 2's model shape, random float32
    weights), median over steps and rounds. Nothing from 4 reaches 3.

@@ -25,15 +25,35 @@ from typing import Any
 from stoker.roofline.modelspec import ModelSpec
 
 
-def median_s(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+def median_s(fn: Callable[[], Any], iters: int, warmup: int = 2, before: Callable[[], Any] | None = None) -> float:
+    """Median seconds of fn(); `before` runs untimed ahead of every call (a cache flush)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Larger than this VM's last-level cache (260 MiB of L3, shared with the host): reading it
+# leaves none of a microbenchmark's own data cached.
+FLUSH_BYTES = 512 << 20
+
+
+def cache_flusher(num_bytes: int = FLUSH_BYTES) -> Callable[[], Any]:
+    """A call that evicts the caches by reading num_bytes: in an engine step a layer's KV cache
+    was last read a whole step ago, with the step's weights and every other layer's KV streamed
+    since, so it comes from memory; repeated back to back, a microbenchmark's ~100 MB of KV
+    would be partly served from the L3 instead (decode attention ran ~25% faster than in the
+    steps at 2 threads that way)."""
+    import torch
+
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return buffer.sum
 
 
 def stream_read_bytes_per_s(num_bytes: int, iters: int = 10) -> float:
@@ -118,8 +138,9 @@ def _paged_caches(spec: ModelSpec, num_seqs: int, context_len: int, block_size: 
     return caches, table
 
 
-def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: int) -> float:
-    """All layers' decode attention: one query token per sequence over its whole context."""
+def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: int, flush: bool = False) -> float:
+    """All layers' decode attention: one query token per sequence over its whole context (with
+    `flush`, from cold caches, as in a step)."""
     import torch
 
     from stoker.kernels.cpu import native
@@ -133,7 +154,7 @@ def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: 
         for k, v in caches:
             native.paged_decode_attention(q, k, v, table, lens, scale)
 
-    return median_s(run, iters)
+    return median_s(run, iters, before=cache_flusher() if flush else None)
 
 
 def prefill_attention_s(spec: ModelSpec, prompt_len: int, iters: int) -> float:

@@ -103,7 +103,7 @@ def microbench_round(spec: ModelSpec, chain: microbench.ProjectionChain, overhea
     for m in sorted(tokens | {1}):
         samples.add(("row_ops", m), microbench.row_ops_s(spec, m, iters))
     b, c = DECODE_ATTENTION_SHAPE
-    samples.add(("decode_attention",), microbench.decode_attention_s(spec, b, c, iters))
+    samples.add(("decode_attention",), microbench.decode_attention_s(spec, b, c, iters, flush=True))
     samples.add(("decode_attention_fixed",), microbench.decode_attention_s(spec, 1, 1, 3 * iters))
     bs = overhead_llm.engine.executor.runner.block_size
     for n in sorted(prompt_lens | {1} if prompt_lens else set()):
@@ -111,7 +111,7 @@ def microbench_round(spec: ModelSpec, chain: microbench.ProjectionChain, overhea
     for n in PREFILL_ATTENTION_LENS:
         samples.add(("prefill_attention", n), microbench.prefill_attention_s(spec, n, max(2, iters // 4)))
     for b in sorted(batches):
-        samples.add(("overhead", b), step_timing.step_seconds(overhead_llm, "decode", b, OVERHEAD_CONTEXT, iters))
+        samples.add(("overhead", b), step_timing.cold_host_step_seconds(overhead_llm, b, OVERHEAD_CONTEXT, iters))
 
 
 def to_microbenchmarks(samples: Samples, device: GPUSpec, overhead_spec: ModelSpec) -> Microbenchmarks:

@@ -12,7 +12,8 @@ the measurements into `Efficiencies`, `predict_step()` prices a step with `costm
               the share of the roofline the matmuls reach at M rows (Efficiencies.gemm_compute
               and .memory both e(M), so the op keeps its bound and takes floor / e(M)).
               Between measured M, e is interpolated in log M.
-    attention decode: all layers' paged attention over (B, context), less the same at one sequence
+    attention decode: all layers' paged attention over (B, context) from flushed caches (in a step a
+              layer's KV was last read a whole step ago), less the same at one sequence
               of one block (the calls' fixed part, charged by `overhead`) -> .memory for KV streaming;
               prefill: causal attention over one prompt at two lengths -> .attention_compute,
               interpolated in log length (the causal kernel wastes less of each tile on longer
@@ -24,7 +25,11 @@ the measurements into `Efficiencies`, `predict_step()` prices a step with `costm
               (~4-7% of a long prefill).
     overhead  per-step host work (Python dispatch of every op, input tensors, sampling) and every
               call's fixed cost: a step of a model with the same layers and ops but almost no
-              bytes or FLOPs, at the same batch and thread count, minus its own roofline floor.
+              bytes or FLOPs, at the same batch and thread count, minus its own roofline floor,
+              run on cold caches (step_timing.cold_host_step_seconds: a 4 MiB read before each
+              projection, subtracted after): in a real step every projection streams MBs of
+              weights between the host's ops, and the same host work took 2.8 ms there against
+              1.7 ms in the probe with its 1.3 MB kept in L2 (B = 1, 1 thread).
               With T > 1 threads this is where each parallel region's wake-up of the other
               threads lands (OMP_WAIT_POLICY=PASSIVE: workers sleep between regions; on a 2-vCPU
               VM waking the idle vCPU added 5-125 us per region, ~41 regions a decode step), so
