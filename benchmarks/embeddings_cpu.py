@@ -4,7 +4,9 @@ sentence-transformers' `encode` at its best batch size, same inputs, same run.
 Model: a MiniLM-L6-shaped random BERT (all-MiniLM-L6-v2's shape: hidden 384, 6 layers,
 12 heads, intermediate 1536, mean pooling, normalized) in the sentence-transformers layout,
 built by stoker/testing/tiny_pooling.py (its WordPiece vocabulary is small; the compute per
-token is MiniLM's). Inputs: `--inputs` sentences of 8-40 words (random, seeded).
+token is MiniLM's). Two workloads (`--workload`, default both): `passages`, `--inputs`
+sentences of 8-40 words (documents being indexed), and `queries`, `--inputs` search queries of
+3-10 words (what a retrieval service embeds at high rates, one per user query); random, seeded.
 Server: `python -m stoker serve DIR` in a subprocess on 127.0.0.1; batcher on =
 `--max-batch-size 32 --max-queue-delay-microseconds 2000`, off = `--max-batch-size 1`. The
 client (aiohttp, this process) sends one input per /v1/embeddings request, `c` at a time.
@@ -12,6 +14,7 @@ sentence-transformers runs in this process with the server idle, batch sizes 1..
 best kept. Throughput = inputs / wall seconds; each figure is the median of `--runs`.
 
     .venv/bin/python benchmarks/embeddings_cpu.py [--runs 3] [--inputs 512] [--quick]
+                                                  [--workload passages|queries|both]
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, inte
               max_position_embeddings=512)
 
 
-def make_inputs(n: int, seed: int = 0) -> list[str]:
+# workload -> (fewest, most) words per input
+WORKLOADS = {"passages": (8, 40), "queries": (3, 10)}
+
+
+def make_inputs(n: int, seed: int = 0, words: tuple[int, int] = WORKLOADS["passages"]) -> list[str]:
     from stoker.testing.tiny_pooling import _WORDS
 
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 40))) for _ in range(n)]
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
 
 
 def free_port() -> int:
@@ -101,11 +108,47 @@ def st_best(model_dir: Path, inputs: list[str]) -> tuple[float, int]:
     return best
 
 
+def run_workload(model_dir: Path, workload: str, args: argparse.Namespace, levels: list[int],
+                 configs: dict[str, list[str]]) -> None:
+    """Every run: sentence-transformers, then the server with each batcher config; then the table."""
+    inputs = make_inputs(args.inputs, words=WORKLOADS[workload])
+    results: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in configs}
+    st_runs: list[tuple[float, int]] = []
+    for run in range(args.runs):
+        st_runs.append(st_best(model_dir, inputs))
+        for name, flags in configs.items():
+            proc, url = start_server(model_dir, flags)
+            try:
+                asyncio.run(_load(url, inputs[:64], 8))  # warm-up
+                for c in levels:
+                    n = inputs if c > 1 or name == "batcher on" else inputs[: len(inputs) // 2]
+                    results[name][c].append(asyncio.run(_load(url, n, c)))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        print(f"{workload} run {run + 1}: st {st_runs[-1][0]:.1f}/s (batch {st_runs[-1][1]}), "
+              + ", ".join(f"{k} c{c} {v[c][-1]:.1f}/s" for k, v in results.items() for c in levels), flush=True)
+    st_rate = statistics.median(r for r, _ in st_runs)
+    lo, hi = WORKLOADS[workload]
+    print(f"\n{workload}: {args.inputs} inputs of {lo}-{hi} words; CPU: {cpu_model()} ({isa()}), {os.cpu_count()} CPUs; "
+          f"medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
+    print(f"sentence-transformers encode, best batch size: {st_rate:.1f} inputs/s "
+          f"(runs {[round(r, 1) for r, _ in st_runs]}, batch sizes chosen: {[b for _, b in st_runs]})\n")
+    print("| concurrency | batcher on (inputs/s) | batcher off (inputs/s) | on / off | on / sentence-transformers best |")
+    print("|---:|---:|---:|---:|---:|")
+    for c in levels:
+        on, off = statistics.median(results["batcher on"][c]), statistics.median(results["batcher off"][c])
+        print(f"| {c} | {on:.1f} | {off:.1f} | {on / off:.2f}x | {100 * on / st_rate:.0f}% |")
+    print(flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--inputs", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="also concurrency 128")
+    ap.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both",
+                    help="passages (8-40 words), queries (3-10 words) or both, one after the other (default)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from stoker.testing.tiny_pooling import make_bert_embedder
@@ -113,35 +156,13 @@ def main() -> None:
     levels = [1, 8, 32] + ([128] if args.quick else [])
     configs = {"batcher on": ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000"],
                "batcher off": ["--max-batch-size", "1"]}
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_bert_embedder(Path(tmp) / "minilm", **MINILM)
-        inputs = make_inputs(args.inputs)
-        results: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in configs}
-        st_runs: list[tuple[float, int]] = []
-        for run in range(args.runs):
-            st_runs.append(st_best(model_dir, inputs))
-            for name, flags in configs.items():
-                proc, url = start_server(model_dir, flags)
-                try:
-                    asyncio.run(_load(url, inputs[:64], 8))  # warm-up
-                    for c in levels:
-                        n = inputs if c > 1 or name == "batcher on" else inputs[: len(inputs) // 2]
-                        results[name][c].append(asyncio.run(_load(url, n, c)))
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
-            print(f"run {run + 1}: st {st_runs[-1][0]:.1f}/s (batch {st_runs[-1][1]}), "
-                  + ", ".join(f"{k} c{c} {v[c][-1]:.1f}/s" for k, v in results.items() for c in levels), flush=True)
-    st_rate = statistics.median(r for r, _ in st_runs)
-    print(f"\nCPU: {cpu_model()} ({isa()}), {os.cpu_count()} CPUs; {args.inputs} inputs of 8-40 words; "
-          f"medians of {args.runs} runs")
-    print(f"sentence-transformers encode, best batch size: {st_rate:.1f} inputs/s "
-          f"(batch sizes chosen: {[b for _, b in st_runs]})\n")
-    print("| concurrency | batcher on (inputs/s) | batcher off (inputs/s) | on / off | on / sentence-transformers best |")
-    print("|---:|---:|---:|---:|---:|")
-    for c in levels:
-        on, off = statistics.median(results["batcher on"][c]), statistics.median(results["batcher off"][c])
-        print(f"| {c} | {on:.1f} | {off:.1f} | {on / off:.2f}x | {100 * on / st_rate:.0f}% |")
+        for workload in workloads:
+            run_workload(model_dir, workload, args, levels, configs)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ the batch, with a key mask (and the causal mask for decoders). That pads the att
 FLOPs to max_len^2 per sequence, never the GEMMs': a varlen kernel would remove even that.
 This is the torch path, the reference any varlen kernel is tested against (DESIGN.md rule 7).
 
+An encoder's q, k and v come out of one GEMM as (T, 3, H, D) (`varlen_attention_qkv`): they
+are scattered into the padded view with one copy, not three, and the key mask is an additive
+float tensor built once per forward, not a bool mask SDPA converts in every layer (together
+15-20% off the attention's time at 32 sequences on a 2-core CPU, same results bit for bit).
+A lone sequence needs no copy at all: its (1, H, L, D) views go to SDPA's fused kernel as they
+are (the transposed views used before fell to the unfused math path: 2-2.5x slower at B = 1).
+
 The batch's layout is set once per forward on the running thread (`varlen_batch`), as the
 paged path sets its AttentionMetadata: one runner thread per model, so thread-local.
 """
@@ -14,9 +21,10 @@ paged path sets its AttentionMetadata: one runner thread per model, so thread-lo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,19 +37,35 @@ class VarlenBatch:
     max_len: int
     pad_index: torch.Tensor  # (T,) int64: each packed token's row in the flattened (B * max_len) padded view
     key_valid: torch.Tensor  # (B, 1, 1, max_len) bool: a real (not padding) key
+    positions: torch.Tensor  # (T,) int64: each token's position within its own sequence
+    _key_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, lengths: list[int], device: torch.device) -> VarlenBatch:
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+        # Index lists in Python, then one tensor each: cheaper than the chain of small torch
+        # ops (repeat_interleave, an arange per sequence, cat) it replaces, 0.3 ms -> 0.1-0.2 ms
+        # per forward of 32 sequences on a 2-core CPU; it runs once per batch, on the runner thread.
+        cu = list(itertools.accumulate(lengths, initial=0))
         max_len = max(lengths)
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(lengths))
-        within = torch.arange(cu[-1]) - starts
-        pad_index = (seq * max_len + within).to(device)
-        key_valid = (torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]).to(device)
-        return cls(cu, max_len, pad_index, key_valid[:, None, None, :])
+        within = [i for n in lengths for i in range(n)]
+        pad = [b * max_len + i for b, n in enumerate(lengths) for i in range(n)]
+        key_valid = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
+        return cls(cu, max_len, torch.tensor(pad, dtype=torch.long, device=device),
+                   key_valid[:, None, None, :].to(device), torch.tensor(within, dtype=torch.long, device=device))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def key_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, 1, max_len): 0 for a real key, -inf for padding; built once per forward and
+        dtype (SDPA wants a float mask in the query's dtype), shared by every layer."""
+        bias = self._key_bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.key_valid.shape, dtype=dtype, device=self.key_valid.device)
+            bias.masked_fill_(~self.key_valid, float("-inf"))
+            self._key_bias[dtype] = bias
+        return bias
 
 
 _local = threading.local()
@@ -87,6 +111,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: V
     return out.index_select(0, batch.pad_index)
 
 
+def varlen_attention_qkv(qkv: torch.Tensor, batch: VarlenBatch, scale: float) -> torch.Tensor:
+    """An encoder's fused projection, qkv (T, 3, H, D) packed -> (T, H, D), not causal, as many
+    key/value heads as query heads; each sequence attends only to itself."""
+    num_tokens, _, num_heads, head_dim = qkv.shape
+    num_seqs, max_len = batch.num_seqs, batch.max_len
+    if num_seqs == 1:  # strided (1, H, T, D) views, no copy and no mask
+        q, k, v = qkv.view(1, num_tokens, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
+    padded = qkv.new_zeros(num_seqs * max_len, 3, num_heads, head_dim)
+    padded.index_copy_(0, batch.pad_index, qkv)  # one scatter for q, k and v together
+    q, k, v = padded.view(num_seqs, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, max_len, D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.key_bias(qkv.dtype), scale=scale)
+    out = out.transpose(1, 2).reshape(num_seqs * max_len, num_heads, head_dim)
+    return out.index_select(0, batch.pad_index)
+
+
 class VarlenAttention(nn.Module):
     """Drop-in for layers.attention.Attention in a pooling model: same call, no KV cache."""
 
@@ -97,3 +137,8 @@ class VarlenAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_attention(q, k, v, current_batch(), self.scale, self.causal)
+
+    def forward_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(T, 3, H, D) from one fused projection -> (T, H, D): an encoder's path (not causal, no GQA)."""
+        assert not self.causal and self.num_kv_heads == self.num_heads, "forward_qkv is the encoders' path"
+        return varlen_attention_qkv(qkv, current_batch(), self.scale)

@@ -37,8 +37,8 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv(hidden).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # each (T, H, D)
-        return self.attn(q, k, v).reshape(num_tokens, -1)
+        qkv = self.qkv(hidden).view(num_tokens, 3, self.num_heads, self.head_dim)  # q, k, v: (T, 3, H, D)
+        return self.attn.forward_qkv(qkv).reshape(num_tokens, -1)
 
 
 class BertResidualOutput(nn.Module):

@@ -62,8 +62,8 @@ class PoolingRunner:
         ids = torch.tensor([t for x in batch for t in x.token_ids], dtype=torch.long, device=dev)  # (T,)
         types = torch.tensor([t for x in batch for t in (x.token_type_ids or [0] * len(x.token_ids))], dtype=torch.long,
                              device=dev)  # (T,)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev) + self.config.position_offset  # (T,)
         varlen = VarlenBatch.build(lengths, dev)
+        positions = varlen.positions + self.config.position_offset  # (T,)
         with torch.inference_mode(), varlen_batch(varlen):
             hidden = self.model(ids, positions, types)  # (T, hidden)
             pooled = self._pool(hidden, varlen.cu_seqlens, lengths)  # (B, hidden)
