@@ -9,7 +9,8 @@ sentences of 8-40 words (documents being indexed), and `queries`, `--inputs` sea
 3-10 words (what a retrieval service embeds at high rates, one per user query); random, seeded.
 Server: `python -m stoker serve DIR` in a subprocess on 127.0.0.1; batcher on =
 `--max-batch-size 32 --max-queue-delay-microseconds 2000`, off = `--max-batch-size 1`. The
-client (aiohttp, this process) sends one input per /v1/embeddings request, `c` at a time.
+client (aiohttp, this process) sends one input per /v1/embeddings request, `c` at a time,
+asking for `--encoding-format` (base64 by default, as the official `openai` client does).
 sentence-transformers runs in this process with the server idle, batch sizes 1..128, the
 best kept. Throughput = inputs / wall seconds; each figure is the median of `--runs`.
 
@@ -75,7 +76,7 @@ def start_server(model_dir: Path, flags: list[str]) -> tuple[subprocess.Popen, s
     raise RuntimeError("server did not start")
 
 
-async def _load(url: str, inputs: list[str], concurrency: int) -> float:
+async def _load(url: str, inputs: list[str], concurrency: int, encoding_format: str = "base64") -> float:
     import aiohttp
 
     queue = list(enumerate(inputs))
@@ -83,7 +84,8 @@ async def _load(url: str, inputs: list[str], concurrency: int) -> float:
         async def worker() -> None:
             while queue:
                 _, text = queue.pop()
-                async with session.post(url + "/v1/embeddings", json={"model": "m", "input": text}) as r:
+                body = {"model": "m", "input": text, "encoding_format": encoding_format}
+                async with session.post(url + "/v1/embeddings", json=body) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
 
@@ -119,10 +121,10 @@ def run_workload(model_dir: Path, workload: str, args: argparse.Namespace, level
         for name, flags in configs.items():
             proc, url = start_server(model_dir, flags)
             try:
-                asyncio.run(_load(url, inputs[:64], 8))  # warm-up
+                asyncio.run(_load(url, inputs[:64], 8, args.encoding_format))  # warm-up
                 for c in levels:
                     n = inputs if c > 1 or name == "batcher on" else inputs[: len(inputs) // 2]
-                    results[name][c].append(asyncio.run(_load(url, n, c)))
+                    results[name][c].append(asyncio.run(_load(url, n, c, args.encoding_format)))
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -147,6 +149,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--inputs", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="also concurrency 128")
+    # The official `openai` client asks for base64 unless told otherwise (openai/lib/_parsing/
+    # _embeddings.py: encoding_format defaults to "base64" when not given); float is JSON numbers.
+    ap.add_argument("--encoding-format", choices=["base64", "float"], default="base64",
+                    help="what each request asks for (default: what the openai client sends)")
     ap.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both",
                     help="passages (8-40 words), queries (3-10 words) or both, one after the other (default)")
     args = ap.parse_args()
