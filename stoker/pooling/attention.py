@@ -4,8 +4,9 @@ A pooling step runs each sequence once, start to end, so nothing is cached. The 
 around attention run on the packed tokens (T = the sum of the lengths, no padding); only the
 attention itself scatters them into a padded (B, H, max_len, D) view so one SDPA call serves
 the batch, with a key mask (and the causal mask for decoders). That pads the attention's
-FLOPs to max_len^2 per sequence, never the GEMMs': a varlen kernel would remove even that.
-This is the torch path, the reference any varlen kernel is tested against (DESIGN.md rule 7).
+FLOPs to max_len^2 per sequence, never the GEMMs'. That is the torch path, the reference the
+varlen C kernel is tested against (DESIGN.md rule 7): on CPU float32, VarlenAttention runs every
+sequence over its own tokens with no padding and no mask (native.varlen_attention).
 
 An encoder's q, k and v come out of one GEMM as (T, 3, H, D) (`varlen_attention_qkv`): they
 are scattered into the padded view with one copy, not three, and the key mask is an additive
@@ -38,6 +39,10 @@ class VarlenBatch:
     pad_index: torch.Tensor  # (T,) int64: each packed token's row in the flattened (B * max_len) padded view
     key_valid: torch.Tensor  # (B, 1, 1, max_len) bool: a real (not padding) key
     positions: torch.Tensor  # (T,) int64: each token's position within its own sequence
+    # For the C kernel (prefill_attention.c): row s = sequence s's token rows, then zeros
+    token_table: torch.Tensor  # (B, max_len) int32
+    cu_tensor: torch.Tensor  # (B + 1,) int64
+    lengths: torch.Tensor  # (B,) int64
     _key_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -50,8 +55,11 @@ class VarlenBatch:
         within = [i for n in lengths for i in range(n)]
         pad = [b * max_len + i for b, n in enumerate(lengths) for i in range(n)]
         key_valid = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
+        table = [list(range(start, start + n)) + [0] * (max_len - n) for start, n in zip(cu, lengths)]
         return cls(cu, max_len, torch.tensor(pad, dtype=torch.long, device=device),
-                   key_valid[:, None, None, :].to(device), torch.tensor(within, dtype=torch.long, device=device))
+                   key_valid[:, None, None, :].to(device), torch.tensor(within, dtype=torch.long, device=device),
+                   torch.tensor(table, dtype=torch.int32), torch.tensor(cu, dtype=torch.int64),
+                   torch.tensor(lengths, dtype=torch.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -127,18 +135,52 @@ def varlen_attention_qkv(qkv: torch.Tensor, batch: VarlenBatch, scale: float) ->
     return out.index_select(0, batch.pad_index)
 
 
+def kernel_supports(x: torch.Tensor, head_dim: int) -> bool:
+    """The C varlen path (prefill_attention.c): CPU float32, the kernels built, head_dim a
+    multiple of their vector width."""
+    from stoker.kernels.cpu import build
+
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not build.available():
+        return False
+    return head_dim % int(build.library().stoker_linear_vl()) == 0
+
+
 class VarlenAttention(nn.Module):
-    """Drop-in for layers.attention.Attention in a pooling model: same call, no KV cache."""
+    """Drop-in for layers.attention.Attention in a pooling model: same call, no KV cache.
+
+    On CPU float32 the C kernel runs every sequence over its own tokens with no padding
+    (native.varlen_attention); elsewhere the padded SDPA path above, its reference. Which one is
+    decided at the first forward (the model's dtype and device are known then) and kept."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.causal = scale, causal
+        self.use_kernel: bool | None = None
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        if self.use_kernel is None:
+            self.use_kernel = kernel_supports(x, self.head_dim)
+        return self.use_kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return varlen_attention(q, k, v, current_batch(), self.scale, self.causal)
+        batch = current_batch()
+        if self._kernel(q):
+            return _kernel_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch, self.scale, self.causal)
+        return varlen_attention(q, k, v, batch, self.scale, self.causal)
 
     def forward_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         """(T, 3, H, D) from one fused projection -> (T, H, D): an encoder's path (not causal, no GQA)."""
         assert not self.causal and self.num_kv_heads == self.num_heads, "forward_qkv is the encoders' path"
-        return varlen_attention_qkv(qkv, current_batch(), self.scale)
+        batch = current_batch()
+        if self._kernel(qkv):
+            q, k, v = (qkv[:, i].contiguous() for i in range(3))  # each (T, H, D)
+            return _kernel_attention(q, k, v, batch, self.scale, causal=False)
+        return varlen_attention_qkv(qkv, batch, self.scale)
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch, scale: float,
+                      causal: bool) -> torch.Tensor:
+    from stoker.kernels.cpu import native
+
+    return native.varlen_attention(q, k, v, batch.token_table, batch.cu_tensor, batch.lengths, scale, causal)

@@ -201,6 +201,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_cpu_target": ([], ctypes.c_char_p),
         "stoker_paged_prefill_attention_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, i32], i32),
         "stoker_paged_prefill_attention_fp8": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, f32, f32, i32], i32),
+        "stoker_prefill_attention_bidirectional_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i32], i32),
         "stoker_store_kvcache_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, i32], i64),
         "stoker_store_kvcache_fp8": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, f32, i32], i64),
         "stoker_lora_f32": ([p, i64, i64, p, p, i64, i64, p, i64, p, i64, p, p, i64, i32], i32),

@@ -159,6 +159,45 @@ def paged_attention(
     return out
 
 
+def varlen_attention(
+    query: torch.Tensor,  # (T, H, D) packed over sequences, contiguous
+    key: torch.Tensor,  # (T, Hkv, D) contiguous
+    value: torch.Tensor,  # (T, Hkv, D) contiguous
+    token_table: torch.Tensor,  # (B, max_len) int32: row s = the token rows of sequence s (then anything)
+    cu_seqlens: torch.Tensor,  # (B + 1,) int64
+    lengths: torch.Tensor,  # (B,) int64
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:  # (T, H, D)
+    """Attention of whole packed sequences with no KV cache (pooling models), each sequence over
+    its own tokens only, with no padding: prefill_attention.c reading `key`/`value` as a cache
+    of block_size 1 whose block table is each sequence's token rows; bidirectional (an encoder)
+    or causal (a decoder embedding model). Semantics: SDPA per sequence."""
+    lib = _checked_library()
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+        raise ValueError("varlen_attention needs contiguous query, key and value")
+    if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} do not match")
+    if token_table.dtype != torch.int32 or cu_seqlens.dtype != torch.int64 or lengths.dtype != torch.int64:
+        raise ValueError("token_table must be int32, cu_seqlens and lengths int64")
+    num_seqs = lengths.shape[0]
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    args = (
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), num_tokens, token_table.data_ptr(), token_table.shape[1],
+        cu_seqlens.data_ptr(), lengths.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, 1, scale,
+    )  # fmt: skip
+    if causal:
+        status = lib.stoker_paged_prefill_attention_f32(*args, 0, torch.get_num_threads())
+    else:
+        status = lib.stoker_prefill_attention_bidirectional_f32(*args, torch.get_num_threads())
+    _raise_for_status(status, "varlen_attention", "each sequence's length must fit its token_table row", num_tokens)
+    return out
+
+
 # ---------------------------------------------------------------- store_kvcache (store_kvcache.c)
 def store_kvcache(
     key: torch.Tensor,  # (T, Hkv, D)

@@ -17,6 +17,11 @@
  * Query row i of sequence s sits at position context_lens[s] - q_len + i.
  * D must be a multiple of VL (the caller checks; others take the twin).
  *
+ * Not causal (stoker_prefill_attention_bidirectional_f32, an encoder's attention): every query
+ * row of a sequence sees all its context_lens[s] keys. A pooling model's packed K/V are such a
+ * "cache" with block_size 1 and block table row s = the sequence's own token rows (no padding
+ * to the longest sequence, no mask).
+ *
  * FP8 KV cache (stoker_paged_prefill_attention_fp8): K and V hold E4M3 bits; they are
  * dequantized (value x k_scale, value x v_scale) as they are packed into the float panels,
  * so the products are the float ones on the dequantized K/V, as in the twin.
@@ -60,7 +65,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                          const int32_t *block_tables, int64_t max_blocks, const int64_t *cu_seqlens,
                          const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                         int64_t sliding_window, int num_threads, int fp8, float k_mul, float v_mul) {
+                         int64_t sliding_window, int num_threads, int fp8, float k_mul, float v_mul, int causal) {
     const int64_t nr = stoker_linear_nr(), mr_max = stoker_linear_mr(), vl = stoker_linear_vl();
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim, ldq = num_heads * head_dim;
     int64_t max_ctx = 0, num_tasks = 0;
@@ -102,7 +107,8 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
             /* keys this chunk can see: [lo, hi) */
             int64_t lo = 0;
             if (sliding_window > 0 && first_pos + c0 - sliding_window + 1 > 0) lo = first_pos + c0 - sliding_window + 1;
-            const int64_t hi = first_pos + c1, n_keys = hi - lo, n_pad = (n_keys + nr - 1) / nr * nr;
+            const int64_t hi = causal ? first_pos + c1 : context_lens[s], n_keys = hi - lo;
+            const int64_t n_pad = (n_keys + nr - 1) / nr * nr;
             /* pack K^T: panel p holds keys lo + p*nr .. as columns, one row per dim */
             for (int64_t p = 0; p < n_pad / nr; p++) {
                 float *panel = kp + p * head_dim * nr;
@@ -129,7 +135,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                     const int mr = (int)(c1 - r0 < mr_max ? c1 - r0 : mr_max);
                     const float *x = query + (cu_seqlens[s] + r0) * ldq + h * head_dim;
                     /* keys the last row of this tile sees, relative to lo */
-                    const int64_t used = first_pos + r0 + mr - lo;
+                    const int64_t used = causal ? first_pos + r0 + mr - lo : n_keys;
                     const int64_t used_panels = (used + nr - 1) / nr;
                     for (int64_t p = 0; p < used_panels; p++)
                         stoker_linear_tile_f32(mr, (int)(nr / vl), x, ldq, kp + p * head_dim * nr, nr, scores + p * nr,
@@ -139,7 +145,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                         const int64_t pos = first_pos + r0 + m;
                         int64_t first = 0;
                         if (sliding_window > 0 && pos - sliding_window + 1 > lo) first = pos - sliding_window + 1 - lo;
-                        const int64_t last = pos - lo; /* inclusive */
+                        const int64_t last = causal ? pos - lo : n_keys - 1; /* inclusive */
                         float mx = -INFINITY;
                         for (int64_t j = first; j <= last; j++) mx = row[j] * scale > mx ? row[j] * scale : mx;
                         float sum = 0.0f;
@@ -178,7 +184,18 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
                                        int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0,
-                         1.0f, 1.0f);
+                         1.0f, 1.0f, 1);
+}
+
+/* As stoker_paged_prefill_attention_f32 without the causal mask (and no sliding window). */
+int stoker_prefill_attention_bidirectional_f32(const float *query, const float *k_cache, const float *v_cache,
+                                               int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
+                                               const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
+                                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                               int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, 0, num_threads, 0, 1.0f, 1.0f,
+                         0);
 }
 
 /* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
@@ -190,5 +207,5 @@ int stoker_paged_prefill_attention_fp8(const float *query, const uint8_t *k_cach
                                        float v_scale, int num_threads) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 1,
-                         k_scale, v_scale);
+                         k_scale, v_scale, 1);
 }
