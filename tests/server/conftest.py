@@ -71,38 +71,44 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
+def serve_app(app: Any, ready_path: str = "/v1/health/ready", http: Any = None, timeout_s: float = 60) -> LiveServer:
+    """`app` under a real uvicorn in a daemon thread on a free loopback port, once `ready_path`
+    answers 200 (the caller stops it: LiveServer.stop)."""
     import uvicorn
 
-    from stoker.engine.llm import LLM
-    from stoker.server.app import create_app
-    from stoker.server.state import ServerSettings
-
-    kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}
-    base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
-    from stoker.server.http_limits import header_timeout_protocol
-
-    full = replace(base, **settings)
-    app = create_app(full, lambda: LLM(str(ckpt), **kwargs).engine)
     port = free_port()
-    # The protocol `stoker serve` runs (h11 with a deadline for headers).
+    extra = {"http": http} if http is not None else {}
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                                           http=header_timeout_protocol(full.header_read_timeout_s)))
+                                           **extra))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(live.url + "/v1/health/ready", timeout=2) as resp:
+            with urllib.request.urlopen(live.url + ready_path, timeout=2) as resp:
                 if resp.status == 200:
                     return live
         except OSError:
             pass
         if time.monotonic() > deadline or not thread.is_alive():
             live.stop()
-            raise RuntimeError("test server did not become ready")
+            raise RuntimeError(f"test server did not answer {ready_path} within {timeout_s:g} s")
         time.sleep(0.05)
+
+
+def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
+    from stoker.engine.llm import LLM
+    from stoker.server.app import create_app
+    from stoker.server.http_limits import header_timeout_protocol
+    from stoker.server.state import ServerSettings
+
+    kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}
+    base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
+    full = replace(base, **settings)
+    app = create_app(full, lambda: LLM(str(ckpt), **kwargs).engine)
+    # The protocol `stoker serve` runs (h11 with a deadline for headers).
+    return serve_app(app, http=header_timeout_protocol(full.header_read_timeout_s))
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,6 @@ counts add up, every request succeeds, inputs and tokens match what was sent."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,39 +20,22 @@ EMB = "tiny-embed"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    import uvicorn
 
     from stoker.server.app import create_app
     from stoker.server.batcher import BatcherConfig
     from stoker.server.pooling_models import PoolingModels, PoolingModelSpec
     from stoker.server.state import ServerSettings
     from stoker.testing.tiny_pooling import make_bert_embedder
-    from tests.server.conftest import free_port
+    from tests.server.conftest import serve_app
 
     folder = make_bert_embedder(tmp_path_factory.mktemp("bench-emb") / "emb")
     batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=5_000)
     spec = PoolingModelSpec(str(folder), (EMB,), batcher)
     settings = ServerSettings(model_path=spec.path, served_model_names=spec.names, log_interval_s=3600)
     app = create_app(settings, None, pooling=PoolingModels([spec]))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail("embedding server not ready within 60 s")
-        time.sleep(0.05)
-    yield url, folder
-    srv.should_exit = True
-    thread.join(30)
+    live = serve_app(app, ready_path="/health")
+    yield live.url, folder
+    live.stop()
 
 
 @pytest.mark.parametrize("kind", ["text", "ids"])

@@ -7,9 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import threading
 import time
-import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,31 +22,15 @@ pytest.importorskip("sentence_transformers")
 EMB, RERANK = "tiny-embed", "tiny-rerank"
 
 
-def _start(specs: list[Any]) -> tuple[str, Any, Any]:
-    import uvicorn
-
+def _start(specs: list[Any]) -> Any:
     from stoker.server.app import create_app
     from stoker.server.pooling_models import PoolingModels
     from stoker.server.state import ServerSettings
 
-    from tests.server.conftest import free_port
+    from tests.server.conftest import serve_app
 
     settings = ServerSettings(model_path=specs[0].path, served_model_names=specs[0].names, log_interval_s=3600)
-    app = create_app(settings, None, pooling=PoolingModels(specs))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return url, app, (server, thread)
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("pooling server did not become ready")
+    return serve_app(create_app(settings, None, pooling=PoolingModels(specs)), ready_path="/health")
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +53,11 @@ def server(folders: dict[str, Path]):
 
     batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=20_000, priority_levels=2,
                             default_priority_level=2)
-    url, app, (srv, thread) = _start([PoolingModelSpec(str(folders["emb"]), (EMB,), batcher),
-                                      PoolingModelSpec(str(folders["ce"]), (RERANK,), batcher),
-                                      PoolingModelSpec(str(folders["mrl"]), ("tiny-mrl",), batcher)])
-    yield url, app
-    srv.should_exit = True
-    thread.join(30)
+    live = _start([PoolingModelSpec(str(folders["emb"]), (EMB,), batcher),
+                   PoolingModelSpec(str(folders["ce"]), (RERANK,), batcher),
+                   PoolingModelSpec(str(folders["mrl"]), ("tiny-mrl",), batcher)])
+    yield live.url, live.app
+    live.stop()
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +211,8 @@ def test_a_full_queue_answers_503_with_retry_after(folders: dict[str, Path]) -> 
 
     # a 2-input queue whose batches wait 1.5 s for company: the first request fills it
     batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=1_500_000, max_queue_size=2)
-    url, _, (srv, thread) = _start([PoolingModelSpec(str(folders["emb"]), (EMB,), batcher)])
+    live = _start([PoolingModelSpec(str(folders["emb"]), (EMB,), batcher)])
+    url = live.url
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(httpx.post, url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
@@ -240,5 +222,4 @@ def test_a_full_queue_answers_503_with_retry_after(folders: dict[str, Path]) -> 
             assert first.result().status_code == 200
         assert httpx.post(url + "/v1/embeddings", json={"input": "c"}, timeout=60).status_code == 200
     finally:
-        srv.should_exit = True
-        thread.join(30)
+        live.stop()

@@ -3,9 +3,6 @@ embedding model, built by the real CLI path and driven by the official `openai` 
 
 from __future__ import annotations
 
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -37,11 +34,10 @@ def _write(root: Path, text: str, name: str = "models.yaml") -> Path:
 
 @pytest.fixture(scope="module")
 def server(folders: dict[str, Path]):
-    import uvicorn
 
     from stoker.server.cli import build_app
 
-    from tests.server.conftest import free_port
+    from tests.server.conftest import serve_app
 
     cfg = _write(folders["root"], f"""
 generate:
@@ -57,24 +53,9 @@ pooling:
     max_queue_delay_microseconds: 1000
 """)
     app, _ = build_app(_args("--config", str(cfg), "--log-interval", "3600"))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/v1/health/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the multi-model server did not become ready"
-        time.sleep(0.05)
-    yield url, app
-    srv.should_exit = True
-    thread.join(30)
+    live = serve_app(app)
+    yield live.url, app
+    live.stop()
 
 
 def test_both_models_answer_through_openai(server) -> None:
