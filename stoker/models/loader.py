@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,21 +76,28 @@ def build_model(
     """The model (this rank's shard of it under tensor parallelism) with every projection's
     weight method chosen (layers/backends.py) and its parameters created, uninitialised, on
     `device`."""
+    model_cls = get_model_class(hf_config.get("architectures"))
+    return build_with_methods(lambda: model_cls(hf_config, max_position, tp), dtype, device, quant)
+
+
+def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device,
+                       quant: QuantConfig | None = None, what: str = "projections") -> nn.Module:
+    """`make()` run with `dtype` and `device` as torch's defaults, then every Linear given its
+    weight method (which creates its parameters); logs the methods chosen as "`what`: ..."."""
     from stoker.layers.backends import LinearMethodChooser
 
-    model_cls = get_model_class(hf_config.get("architectures"))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, max_position, tp)
+            model = make()
             chooser = LinearMethodChooser(quant, device, dtype, model)
             for name, module in list(model.named_modules()):
                 if isinstance(module, Linear):
                     module.attach(chooser(name, module))
     finally:
         torch.set_default_dtype(previous)
-    logger.info("projections: %s", chooser.summary())
+    logger.info("%s: %s", what, chooser.summary())
     return model.eval().requires_grad_(False)
 
 

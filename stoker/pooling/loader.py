@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from stoker.layers.linear import Linear
-from stoker.models.loader import _load_one, safetensors_files
+from stoker.models.loader import _load_one, build_with_methods, safetensors_files
 from stoker.pooling.bert import BertPoolingModel
 from stoker.pooling.config import PoolingConfig
 from stoker.pooling.decoder import DecoderEmbeddingModel
@@ -42,24 +42,13 @@ class _Renamed:
 def build_pooling_model(config: PoolingConfig, hf_config: dict[str, Any], dtype: torch.dtype,
                         device: torch.device) -> nn.Module:
     """The model with every projection's weight method chosen and parameters uninitialised."""
-    from stoker.layers.backends import LinearMethodChooser
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            if config.is_encoder:
-                model: nn.Module = BertPoolingModel(hf_config, is_classifier=config.kind == "classify")
-            else:
-                model = DecoderEmbeddingModel(hf_config, config.family, config.max_model_len)
-            chooser = LinearMethodChooser(None, device, dtype, model)
-            for name, module in list(model.named_modules()):
-                if isinstance(module, Linear):
-                    module.attach(chooser(name, module))
-    finally:
-        torch.set_default_dtype(previous)
-    logger.info("pooling model projections: %s", chooser.summary())
-    return model.eval().requires_grad_(False)
+    def make() -> nn.Module:
+        if config.is_encoder:
+            return BertPoolingModel(hf_config, is_classifier=config.kind == "classify")
+        return DecoderEmbeddingModel(hf_config, config.family, config.max_model_len)
+
+    return build_with_methods(make, dtype, device, what="pooling model projections")
 
 
 def load_pooling_weights(model: nn.Module, model_dir: str | Path) -> None:
