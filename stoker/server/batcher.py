@@ -1,8 +1,10 @@
 """A dynamic batcher with Triton Inference Server's knobs and names, one per served model.
 
 Requests (each one sequence; a request with several inputs submits several items) wait in a
-queue per priority level; one task forms batches and runs each on the model's worker thread
-(one "instance"), so the forward never blocks the event loop. Triton's rules
+queue per priority level; one task forms batches and runs each on one of the model's
+`num_instances` worker threads (Triton's instance_group count), so the forward never blocks the
+event loop. A batch is formed when an instance is free, so with N instances up to N batches run
+at once, each formed from what waits when its instance frees. Triton's rules
 (docs: user_guide/model_configuration.md#dynamic-batcher):
 
   * a batch holds at most `max_batch_size` items;
@@ -100,23 +102,32 @@ class BatchRecord:
 
 class DynamicBatcher:
     def __init__(self, run_batch: Callable[[list[Any]], Sequence[Any]], config: BatcherConfig, executor: Executor,
-                 on_batch: Callable[[BatchRecord], None] | None = None) -> None:
+                 on_batch: Callable[[BatchRecord], None] | None = None, num_instances: int = 1) -> None:
+        """`executor` must have at least `num_instances` threads: each batch in flight holds one."""
+        if num_instances < 1:
+            raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         self.run_batch, self.config, self.executor, self.on_batch = run_batch, config, executor, on_batch
+        self.num_instances = num_instances
         self.queues: list[collections.deque[_Item]] = [collections.deque() for _ in range(max(1, config.priority_levels))]
         self.num_queued = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._free: asyncio.Semaphore | None = None  # instances not running a batch
+        self._running: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._wake = asyncio.Event()
+        self._free = asyncio.Semaphore(self.num_instances)
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._running) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
         for q in self.queues:
@@ -200,8 +211,27 @@ class DynamicBatcher:
         return batch
 
     async def _loop(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._free is not None
         delay = self.config.max_queue_delay_microseconds / 1e6
+        while True:
+            await self._free.acquire()  # form a batch only when an instance can run it
+            try:
+                batch = await self._next_batch(delay)
+            except BaseException:
+                self._free.release()
+                raise
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        assert self._free is not None
+        self._free.release()
+
+    async def _next_batch(self, delay: float) -> list[_Item]:
+        """Wait for items, then for Triton's rule to send them (a preferred size, or the delay)."""
+        assert self._wake is not None
         while True:
             while self.num_queued == 0:
                 self._wake.clear()
@@ -220,7 +250,7 @@ class DynamicBatcher:
                 size = min(self.num_queued, self.config.max_batch_size)
             batch = self._take(size)
             if batch:
-                await self._run(batch)
+                return batch
 
     async def _run(self, batch: list[_Item]) -> None:
         loop = asyncio.get_running_loop()
@@ -229,6 +259,10 @@ class DynamicBatcher:
             results = await loop.run_in_executor(self.executor, self.run_batch, [i.value for i in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
+        except asyncio.CancelledError:  # stop(): the forward finishes on its thread; its requests fail now
+            for item in batch:
+                self._fail(item, RuntimeError("the server is shutting down"))
+            raise
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the batcher carries on
             for item in batch:
                 self._fail(item, exc)

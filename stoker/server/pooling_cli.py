@@ -12,6 +12,10 @@ def add_pooling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="generate (completions, chat) or pooling (embeddings, rerank, score); auto: from config.json's "
                         "architectures and a sentence-transformers modules.json, as vLLM chooses")
+    g.add_argument("--instance-count", type=int, default=None,
+                   help="model instances, each running whole batches on its own thread, the CPU's threads split "
+                        "between them (Triton's instance_group count); default: 2 on CPU (two single-threaded "
+                        "forwards beat one two-thread forward on a small machine: docs/server.md), 1 on a GPU")
     g.add_argument("--max-batch-size", type=int, default=32, help="most inputs (sequences) in one forward (default 32)")
     g.add_argument("--preferred-batch-size", type=int, nargs="+", default=None,
                    help="batch sizes sent at once when the queue holds them (Triton's); default: as soon as the queued "
@@ -52,4 +56,6 @@ def pooling_spec(args: argparse.Namespace, model_path: str, names: tuple[str, ..
         default_priority_level=args.default_priority_level or args.priority_levels, max_queue_size=args.max_queue_size,
         default_timeout_microseconds=args.default_timeout_microseconds,
     )
-    return PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len)
+    if args.instance_count is not None and args.instance_count < 1:
+        raise ValueError(f"--instance-count must be >= 1, got {args.instance_count}")
+    return PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len, args.instance_count)

@@ -1,5 +1,6 @@
-"""The pooling models a server holds: each with its tokenizer thread, its worker thread (one
-model instance) and its dynamic batcher. A registry by served name, so one server can hold
+"""The pooling models a server holds: each with its tokenizer thread, its instances (worker
+threads, each running whole batches: pooling/instances.py) and its dynamic batcher. A
+registry by served name, so one server can hold
 several (issue 18 part 4 adds them from a config file); routes look models up by `model`.
 """
 
@@ -30,6 +31,7 @@ class PoolingModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
+    instance_count: int | None = None  # Triton's instance_group count; None: by device (pooling/instances.py)
 
 
 @dataclass
@@ -40,7 +42,8 @@ class PoolingModel:
     tokenizer: Any  # used only on `tokenizer_thread` (HF tokenizers are not shared across threads)
     vocab_size: int
     tokenizer_thread: ThreadPoolExecutor
-    worker: ThreadPoolExecutor  # the model's one instance: every forward runs here
+    worker: ThreadPoolExecutor  # the model's instances: one thread each, every forward runs on one
+    num_instances: int = 1
     batcher: DynamicBatcher | None = None
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
@@ -58,7 +61,8 @@ class PoolingModel:
 
     def start(self) -> None:
         """On the event loop: start the batcher."""
-        self.batcher = DynamicBatcher(self.runner.run_rows, self.spec.batcher, self.worker, on_batch=self._record)
+        self.batcher = DynamicBatcher(self.runner.run_rows, self.spec.batcher, self.worker, on_batch=self._record,
+                                      num_instances=self.num_instances)
         self.batcher.start()
 
     async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -72,14 +76,17 @@ class PoolingModel:
         self.tokenizer_thread.shutdown(wait=False)
 
 
-def load_pooling_model(spec: PoolingModelSpec, worker: ThreadPoolExecutor | None = None) -> PoolingModel:
-    """Blocking (weights, tokenizer): call it on `worker`, the thread that will run every forward.
-    On CPU, OpenMP keeps a thread team per calling thread, and a second thread using torch slows
-    the first (docs/benchmarks.md, "Server overhead"): load and run on one thread."""
+def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
+    """Blocking (weights, tokenizer): call it off the event loop, on a thread that then ends
+    (PoolingModels.load), so that only the instances' threads keep OpenMP teams (a second team
+    busy beside the first slows it: docs/benchmarks.md, "Server overhead")."""
     import json
     from pathlib import Path
 
+    import torch
+
     from stoker.engine.tokenizer import load_tokenizer
+    from stoker.pooling.instances import instance_executor, resolve_instance_count, threads_per_instance
     from stoker.pooling.runner import PoolingRunner
     from stoker.server.batch_defaults import preferred_batch_tokens
 
@@ -89,8 +96,6 @@ def load_pooling_model(spec: PoolingModelSpec, worker: ThreadPoolExecutor | None
     if not batcher.preferred_batch_size and batcher.preferred_batch_tokens is None:
         import dataclasses
 
-        import torch
-
         device = runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(runner.model.parameters()).dtype]
@@ -99,17 +104,22 @@ def load_pooling_model(spec: PoolingModelSpec, worker: ThreadPoolExecutor | None
         logger.info("batcher for %s: preferred batch %s", spec.names[0],
                     f"{tokens} tokens (the roofline's weight-bound edge)" if tokens else
                     f"none known for this device (batches up to --max-batch-size {batcher.max_batch_size})")
-    spec = PoolingModelSpec(spec.path, spec.names, batcher, spec.dtype, spec.device, spec.max_model_len)
+    num_threads = torch.get_num_threads()
+    num_instances = resolve_instance_count(spec.instance_count, runner.device, num_threads)
+    per_instance = threads_per_instance(num_instances, num_threads)
+    logger.info("%s: %d instance(s)%s", spec.names[0], num_instances,
+                f" of {per_instance} CPU thread(s) each" if runner.device.type == "cpu" else f" on {runner.device}")
+    spec = PoolingModelSpec(spec.path, spec.names, batcher, spec.dtype, spec.device, spec.max_model_len, num_instances)
     return PoolingModel(spec, runner.config, runner, load_tokenizer(spec.path), int(hf_config["vocab_size"]),
                         ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenize"),
-                        worker or ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling"))
+                        instance_executor(num_instances, per_instance), num_instances)
 
 
 class PoolingModels:
     """The served pooling models; `ready` once every one has loaded."""
 
     def __init__(self, specs: list[PoolingModelSpec],
-                 loader: Callable[[PoolingModelSpec, ThreadPoolExecutor], PoolingModel] = load_pooling_model) -> None:
+                 loader: Callable[[PoolingModelSpec], PoolingModel] = load_pooling_model) -> None:
         self.specs, self.loader = specs, loader
         self.models: list[PoolingModel] = []
         self.ready = False
@@ -121,8 +131,11 @@ class PoolingModels:
 
     async def load(self) -> None:
         for spec in self.specs:
-            worker = ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling")
-            model = await asyncio.get_running_loop().run_in_executor(worker, self.loader, spec, worker)
+            loading = ThreadPoolExecutor(1, thread_name_prefix="stoker-pooling-load")
+            try:
+                model = await asyncio.get_running_loop().run_in_executor(loading, self.loader, spec)
+            finally:
+                loading.shutdown(wait=False)
             model.metrics = self.metrics
             model.start()
             self.models.append(model)

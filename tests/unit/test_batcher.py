@@ -4,6 +4,7 @@ priorities, the bounded queue, timeouts, and no cross-talk between requests."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,10 +25,10 @@ def slow_model(batch: list[int]) -> list[tuple[int, int]]:
     return [model_of(x) for x in batch]
 
 
-async def _with_batcher(config: BatcherConfig, body, run_batch=slow_model):
+async def _with_batcher(config: BatcherConfig, body, run_batch=slow_model, num_instances: int = 1):
     records: list[BatchRecord] = []
-    with ThreadPoolExecutor(1) as pool:
-        batcher = DynamicBatcher(run_batch, config, pool, on_batch=records.append)
+    with ThreadPoolExecutor(num_instances) as pool:
+        batcher = DynamicBatcher(run_batch, config, pool, on_batch=records.append, num_instances=num_instances)
         batcher.start()
         try:
             return await body(batcher), records
@@ -194,3 +195,72 @@ def test_config_is_checked() -> None:
         BatcherConfig(max_batch_size=0)
     with pytest.raises(ValueError, match="--default-priority-level"):
         BatcherConfig(priority_levels=2, default_priority_level=3)
+
+
+def test_two_instances_run_two_batches_at_once_each_request_its_own_result() -> None:
+    # Each batch waits at a 2-party barrier: with one batch at a time it would time out (and fail
+    # that batch's requests); with two instances the batches meet there.
+    barrier = threading.Barrier(2, timeout=5)
+    sizes: list[int] = []
+
+    def paired_model(batch: list[int]) -> list[tuple[int, int]]:
+        sizes.append(len(batch))
+        barrier.wait()
+        return [model_of(x) for x in batch]
+
+    async def body(batcher: DynamicBatcher):
+        first = [batcher.submit(x) for x in range(4)]  # one full batch
+        await asyncio.sleep(0.05)  # formed and running before the next arrive
+        second = [batcher.submit(x) for x in range(4, 8)]
+        return await asyncio.gather(*first, *second)
+
+    results, records = asyncio.run(_with_batcher(BatcherConfig(max_batch_size=4), body, paired_model, num_instances=2))
+    assert results == [model_of(x) for x in range(8)]
+    assert sizes == [4, 4]
+    a, b = records
+    assert max(a.dispatched, b.dispatched) < min(a.finished, b.finished)  # they overlapped
+
+
+def test_at_most_num_instances_batches_run_at_once() -> None:
+    running, peak = 0, 0
+    lock = threading.Lock()
+
+    def counting_model(batch: list[int]) -> list[tuple[int, int]]:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(STEP_S)
+        with lock:
+            running -= 1
+        return [model_of(x) for x in batch]
+
+    async def body(batcher: DynamicBatcher):
+        return await asyncio.gather(*(batcher.submit(x) for x in range(40)))
+
+    results, records = asyncio.run(_with_batcher(BatcherConfig(max_batch_size=2), body, counting_model, num_instances=3))
+    assert results == [model_of(x) for x in range(40)]
+    assert peak == 3 and len(records) == 20
+
+
+def test_stop_fails_the_requests_of_a_batch_still_running() -> None:
+    release = threading.Event()
+
+    def stuck_model(batch: list[int]) -> list[tuple[int, int]]:
+        release.wait(5)
+        return [model_of(x) for x in batch]
+
+    async def main() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            batcher = DynamicBatcher(stuck_model, BatcherConfig(), pool, num_instances=2)
+            batcher.start()
+            pending = asyncio.ensure_future(batcher.submit(1))
+            await asyncio.sleep(0.05)
+            await batcher.stop()
+            with pytest.raises(RuntimeError, match="shutting down"):
+                await pending
+            release.set()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="num_instances"):
+        DynamicBatcher(slow_model, BatcherConfig(), ThreadPoolExecutor(1), num_instances=0)
