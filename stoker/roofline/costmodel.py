@@ -22,11 +22,15 @@ Fixed costs: `launch_gaps` (layers x layer_overhead_s + step_overhead_s) on ever
 (a prefill step, a chunk, a mixed step): efficiency.py says what each stands for.
 `lora=LoRASpec(rank, max_loras)`: every sequence on an adapter; their weight reads and FLOPs are
 one more op, `lora` (roofline/lora.py).
+`kv_per_query_head=True`: the decode attention kernel reads each KV head's cache once per query
+head of its group instead of once per group (`kv_read_factor`: an older kernel's traffic, a
+property of the workload; today's engines share the reads, the default). The floor keeps one read.
 Not modelled: pipeline/expert parallelism, the logits gather, speculative decoding.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stoker.roofline.collectives import all_reduce_time
@@ -159,6 +163,26 @@ def _resolve(model: ModelSpec | str, gpu: GPUSpec | str) -> tuple[ModelSpec, GPU
             get_gpu(gpu) if isinstance(gpu, str) else gpu)
 
 
+def kv_read_factor(m: ModelSpec, tp: int = 1, per_query_head: bool = False) -> float:
+    """How many times a decode step reads each cached K/V byte of one GPU's KV heads from HBM.
+
+    1 (the default) where the decode attention kernel reads a KV head once for all the query heads
+    of its group: FlashAttention/FlashInfer-style kernels, TensorRT-LLM's XQA kernel ("reducing data
+    loading", docs/source/blogs/XQA-kernel.md), vLLM's paged attention today. With
+    `per_query_head=True`, once per query head: the query heads per GPU over the KV heads per GPU
+    (8 for Llama-2-70B at any TP up to 8; 1 for an MHA model, whatever the kernel). That is how
+    TensorRT-LLM's masked multi-head attention kernel runs the generation phase: "a single CUDA
+    thread-block per head" (docs/source/gpt_attention.md "Generation Phase" @138f96d), "a threadblock
+    for B x H pair" with H the query heads, each block loading its KV head's keys and values
+    (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderMaskedMultiheadAttentionTemplate.h);
+    and how gpt-fast's model.py runs GQA (k and v .repeat_interleave(n_head // n_local_heads) before
+    scaled_dot_product_attention; read at commit 03e10bc). Priced as HBM traffic: an upper bound, since some repeats may be
+    served from L2; the floor (the wall) keeps one read per group."""
+    if not per_query_head:
+        return 1.0
+    return (m.num_heads / tp) / math.ceil(m.num_kv_heads / tp)
+
+
 def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: float,
         eff_c: float, eff_m: float, w: float = 0.0, kv: float = 0.0) -> OpCost:
     t_c, t_m = flops / (peak * eff_c), nbytes / (bw * eff_m)
@@ -167,12 +191,14 @@ def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: 
 
 def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
          link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
-         act_dtype: str = "bf16", last_token_logits: bool = False, lora: LoRASpec | None = None) -> tuple[OpCost, ...]:
+         act_dtype: str = "bf16", last_token_logits: bool = False, lora: LoRASpec | None = None,
+         kv_per_query_head: bool = False) -> tuple[OpCost, ...]:
     tokens = batch if phase == "decode" else (chunk or batch * ctx)
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
-    # Decode reads every sequence's whole KV; prefill writes it (flash-attention keeps scores on chip).
-    kv_tokens = batch * ctx if phase == "decode" else tokens
+    # Decode reads every sequence's whole KV (once per query head with an older kernel: kv_read_factor);
+    # prefill writes it (flash-attention keeps scores on chip).
+    kv_tokens = batch * ctx * kv_read_factor(m, tp, kv_per_query_head) if phase == "decode" else tokens
     # Sequences in the step (each on its own adapter): a chunk holds chunk / ctx prompts, at least one.
     seqs = max(batch, -(-chunk // ctx)) if chunk else batch
     lora_cost = LoRACost.of(m, lora, tp=tp, seqs=seqs, tokens=tokens, act_dtype=act_dtype) if lora else None
@@ -268,6 +294,8 @@ def step_cost(
     act_dtype: str = "bf16",
     last_token_logits: bool = False,
     lora: LoRASpec | None = None,
+    kv_per_query_head: bool = False,
+    with_floor: bool = True,
 ) -> StepCost:
     """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
     (`batch` prompts of `context_len` tokens; with `chunk_tokens`, one chunk of that many prompt
@@ -275,7 +303,10 @@ def step_cost(
     `overlap_comm` hides TP all-reduce time under the step's compute (prediction and floor).
     `act_dtype`, `last_token_logits`: see the module docstring (a float32 CPU engine).
     `lora`: every sequence on a LoRA adapter of that rank (at most max_loras distinct in a
-    step): the adapters' weight reads and FLOPs are one more op (roofline/lora.py)."""
+    step): the adapters' weight reads and FLOPs are one more op (roofline/lora.py).
+    `kv_per_query_head`: decode attention reads each KV head once per query head (kv_read_factor:
+    an older kernel, e.g. TensorRT-LLM v0.6.1's masked MHA); the floor keeps one read per group.
+    `with_floor=False`: floor_ops left empty (half the work; for callers that read only the time)."""
     m, g = _resolve(model, gpu)
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, not {phase!r}")
@@ -294,16 +325,20 @@ def step_cost(
     dtype_bytes(act_dtype)
     args = (m, g, phase, batch, context_len, normalize_dtype(weight_dtype), kvd, tp, lnk)
     extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits, lora)
+    # The floor reads each KV byte once (repeats a kernel makes may come from L2): it stays a wall.
     return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
-                    _ops(*args, eff or Efficiencies(), *extra), _ops(*args, Efficiencies.ideal(), *extra), chunk_tokens)
+                    _ops(*args, eff or Efficiencies(), *extra, kv_per_query_head),
+                    _ops(*args, Efficiencies.ideal(), *extra) if with_floor else (), chunk_tokens)
 
 
 def decode_tokens_per_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, context_len: int,
                         weight_dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1,
-                        link: Interconnect | str | None = None, eff: Efficiencies | None = None) -> float:
+                        link: Interconnect | str | None = None, eff: Efficiencies | None = None,
+                        kv_per_query_head: bool = False) -> float:
     """Predicted output tokens/s of one TP group decoding `batch` sequences at `context_len`."""
     return step_cost(model, gpu, phase="decode", batch=batch, context_len=context_len, weight_dtype=weight_dtype,
-                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff).tokens_per_s
+                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff, kv_per_query_head=kv_per_query_head,
+                     with_floor=False).tokens_per_s
 
 
 def ttft_s(model: ModelSpec | str, gpu: GPUSpec | str, prompt_len: int, *, weight_dtype: str = "bf16",
@@ -311,7 +346,7 @@ def ttft_s(model: ModelSpec | str, gpu: GPUSpec | str, prompt_len: int, *, weigh
            eff: Efficiencies | None = None) -> float:
     """Prefill time of one prompt alone on the group: the floor of time to first token."""
     return step_cost(model, gpu, phase="prefill", batch=1, context_len=prompt_len, weight_dtype=weight_dtype,
-                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff).step_time_s
+                     kv_dtype=kv_dtype, tp=tp, link=link, eff=eff, with_floor=False).step_time_s
 
 
 def crossover_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, context_len: int = 1024,

@@ -38,11 +38,15 @@ is optimistic), so one number reads the same way for throughput and latency poin
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import statistics
 from dataclasses import dataclass
 
 from stoker.roofline.costmodel import decode_tokens_per_s, ttft_s
 from stoker.roofline.efficiency import Efficiencies
+from stoker.roofline.hardware import GPUSpec, get_gpu
+from stoker.roofline.modelspec import ModelSpec, get_model_spec
 from stoker.roofline.workloads import static_batch_tokens_per_s
 
 GPT_FAST = "github.com/pytorch-labs/gpt-fast README.md#benchmarks (A100-80GB at 330 W)"
@@ -66,6 +70,10 @@ class PublicPoint:
     source: str
     held_out: bool = False  # True: kept out of the engine-profile fit, used to report its error
     note: str = ""  # why the point misses, where something outside the cost model explains it
+    # The engine's decode attention reads each KV head once per query head of its group, not once
+    # per group (costmodel.kv_read_factor): a property of the measured engine's kernel, read from
+    # its source (KV_READS below); changes nothing for an MHA model (llama-2-7b: groups of one).
+    kv_per_query_head: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,21 +82,36 @@ class PublicPoint:
             raise ValueError("measured must be > 0")
 
 
+@functools.lru_cache(maxsize=None)
+def _shapes(model: str, gpu: str) -> tuple[ModelSpec, GPUSpec]:
+    # Resolved once per (preset, GPU): the fit prices every point thousands of times.
+    return get_model_spec(model), get_gpu(gpu)
+
+
 def predict(p: PublicPoint, eff: Efficiencies | None = None) -> float:
     """The cost model's figure for the point, in the point's own unit."""
     kw = dict(weight_dtype=p.weight_dtype, kv_dtype=p.kv_dtype, tp=p.tp, eff=eff)
+    model, gpu = _shapes(p.model, p.gpu)
     if p.kind == "decode":
-        return decode_tokens_per_s(p.model, p.gpu, batch=p.batch, context_len=p.input_len + p.output_len // 2, **kw)  # type: ignore[arg-type]
+        return decode_tokens_per_s(model, gpu, batch=p.batch, context_len=p.input_len + p.output_len // 2,
+                                   kv_per_query_head=p.kv_per_query_head, **kw)  # type: ignore[arg-type]
     if p.kind == "static":
-        return static_batch_tokens_per_s(p.model, p.gpu, batch=p.batch, input_len=p.input_len,
-                                         output_len=p.output_len, **kw)
-    return ttft_s(p.model, p.gpu, p.input_len, **kw)  # type: ignore[arg-type]
+        return static_batch_tokens_per_s(model, gpu, batch=p.batch, input_len=p.input_len,
+                                         output_len=p.output_len, kv_per_query_head=p.kv_per_query_head, **kw)
+    return ttft_s(model, gpu, p.input_len, **kw)  # type: ignore[arg-type]  # one context step: no decode reads
 
 
 def speed_ratio(p: PublicPoint, eff: Efficiencies | None = None) -> float:
     """Predicted / measured speed: tokens/s over tokens/s, or measured seconds over predicted."""
     pred = predict(p, eff)
     return p.measured / pred if p.kind == "ttft" else pred / p.measured
+
+
+def ceiling_ratio(p: PublicPoint) -> float:
+    """speed_ratio at the wall: datasheet peaks, no gaps, each cached K/V byte read once per step
+    (a kernel that reads it once per query head may get the repeats from L2: the wall does not
+    count them, as costmodel's floor does not). >= 1 for every point: the ceiling holds."""
+    return speed_ratio(dataclasses.replace(p, kv_per_query_head=False), Efficiencies.ideal())
 
 
 def summary(points: tuple[PublicPoint, ...] | list[PublicPoint], eff: Efficiencies | None = None,
@@ -101,31 +124,38 @@ def summary(points: tuple[PublicPoint, ...] | list[PublicPoint], eff: Efficienci
 
 
 def _gf(label: str, model: str, tp: int, wd: str, tps: float, held_out: bool = False, note: str = "") -> PublicPoint:
-    return PublicPoint(label, model, "A100-80GB", tp, wd, "bf16", "decode", 1, 5, 190, tps, GPT_FAST, held_out, note)
+    return PublicPoint(label, model, "A100-80GB", tp, wd, "bf16", "decode", 1, 5, 190, tps, GPT_FAST, held_out, note,
+                       kv_per_query_head=True)  # repeat_interleave before SDPA (KV_READS)
 
 
-# The likely cause of the long-output Llama-70B misses (not proven: no profile of those runs is
-# public): TensorRT-LLM v0.6.1's grouped-query decode attention. Its XQA kernel for GQA decode was
-# experimental and off by default then (performance.md at 77d24b5: "export TRTLLM_ENABLE_XQA=1 ...
-# not enabled by default") and reached its published speed in v0.8, where TRT-LLM's XQA blog
-# (docs/source/blogs/XQA-kernel.md) measures Llama-70B 128/2048 on one H200 at 1,227 tok/s/GPU
-# without it and 2,941 with it: 2.4x from that kernel alone. The roofline prices decode attention
-# as one read of the KV cache, so the rows where decode attention over a long KV dominates (70B,
-# 2048 outputs) come out ~2x optimistic; 7B (MHA, no GQA) and short-output 70B rows fit.
-GQA_NOTE = ("likely the 2023 GQA decode-attention kernel (no XQA in v0.6.1); TRT-LLM's XQA blog measures 2.4x "
-            "from that kernel alone on Llama-70B 128/2048")
+# KV_READS: how each engine's decode attention reads the KV cache of a grouped-query model (Llama-2-70B:
+# 64 query heads, 8 KV heads), recorded per point as kv_per_query_head (costmodel.kv_read_factor).
+#  * TensorRT-LLM v0.6.1 / v0.5 (the performance.md tables): the generation phase is "a single kernel,
+#    called the masked multihead attention" with "a single CUDA thread-block per head"
+#    (docs/source/gpt_attention.md "Generation Phase" @138f96d, the tables' commit; no other
+#    generation kernel is documented there), and that kernel assigns "a threadblock for B x H pair",
+#    H the query heads, each block loading its KV head's keys and values (decoderMaskedMultihead-
+#    AttentionTemplate.h): each KV head is read once per query head of its group, 8x for 70B.
+#    TensorRT-LLM's XQA kernel for MQA/GQA decode ("reducing data loading", blogs/XQA-kernel.md, in
+#    v0.8 releases) measures 2.4x more Llama-70B 128/2048 throughput than without it.
+#    Against this reading: performance.md at 77d24b5 (same numbers; its reproduction steps) says the
+#    then-experimental XQA kernels "are not enabled by default" and its Llama2-70b commands start with
+#    `export TRTLLM_ENABLE_XQA=1`. Which configurations v0.6.1's XQA served (FP8 KV cache on H100,
+#    A100) is not published; with the per-query-head reading all seven 70B throughput rows land at
+#    0.75-1.01, with the shared one at 1.00-2.05 (the three 2048-output rows 1.74-2.05x optimistic).
+#  * gpt-fast (model.py): k and v are repeat_interleave'd to n_head heads before
+#    scaled_dot_product_attention, so each KV head is read once per query head as well (immaterial
+#    at batch 1 and ~100 tokens of context).
+# Priced as HBM traffic: an upper bound (repeats may hit L2), which is why the rule leaves these rows
+# on the pessimistic side; the ceiling (ceiling_ratio) counts one read. Nothing is fitted to it.
 # TensorRT-LLM v0.5's first-token latency at 128 tokens: without a fixed cost the 2048-token rows
-# land within 5% (the per-token cost is right) and the 128-token rows 1.56-1.84x optimistic: 3.7-17
-# ms of fixed work per context step remain, growing with the layers. The cost model charges it as a
-# per-layer context setup (Efficiencies.prefill_layer_overhead_s: what it is thought to be, with its
-# source), fitted once for all GPUs; the rows imply ~115-150 us per layer on H100 and ~215 on A100
-# (the engine profile's other knobs held), so the A100 128-token rows stay ~1.2-1.25x optimistic.
+# fit and the 128-token rows were 1.56-1.84x optimistic: a fixed cost per context step growing with
+# the layers, charged as Efficiencies.prefill_layer_overhead_s (what it is thought to be, with its
+# source), one value for all GPUs. With the other knobs held, the rows imply ~115 us per layer (7B)
+# to ~150 (70B TP4) on H100 and ~200-215 on A100; the fit settles near the A100 rows' value, which
+# leaves the 7B H100 row at 128 tokens ~1.5x pessimistic.
 TTFT_NOTE = ("per-layer context setup (v0.5 gptSession, prefill_layer_overhead_s) fitted as one value; these rows "
-             "imply ~115-150 us per layer on H100, ~215 on A100")
-# gpt-fast's own "Memory Bandwidth" column (same README table): Llama-2-7B streams 1,397 GB/s in bf16
-# and 1,069 GB/s in int8 (0.77x): its weight-only int8 kernel (dequantized in the matmul) reaches
-# less of the HBM wall than the bf16 one, and the cost model prices both with one memory share.
-INT8_NOTE = "gpt-fast's weight-only int8 streams 1,069 GB/s vs 1,397 in bf16 (its README's bandwidth column); one memory share"
+             "imply ~115-150 us per layer on H100, ~200-215 on A100")
 
 
 def _trt(label: str, model: str, gpu: str, tp: int, batch: int, isl: int, osl: int, tps_per_gpu: float,
@@ -134,14 +164,15 @@ def _trt(label: str, model: str, gpu: str, tp: int, batch: int, isl: int, osl: i
     fp8 = gpu.upper().startswith("H100")
     return PublicPoint(label, model, gpu, tp, "fp8" if fp8 else "bf16", "fp8" if fp8 else "bf16", "static",
                        batch, isl, osl, tps_per_gpu * tp, TRT_PERF + (" Peak Throughput, H100 FP8" if fp8 else
-                                                                " Peak Throughput, A100 FP16"), held_out, note)
+                                                                " Peak Throughput, A100 FP16"), held_out, note,
+                       kv_per_query_head=True)  # v0.6.1's masked MHA generation kernel (KV_READS)
 
 
 def _ttft(label: str, model: str, gpu: str, tp: int, isl: int, ms: float, held_out: bool = False) -> PublicPoint:
     fp8 = gpu.upper().startswith("H100")
     return PublicPoint(label, model, gpu, tp, "fp8" if fp8 else "bf16", "fp8" if fp8 else "bf16", "ttft",
                        1, isl, 1, ms / 1e3, TRT_PERF + (" Low Latency, H100 FP8" if fp8 else " Low Latency, A100 FP16"),
-                       held_out, TTFT_NOTE if isl <= 128 else "")
+                       held_out, TTFT_NOTE if isl <= 128 else "", kv_per_query_head=True)  # v0.5; no decode step
 
 
 # Every third point (by position in each source's table) is held out of the fit.
@@ -154,7 +185,7 @@ POINTS: tuple[PublicPoint, ...] = (
     _gf("gpt-fast Llama-2-70B bf16 TP2", "llama-2-70b", 2, "bf16", 21.32),
     _gf("gpt-fast Llama-2-70B bf16 TP4", "llama-2-70b", 4, "bf16", 38.01, held_out=True),
     _gf("gpt-fast Llama-2-70B bf16 TP8", "llama-2-70b", 8, "bf16", 62.50),
-    _gf("gpt-fast Llama-2-7B int8 TP1", "llama-2-7b", 1, "int8", 155.58, note=INT8_NOTE),
+    _gf("gpt-fast Llama-2-7B int8 TP1", "llama-2-7b", 1, "int8", 155.58),
     _gf("gpt-fast Llama-2-70B int8 TP1", "llama-2-70b", 1, "int8", 19.13, held_out=True),
     _gf("gpt-fast Llama-2-70B int8 TP8", "llama-2-70b", 8, "int8", 80.44),
     # TensorRT-LLM v0.6.1 peak throughput, H100 FP8 (out tok/s/GPU; _trt multiplies by TP).
@@ -164,10 +195,9 @@ POINTS: tuple[PublicPoint, ...] = (
     _trt("TRT-LLM LLaMA-7B H100 fp8 b48 2048/2048", "llama-2-7b", "H100", 1, 48, 2048, 2048, 2740),
     _trt("TRT-LLM LLaMA-70B H100 fp8 TP2 b1024 128/128", "llama-2-70b", "H100", 2, 1024, 128, 128, 2657),
     _trt("TRT-LLM LLaMA-70B H100 fp8 TP4 b480 128/2048", "llama-2-70b", "H100", 4, 480, 128, 2048, 1486,
-         held_out=True, note=GQA_NOTE),
+         held_out=True),
     _trt("TRT-LLM LLaMA-70B H100 fp8 TP2 b96 2048/128", "llama-2-70b", "H100", 2, 96, 2048, 128, 306),
-    _trt("TRT-LLM LLaMA-70B H100 fp8 TP2 b64 2048/2048", "llama-2-70b", "H100", 2, 64, 2048, 2048, 547,
-         note=GQA_NOTE),
+    _trt("TRT-LLM LLaMA-70B H100 fp8 TP2 b64 2048/2048", "llama-2-70b", "H100", 2, 64, 2048, 2048, 547),
     # TensorRT-LLM v0.6.1 peak throughput, A100 FP16 (out tok/s/GPU as well: see TRT_PERF above).
     _trt("TRT-LLM LLaMA-7B A100 fp16 b384 128/128", "llama-2-7b", "A100-80GB", 1, 384, 128, 128, 5586, held_out=True),
     _trt("TRT-LLM LLaMA-7B A100 fp16 b60 128/2048", "llama-2-7b", "A100-80GB", 1, 60, 128, 2048, 1928),
@@ -175,8 +205,7 @@ POINTS: tuple[PublicPoint, ...] = (
     _trt("TRT-LLM LLaMA-7B A100 fp16 TP2 b64 2048/2048", "llama-2-7b", "A100-80GB", 2, 64, 2048, 2048, 782,
          held_out=True),
     _trt("TRT-LLM LLaMA-70B A100 fp16 TP4 b1280 128/128", "llama-2-70b", "A100-80GB", 4, 1280, 128, 128, 670),
-    _trt("TRT-LLM LLaMA-70B A100 fp16 TP4 b240 128/2048", "llama-2-70b", "A100-80GB", 4, 240, 128, 2048, 525,
-         note=GQA_NOTE),
+    _trt("TRT-LLM LLaMA-70B A100 fp16 TP4 b240 128/2048", "llama-2-70b", "A100-80GB", 4, 240, 128, 2048, 525),
     _trt("TRT-LLM LLaMA-70B A100 fp16 TP4 b120 2048/128", "llama-2-70b", "A100-80GB", 4, 120, 2048, 128, 79,
          held_out=True),
     # TensorRT-LLM v0.5 first-token latency, batch 1.

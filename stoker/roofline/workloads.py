@@ -49,12 +49,14 @@ def _decode_sum_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, fir
 def static_batch_time_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, input_len: int, output_len: int,
                         weight_dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1,
                         link: Interconnect | str | None = None, eff: Efficiencies | None = None,
-                        overlap_comm: bool = False) -> float:
-    """Seconds for one static batch: one context step, then output_len - 1 decode steps."""
+                        overlap_comm: bool = False, kv_per_query_head: bool = False) -> float:
+    """Seconds for one static batch: one context step, then output_len - 1 decode steps.
+    `kv_per_query_head`: the engine's decode attention reads each KV head once per query head
+    (costmodel.kv_read_factor; TensorRT-LLM v0.6.1's masked MHA kernel)."""
     if batch < 1 or input_len < 1 or output_len < 1:
         raise ValueError("batch, input_len and output_len must be >= 1")
     kw: dict[str, object] = dict(weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp, link=link, eff=eff,
-                                 overlap_comm=overlap_comm)
+                                 overlap_comm=overlap_comm, kv_per_query_head=kv_per_query_head, with_floor=False)
     prefill = step_cost(model, gpu, phase="prefill", batch=batch, context_len=input_len, **kw).step_time_s  # type: ignore[arg-type]
     return prefill + _decode_sum_s(model, gpu, batch=batch, first_ctx=input_len + 1, steps=output_len - 1, kw=kw)
 

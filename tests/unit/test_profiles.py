@@ -3,6 +3,7 @@ measurements better than kernel peaks (held-out points included), and profile fi
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -29,23 +30,28 @@ def test_engine_profile_beats_kernel_peak_on_public_measurements() -> None:
     pts = published.POINTS
     engine, kernel = published.summary(pts, ENGINE), published.summary(pts, KERNEL)
     assert len(pts) >= 30
-    assert kernel["median_ratio"] > 1.3  # kernel peaks are optimistic for engines (issue 16)
+    assert kernel["median_ratio"] > 1.1  # kernel peaks are optimistic for engines (issue 16)
     assert abs(engine["median_ratio"] - 1) < 0.05
-    assert engine["within"] >= 28 > kernel["within"]
-    # Held out of the fit, the engine profile still lands closer than kernel peaks.
+    assert engine["within"] >= 32 > kernel["within"]
+    # Held out of the fit, the engine profile still lands closer than kernel peaks: all ten within 25%.
     held = published.held_out_points()
     assert points_loss(held, ENGINE) < points_loss(held, KERNEL)
-    assert published.summary(held, ENGINE)["within"] >= 9 > published.summary(held, KERNEL)["within"]
+    assert published.summary(held, ENGINE)["within"] == 10 > published.summary(held, KERNEL)["within"]
 
 
 def test_first_token_latency_rows_with_the_context_setup() -> None:
-    # Issue 16: without a per-layer context setup the 128-token TTFT rows were 1.56-1.84x
-    # optimistic while the 2048-token rows fit. With it (fitted), every TTFT row lands within
-    # 0.85-1.26 (7B A100 at 128 tokens is the worst, 1.2506: A100 rows imply more per layer).
+    # Issue 16: without a per-layer context setup the 128-token TTFT rows are 1.5x+ optimistic
+    # while the 2048-token rows fit. With it (one fitted value for all GPUs, near what the A100 rows
+    # imply), every TTFT row lands within 25% but the 7B H100 one at 128 tokens, which implies
+    # ~115 us per layer where the fit settles at ~200: it is left pessimistic, with its note.
     ttft = [p for p in published.POINTS if p.kind == "ttft"]
     assert len(ttft) == 8
     for p in ttft:
-        assert 0.85 < published.speed_ratio(p, ENGINE) < 1.26, p.label
+        r = published.speed_ratio(p, ENGINE)
+        if p.label == "TRT-LLM LLaMA-7B H100 fp8 TTFT 128":
+            assert 0.6 < r < 0.75 and p.note, r
+        else:
+            assert 0.75 <= r <= 1.25, p.label
         assert published.speed_ratio(p, ENGINE.replace(prefill_layer_overhead_s=0.0)) > 1.5 or p.input_len > 128
 
 
@@ -164,7 +170,80 @@ def test_fit_splits_8bit_from_the_sentinel_and_stops_when_converged() -> None:
 
 def test_ceiling_is_never_below_a_public_measurement() -> None:
     for p in published.POINTS:
-        assert published.speed_ratio(p, Efficiencies.ideal()) >= 1.0, p.label
+        assert published.ceiling_ratio(p) >= 1.0, p.label
+        # The wall counts each cached K/V byte once, whatever the point's kernel does.
+        assert published.ceiling_ratio(p) >= published.speed_ratio(p, Efficiencies.ideal()), p.label
+
+
+def test_kv_read_factor_is_the_query_group_per_gpu() -> None:
+    # costmodel.kv_read_factor: a kernel with one thread block per (sequence, query head) reads
+    # its KV head once per query head (TensorRT-LLM's masked MHA, gpt_attention.md @138f96d;
+    # gpt-fast's repeat_interleave); shared-read kernels (XQA, FlashAttention) once per group.
+    from stoker.roofline.costmodel import kv_read_factor
+    from stoker.roofline.modelspec import get_model_spec
+
+    m70, m7 = get_model_spec("llama-2-70b"), get_model_spec("llama-2-7b")
+    assert (m70.num_heads, m70.num_kv_heads, m7.num_heads, m7.num_kv_heads) == (64, 8, 32, 32)
+    for tp in (1, 2, 4, 8):
+        assert kv_read_factor(m70, tp, per_query_head=True) == 8  # 64/tp query heads over 8/tp KV heads
+        assert kv_read_factor(m70, tp) == 1
+        assert kv_read_factor(m7, tp, per_query_head=True) == 1  # MHA: groups of one
+    # More GPUs than KV heads: each GPU holds one (replicated) KV head for its 64/16 query heads.
+    assert kv_read_factor(m70, 16, per_query_head=True) == 4
+
+
+def test_kv_per_query_head_prices_decode_reads_only() -> None:
+    from stoker.roofline.costmodel import step_cost
+    from stoker.roofline.workloads import static_batch_time_s
+
+    kw = dict(batch=64, context_len=2048, weight_dtype="fp8", kv_dtype="fp8", tp=2, eff=ENGINE)
+    shared = step_cost("llama-2-70b", "H100", **kw)
+    per_head = step_cost("llama-2-70b", "H100", kv_per_query_head=True, **kw)
+    assert per_head.kv_bytes == pytest.approx(8 * shared.kv_bytes)
+    assert per_head.step_time_s > shared.step_time_s
+    assert per_head.latency_floor_s == shared.latency_floor_s  # the wall reads each byte once
+    # Prefill writes its K/V once either way; an MHA model is unchanged; the default is shared reads.
+    pf = dict(kw, phase="prefill", batch=1)
+    assert step_cost("llama-2-70b", "H100", kv_per_query_head=True, **pf).step_time_s == \
+        step_cost("llama-2-70b", "H100", **pf).step_time_s
+    kw7 = dict(kw, tp=1)
+    assert step_cost("llama-2-7b", "H100", kv_per_query_head=True, **kw7).step_time_s == \
+        step_cost("llama-2-7b", "H100", **kw7).step_time_s
+    static = dict(batch=64, input_len=128, output_len=64, weight_dtype="fp8", kv_dtype="fp8", tp=2, eff=ENGINE)
+    assert (static_batch_time_s("llama-2-70b", "H100", kv_per_query_head=True, **static)
+            > static_batch_time_s("llama-2-70b", "H100", **static))
+
+
+def test_points_carry_their_engines_kv_reads() -> None:
+    # Every public point's engine reads each KV head once per query head (published.py KV_READS):
+    # TensorRT-LLM v0.5/v0.6.1's masked MHA generation kernel, gpt-fast's repeat_interleave.
+    assert all(p.kv_per_query_head for p in published.POINTS)
+    assert published.PublicPoint("x", "llama-2-7b", "H100", 1, "bf16", "bf16", "decode", 1, 1, 1, 1.0,
+                                 "s").kv_per_query_head is False
+    # With it the 70B throughput rows, fitted and held out, stop being the 1.7-2x optimistic misses.
+    rows = [p for p in published.POINTS if p.kind == "static" and p.model == "llama-2-70b"]
+    assert len(rows) == 7
+    for p in rows:
+        assert 0.75 <= published.speed_ratio(p, ENGINE) <= 1.1, p.label
+    long_out = [p for p in rows if p.output_len == 2048]
+    assert all(published.speed_ratio(dataclasses.replace(p, kv_per_query_head=False), ENGINE) > 1.3
+               for p in long_out)
+
+
+def test_pattern_search_follows_a_diagonal_valley() -> None:
+    # One-knob steps cannot move along a valley where two knobs must change together; the pair
+    # steps of calibrate.pattern_search can (the engine fit's memory / gap / latency trade-off).
+    from stoker.roofline.calibrate import coordinate_descent, pattern_search
+
+    def loss(e: Efficiencies) -> float:
+        return 100 * (e.memory - e.gemm_compute) ** 2 + (e.memory + e.gemm_compute - 1.0) ** 2
+
+    grid = [round(0.1 * i, 1) for i in range(1, 11)]
+    grids = {"memory": grid, "gemm_compute": grid}
+    start = KERNEL.replace(memory=0.1, gemm_compute=0.1)
+    assert coordinate_descent(loss, start, grids, rounds=10) == start  # stuck
+    best = pattern_search(loss, start, grids)
+    assert (best.memory, best.gemm_compute) == (0.5, 0.5)
 
 
 def test_every_point_cites_a_source_and_a_known_kind() -> None:
