@@ -8,7 +8,8 @@ token is MiniLM's). Two workloads (`--workload`, default both): `passages`, `--i
 sentences of 8-40 words (documents being indexed), and `queries`, `--inputs` search queries of
 3-10 words (what a retrieval service embeds at high rates, one per user query); random, seeded.
 Server: `python -m stoker serve DIR` in a subprocess on 127.0.0.1; batcher on =
-`--max-batch-size 32 --max-queue-delay-microseconds 2000`, off = `--max-batch-size 1`. The
+`--max-batch-size 32 --max-queue-delay-microseconds 2000`, off = `--max-batch-size 1`, each
+with `--instance-count N` for every N of `--instance-counts` (default 2, the CPU default, and 1). The
 client (aiohttp, this process) sends one input per /v1/embeddings request, `c` at a time,
 asking for `--encoding-format` (base64 by default, as the official `openai` client does).
 sentence-transformers runs in this process with the server idle, batch sizes 1..128, the
@@ -16,6 +17,7 @@ best kept. Throughput = inputs / wall seconds; each figure is the median of `--r
 
     .venv/bin/python benchmarks/embeddings_cpu.py [--runs 3] [--inputs 512] [--quick]
                                                   [--workload passages|queries|both]
+                                                  [--instance-counts 2 1]
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def st_best(model_dir: Path, inputs: list[str]) -> tuple[float, int]:
 
 def run_workload(model_dir: Path, workload: str, args: argparse.Namespace, levels: list[int],
                  configs: dict[str, list[str]]) -> None:
-    """Every run: sentence-transformers, then the server with each batcher config; then the table."""
+    """Every run: sentence-transformers, then the server with each config; then the table."""
     inputs = make_inputs(args.inputs, words=WORKLOADS[workload])
     results: dict[str, dict[int, list[float]]] = {k: {c: [] for c in levels} for k in configs}
     st_runs: list[tuple[float, int]] = []
@@ -123,7 +125,7 @@ def run_workload(model_dir: Path, workload: str, args: argparse.Namespace, level
             try:
                 asyncio.run(_load(url, inputs[:64], 8, args.encoding_format))  # warm-up
                 for c in levels:
-                    n = inputs if c > 1 or name == "batcher on" else inputs[: len(inputs) // 2]
+                    n = inputs if c > 1 or name.startswith("on") else inputs[: len(inputs) // 2]
                     results[name][c].append(asyncio.run(_load(url, n, c, args.encoding_format)))
             finally:
                 proc.terminate()
@@ -136,11 +138,15 @@ def run_workload(model_dir: Path, workload: str, args: argparse.Namespace, level
           f"medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
     print(f"sentence-transformers encode, best batch size: {st_rate:.1f} inputs/s "
           f"(runs {[round(r, 1) for r, _ in st_runs]}, batch sizes chosen: {[b for _, b in st_runs]})\n")
-    print("| concurrency | batcher on (inputs/s) | batcher off (inputs/s) | on / off | on / sentence-transformers best |")
-    print("|---:|---:|---:|---:|---:|")
+    med = {k: {c: statistics.median(v[c]) for c in levels} for k, v in results.items()}
+    counts = sorted({int(k.split()[-2]) for k in configs}, reverse=True)
+    head = " | ".join(f"on, {n} inst. | off, {n} inst. | on / off ({n})" for n in counts)
+    print(f"| concurrency | {head} | on ({counts[0]} inst.) / sentence-transformers best |")
+    print("|---:|" + "---:|---:|---:|" * len(counts) + "---:|")
     for c in levels:
-        on, off = statistics.median(results["batcher on"][c]), statistics.median(results["batcher off"][c])
-        print(f"| {c} | {on:.1f} | {off:.1f} | {on / off:.2f}x | {100 * on / st_rate:.0f}% |")
+        cells = " | ".join(f"{med[f'on, {n} inst.'][c]:.1f} | {med[f'off, {n} inst.'][c]:.1f} | "
+                           f"{med[f'on, {n} inst.'][c] / med[f'off, {n} inst.'][c]:.2f}x" for n in counts)
+        print(f"| {c} | {cells} | {100 * med[f'on, {counts[0]} inst.'][c] / st_rate:.0f}% |")
     print(flush=True)
 
 
@@ -155,13 +161,18 @@ def main() -> None:
                     help="what each request asks for (default: what the openai client sends)")
     ap.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both",
                     help="passages (8-40 words), queries (3-10 words) or both, one after the other (default)")
+    ap.add_argument("--instance-counts", type=int, nargs="+", default=[2, 1],
+                    help="server instance counts to run, batcher on and off each (default: 2 1)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from stoker.testing.tiny_pooling import make_bert_embedder
 
     levels = [1, 8, 32] + ([128] if args.quick else [])
-    configs = {"batcher on": ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000"],
-               "batcher off": ["--max-batch-size", "1"]}
+    configs: dict[str, list[str]] = {}
+    for n in args.instance_counts:  # Triton's instance_group count (stoker serve's default on CPU: 2)
+        configs[f"on, {n} inst."] = ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000",
+                                     "--instance-count", str(n)]
+        configs[f"off, {n} inst."] = ["--max-batch-size", "1", "--instance-count", str(n)]
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -92,6 +92,7 @@ def test_a_request_to_the_other_kind_of_model_is_a_400(server) -> None:
     ("generate:\n  path: {emb}\n", ["generate", "pooling model"]),
     ("pooling:\n  - path: {emb}\n    served_model_name: x\n  - path: {emb}\n    served_model_name: x\n", ["'x'", "two models"]),
     ("models: []\n", ["unknown key", "models"]),
+    ("pooling:\n  - path: {emb}\n    served_model_name: e\n    instance_count: 0\n", ["'e'", "--instance-count", ">= 1"]),
 ])
 def test_a_bad_config_is_refused_naming_the_key(folders: dict[str, Path], body: str, words: list[str]) -> None:
     from stoker.server.model_config import ConfigError, load_serve_config
