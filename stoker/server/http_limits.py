@@ -37,12 +37,17 @@ except ImportError:  # httptools not installed: h11 only
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout"}
 
 
-class _H11WithHeaderTimeout(H11Protocol):
+class _HeaderDeadline:
+    """The deadline's timer, for either uvicorn protocol (mixed in before it): armed when the
+    connection opens (and, by the subclass, after each response), cancelled when it closes;
+    `_headers_too_slow` (the subclass's) runs when it fires."""
+
     header_timeout_s: float = 10.0
     _header_timer: Any = None
+    loop: Any
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:
@@ -54,6 +59,15 @@ class _H11WithHeaderTimeout(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _headers_too_slow(self) -> None:
+        raise NotImplementedError
+
+
+class _H11WithHeaderTimeout(_HeaderDeadline, H11Protocol):
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
@@ -86,32 +100,12 @@ class _H11WithHeaderTimeout(H11Protocol):
         if not self.transport.is_closing():
             self._arm_header_timer()  # the next request's headers get the same deadline
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
-        super().connection_lost(exc)
-
 
 if HttpToolsProtocol is not None:
-    class _HttpToolsWithHeaderTimeout(HttpToolsProtocol):
+    class _HttpToolsWithHeaderTimeout(_HeaderDeadline, HttpToolsProtocol):
         """The same deadline and error shape on uvicorn's httptools protocol: armed when the
         connection opens and after each response (unless a pipelined request is already parsed),
         cancelled when a request's headers are complete."""
-
-        header_timeout_s: float = 10.0
-        _header_timer: Any = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
@@ -139,10 +133,6 @@ if HttpToolsProtocol is not None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self.pipeline:
                 self._arm_header_timer()  # the next request's headers get the same deadline
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
 
 
 def header_timeout_protocol(timeout_s: float) -> type:

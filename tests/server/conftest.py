@@ -97,18 +97,22 @@ def serve_app(app: Any, ready_path: str = "/v1/health/ready", http: Any = None, 
         time.sleep(0.05)
 
 
-def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
+def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, h11: bool = False,
+                 **settings: Any) -> LiveServer:
+    """h11: run the pure-Python fallback protocol (what a machine without httptools serves)."""
     from stoker.engine.llm import LLM
     from stoker.server.app import create_app
-    from stoker.server.http_limits import header_timeout_protocol
+    from stoker.server.http_limits import _H11WithHeaderTimeout, header_timeout_protocol
     from stoker.server.state import ServerSettings
 
     kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}
     base = ServerSettings(model_path=str(ckpt), served_model_names=(MODEL,), log_interval_s=3600)
     full = replace(base, **settings)
     app = create_app(full, lambda: LLM(str(ckpt), **kwargs).engine)
-    # The protocol `stoker serve` runs (h11 with a deadline for headers).
-    return serve_app(app, http=header_timeout_protocol(full.header_read_timeout_s))
+    # The protocol `stoker serve` runs (httptools, or h11 without it, with a deadline for headers).
+    protocol = (type("H11", (_H11WithHeaderTimeout,), {"header_timeout_s": full.header_read_timeout_s}) if h11
+                else header_timeout_protocol(full.header_read_timeout_s))
+    return serve_app(app, http=protocol)
 
 
 @pytest.fixture(scope="session")
@@ -116,8 +120,8 @@ def server_factory(tiny_llama: Path) -> Iterator[Callable[..., LiveServer]]:
     """Start extra servers (own settings) on the session's tiny checkpoint; all stopped at the end."""
     started: list[LiveServer] = []
 
-    def make(engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> LiveServer:
-        live = start_server(tiny_llama, engine_kwargs, **settings)
+    def make(engine_kwargs: dict[str, Any] | None = None, h11: bool = False, **settings: Any) -> LiveServer:
+        live = start_server(tiny_llama, engine_kwargs, h11, **settings)
         started.append(live)
         return live
 

@@ -4,6 +4,7 @@ takes the engine down, and every test ends with all KV blocks free and the engin
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -181,6 +182,26 @@ def test_slow_headers_and_stalled_bodies_get_408(server_factory) -> None:
         for _ in range(2):
             assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
     live.wait_idle()
+
+
+def test_both_http_protocols_keep_the_header_deadline_and_the_error_shape(server_factory) -> None:
+    """httptools (what `stoker serve` runs when installed) and the h11 fallback answer alike."""
+    import json
+
+    from stoker.server.http_limits import HttpToolsProtocol, header_timeout_protocol
+
+    assert HttpToolsProtocol is not None and issubclass(header_timeout_protocol(1.0), HttpToolsProtocol)
+    for h11 in (False, True):
+        live = server_factory(h11=h11, header_read_timeout_s=0.5)
+        answer = _raw_exchange(live.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty", 0.5)
+        assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive within 0.5 s" in answer, (h11, answer)
+        head, _, body = _raw_exchange(live.url, b"GARBAGE / NOT-HTTP\r\n\r\n", 5).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["message"].startswith("malformed HTTP"), h11
+        with httpx.Client(base_url=live.url, timeout=30) as client:  # keep-alive: the deadline re-arms, no 408
+            for _ in range(2):
+                assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+                time.sleep(0.7)
+        live.wait_idle()
 
 
 def test_keys_in_query_strings_never_reach_the_access_log() -> None:
