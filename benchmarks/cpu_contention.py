@@ -38,6 +38,8 @@ CONFIGS: dict[str, dict[str, str]] = {
     "spin300k": {"GOMP_SPINCOUNT": "300000"},
     # a short spin, then sleep
     "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin30k": {"GOMP_SPINCOUNT": "30000"},
     # the workaround: stable, but one core for big batches
     "omp1": {"OMP_NUM_THREADS": "1"},
 }

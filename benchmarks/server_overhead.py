@@ -9,7 +9,14 @@ prompts, so both sides run exactly the same tokens) from an aiohttp client in th
 output tokens are counted from usage.completion_tokens. Runs alternate offline / server so
 machine drift hits both; the table gives every run and the medians.
 
-    .venv/bin/python benchmarks/server_overhead.py [--runs 3] [--threads N]
+    .venv/bin/python benchmarks/server_overhead.py [--runs 3] [--threads N] [--wait-policy server|libgomp]
+
+OpenMP's wait policy is the same on both sides by default (`--wait-policy server`: the offline
+side gets what `stoker serve` sets, OMP_WAIT_POLICY=PASSIVE unless the environment chose,
+stoker/cpu_runtime.py), so the ratio measures the server, not the policy. `--wait-policy libgomp`
+leaves the offline side on libgomp's own default (workers spin before sleeping), which is faster
+on an idle machine and collapses beside a busy process (docs/benchmarks.md, "CPU serving under
+contention"): the ratio then also holds that policy's cost.
 
 On a small shared machine pin --threads: with every core given to torch, any other process
 (here: the client, or a neighbour's job) stalls torch's OpenMP barriers and a run can slow
@@ -107,7 +114,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on both sides (OMP_NUM_THREADS for the server); default: torch's")
+    ap.add_argument("--wait-policy", choices=["server", "libgomp"], default="server",
+                    help="the offline side's OpenMP wait policy: the server's (default) or libgomp's own")
     args = ap.parse_args()
+    if args.wait_policy == "server":
+        from stoker.cpu_runtime import configure_openmp  # pure Python: torch not loaded yet
+
+        configure_openmp()
     if args.threads:
         # Set before torch loads here, and inherited by the server process.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -147,8 +160,10 @@ def main() -> None:
         proc.wait(60)
     off, srv = statistics.median(offline), statistics.median(server)
     print()
+    policy = os.environ.get("OMP_WAIT_POLICY") or (f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
+                                                    if os.environ.get("GOMP_SPINCOUNT") else "libgomp default")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+          f"{torch.get_num_threads()} threads, Python {platform.python_version()}; offline wait policy: {policy}")
     print("| | output tok/s (median) | runs |")
     print("|---|---:|---|")
     print(f"| offline LLM.generate | {off:.1f} | {', '.join(f'{x:.1f}' for x in offline)} |")
