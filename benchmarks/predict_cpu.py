@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, every CPU)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved microbenchmark + step rounds (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved microbenchmark + step rounds (median; 5: a lone noisy round on a shared VM no longer moves a point by 15%%)")
     ap.add_argument("--device-file", default=None, help="use a doctor-written device file instead of measuring")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
