@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Timing tests run alone after the rest: beside a second pytest worker on a 2-core machine their
+# measurements swing by 30-70% (tests/model/test_predict_cpu.py failed that way in CI).
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600 -m "not timing"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --timeout 600 -m timing
 
 # On a CUDA machine: compiled (not interpreted) Triton, and only the GPU-marked tests.
 test-gpu: $(VENV)/.installed
