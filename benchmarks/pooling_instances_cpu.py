@@ -63,10 +63,9 @@ def main() -> None:
         run_share(items, batch)
         return len(items) / (time.perf_counter() - t0)
 
-    pools = {n: instance_executor(n, 1) for n in (2,)}
+    pool = instance_executor(2, 1)
 
-    def instances(n: int, batch: int) -> float:
-        pool = pools[n]
+    def instances(n: int, batch: int) -> float:  # n <= the pool's 2 instances
         t0 = time.perf_counter()
         for f in [pool.submit(run_share, items[j::n], batch) for j in range(n)]:
             f.result()
@@ -87,8 +86,7 @@ def main() -> None:
     print("|---|---:|")
     for name, v in results.items():
         print(f"| {name} | {statistics.median(v):.1f} |")
-    for pool in pools.values():
-        pool.shutdown()
+    pool.shutdown()
 
 
 if __name__ == "__main__":

@@ -32,10 +32,9 @@ DEFAULT_CPU_INSTANCES = 2
 
 
 def resolve_instance_count(requested: int | None, device: torch.device, num_threads: int) -> int:
-    """`requested` (>= 1) as given; None: 1 on a GPU, else DEFAULT_CPU_INSTANCES capped by the threads."""
+    """`requested` as given (PoolingModelSpec checked it is >= 1); None: 1 on a GPU, else
+    DEFAULT_CPU_INSTANCES capped by the threads."""
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--instance-count must be >= 1, got {requested}")
         return requested
     if device.type != "cpu":
         return 1

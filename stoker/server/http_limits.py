@@ -30,11 +30,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from stoker.server.errors import error_bytes
 
 try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 except ImportError:  # httptools not installed: h11 only
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
-
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout"}
 
 
 class _HeaderDeadline:
@@ -124,8 +122,8 @@ if HttpToolsProtocol is not None:
         def _send_error_and_close(self, status: int, message: str) -> None:
             if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
                 body = error_bytes(status, message)
-                head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                        b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body)))
+                head = STATUS_LINE[status] + (b"content-type: application/json\r\ncontent-length: %d\r\n"
+                                              b"connection: close\r\n\r\n" % len(body))
                 self.transport.write(head + body)
             self.transport.close()
 

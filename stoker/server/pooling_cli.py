@@ -56,6 +56,4 @@ def pooling_spec(args: argparse.Namespace, model_path: str, names: tuple[str, ..
         default_priority_level=args.default_priority_level or args.priority_levels, max_queue_size=args.max_queue_size,
         default_timeout_microseconds=args.default_timeout_microseconds,
     )
-    if args.instance_count is not None and args.instance_count < 1:
-        raise ValueError(f"--instance-count must be >= 1, got {args.instance_count}")
     return PoolingModelSpec(model_path, names, batcher, args.dtype, args.device, args.max_model_len, args.instance_count)

@@ -33,6 +33,10 @@ class PoolingModelSpec:
     max_model_len: int | None = None
     instance_count: int | None = None  # Triton's instance_group count; None: by device (pooling/instances.py)
 
+    def __post_init__(self) -> None:
+        if self.instance_count is not None and self.instance_count < 1:
+            raise ValueError(f"--instance-count must be >= 1, got {self.instance_count}")
+
 
 @dataclass
 class PoolingModel:
@@ -43,7 +47,6 @@ class PoolingModel:
     vocab_size: int
     tokenizer_thread: ThreadPoolExecutor
     worker: ThreadPoolExecutor  # the model's instances: one thread each, every forward runs on one
-    num_instances: int = 1
     batcher: DynamicBatcher | None = None
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
@@ -52,6 +55,11 @@ class PoolingModel:
     @property
     def names(self) -> tuple[str, ...]:
         return self.spec.names
+
+    @property
+    def num_instances(self) -> int:
+        """The loaded spec's count (load_pooling_model resolves None by device)."""
+        return self.spec.instance_count or 1
 
     def _record(self, record: BatchRecord) -> None:
         self.batch_sizes[record.size] += 1
@@ -80,6 +88,7 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     """Blocking (weights, tokenizer): call it off the event loop, on a thread that then ends
     (PoolingModels.load), so that only the instances' threads keep OpenMP teams (a second team
     busy beside the first slows it: docs/benchmarks.md, "Server overhead")."""
+    import dataclasses
     import json
     from pathlib import Path
 
@@ -94,8 +103,6 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     hf_config = json.loads((Path(spec.path) / "config.json").read_text())
     batcher = spec.batcher
     if not batcher.preferred_batch_size and batcher.preferred_batch_tokens is None:
-        import dataclasses
-
         device = runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(runner.model.parameters()).dtype]
@@ -109,10 +116,10 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     per_instance = threads_per_instance(num_instances, num_threads)
     logger.info("%s: %d instance(s)%s", spec.names[0], num_instances,
                 f" of {per_instance} CPU thread(s) each" if runner.device.type == "cpu" else f" on {runner.device}")
-    spec = PoolingModelSpec(spec.path, spec.names, batcher, spec.dtype, spec.device, spec.max_model_len, num_instances)
+    spec = dataclasses.replace(spec, batcher=batcher, instance_count=num_instances)
     return PoolingModel(spec, runner.config, runner, load_tokenizer(spec.path), int(hf_config["vocab_size"]),
                         ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenize"),
-                        instance_executor(num_instances, per_instance), num_instances)
+                        instance_executor(num_instances, per_instance))
 
 
 class PoolingModels:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stoker.pooling.instances import instance_executor, resolve_instance_count, threads_per_instance
+from stoker.server.pooling_models import PoolingModelSpec
 
 
 def test_instance_count_by_device_and_as_asked() -> None:
@@ -18,8 +19,8 @@ def test_instance_count_by_device_and_as_asked() -> None:
     assert resolve_instance_count(None, cpu, 1) == 1
     assert resolve_instance_count(None, gpu, 16) == 1
     assert resolve_instance_count(3, cpu, 2) == 3
-    with pytest.raises(ValueError, match="--instance-count"):
-        resolve_instance_count(0, cpu, 2)
+    with pytest.raises(ValueError, match="--instance-count must be >= 1"):
+        PoolingModelSpec("unused", ("m",), instance_count=0)
     assert [threads_per_instance(n, 8) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
 
 
