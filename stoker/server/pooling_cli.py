@@ -32,6 +32,15 @@ def add_pooling_args(parser: argparse.ArgumentParser) -> None:
                    help="an input still queued this long fails with 503 (default 0: no timeout)")
 
 
+def _batcher_defaults() -> dict[str, Any]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_pooling_args(p)
+    return {a.dest: a.default for a in p._actions if a.dest not in ("help", "runner")}
+
+
+_BATCHER_DEFAULTS = _batcher_defaults()  # the group's flags (all but --runner) and their defaults
+
+
 def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
     """The PoolingModels to serve when the folder (or --runner) says pooling; None for generation."""
     from stoker.pooling.config import resolve_runner
@@ -40,6 +49,11 @@ def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: t
     if args.model_dir is None or resolve_runner(model_path, args.runner) != "pooling":
         if args.runner == "pooling":
             raise ValueError("--runner pooling needs MODEL_DIR: the demo model is generative")
+        given = [f"--{dest.replace('_', '-')}" for dest, default in _BATCHER_DEFAULTS.items()
+                 if getattr(args, dest, default) != default]
+        if given:  # a generative model has no dynamic batcher: refused, not ignored
+            raise ValueError(f"{', '.join(given)}: dynamic-batcher flags apply to an embedding or reranker model; "
+                             "this model is generative (scheduler flags: --max-num-seqs, --max-num-batched-tokens)")
         return None
     return PoolingModels([pooling_spec(args, model_path, names)])
 

@@ -112,3 +112,12 @@ def test_config_with_model_dir_or_per_model_flags_is_refused(folders: dict[str, 
         build_app(_args(str(folders["chat"]), "--config", str(cfg)))
     with pytest.raises(ValueError, match="--max-batch-size, --max-model-len"):
         build_app(_args("--config", str(cfg), "--max-model-len", "64", "--max-batch-size", "2"))
+
+
+def test_batcher_flags_on_a_generative_model_are_refused_naming_them(folders: dict[str, Path]) -> None:
+    from stoker.server.cli import build_app
+
+    with pytest.raises(ValueError, match="--instance-count, --max-batch-size: dynamic-batcher flags"):
+        build_app(_args(str(folders["chat"]), "--max-batch-size", "8", "--instance-count", "2"))
+    with pytest.raises(ValueError, match="--max-queue-delay-microseconds"):
+        build_app(_args("--max-queue-delay-microseconds", "100"))  # the demo model
