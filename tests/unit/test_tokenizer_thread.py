@@ -39,38 +39,35 @@ def alone(texts, add_special=True, max_length=None):
     return FakeTokenizer()(texts, add_special, bool(max_length), max_length)["input_ids"]
 
 
-def queued_together(thread: TokenizerThread, *submissions, cancel=()) -> list:
-    """Run the submissions (coroutine functions of no argument) while the thread is held busy,
-    so that all of them wait in its queue at once, then let it go; results (or exceptions) in
-    order. The indices in `cancel` are cancelled before the thread is let go."""
+async def _blocked(thread: TokenizerThread) -> tuple[threading.Event, asyncio.Task]:
+    """Occupy the thread until the event is set, so that what is submitted meanwhile queues."""
+    gate, started = threading.Event(), threading.Event()
 
-    async def main() -> list:
-        gate, started = threading.Event(), threading.Event()
+    def hold(tok):
+        started.set()
+        gate.wait(10)
+        return "held"
 
-        def hold(tok):
-            started.set()
-            gate.wait(10)
-            return "held"
-
-        held = asyncio.ensure_future(thread.call(hold))
-        while not started.is_set():
-            await asyncio.sleep(0.001)
-        tasks = [asyncio.ensure_future(submit()) for submit in submissions]
-        await asyncio.sleep(0.01)
-        for i in cancel:
-            tasks[i].cancel()
-        gate.set()
-        assert await held == "held"
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
-    return asyncio.run(main())
+    task = asyncio.ensure_future(thread.call(hold))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    return gate, task
 
 
 def test_concurrent_requests_share_one_call_and_each_gets_its_own_ids():
     tok = FakeTokenizer()
     thread = TokenizerThread(tok, "tok-test")
-    texts = [[f"{'w' * (i % 7 + 1)} x{'y' * i}"] for i in range(40)] + [["a bb", "ccc dddd eeeee"]]
-    results = queued_together(thread, *[lambda t=t: thread.encode(t) for t in texts])
+
+    async def main():
+        gate, held = await _blocked(thread)
+        texts = [[f"{'w' * (i % 7 + 1)} x{'y' * i}"] for i in range(40)] + [["a bb", "ccc dddd eeeee"]]
+        tasks = [asyncio.ensure_future(thread.encode(t)) for t in texts]
+        await asyncio.sleep(0.01)
+        gate.set()
+        assert await held == "held"
+        return texts, await asyncio.gather(*tasks)
+
+    texts, results = asyncio.run(main())
     thread.stop()
     for t, ids in zip(texts, results):
         assert ids == alone(t)
@@ -81,10 +78,19 @@ def test_concurrent_requests_share_one_call_and_each_gets_its_own_ids():
 def test_requests_with_different_options_are_not_merged():
     tok = FakeTokenizer()
     thread = TokenizerThread(tok)
-    a, b, c, d = queued_together(thread, lambda: thread.encode(["one two three four"], True, None),
-                                 lambda: thread.encode(["one two three four"], True, 3),
-                                 lambda: thread.encode(["one two three four"], False, None),
-                                 lambda: thread.encode(["five six"], True, None))
+
+    async def main():
+        gate, held = await _blocked(thread)
+        a = asyncio.ensure_future(thread.encode(["one two three four"], True, None))
+        b = asyncio.ensure_future(thread.encode(["one two three four"], True, 3))
+        c = asyncio.ensure_future(thread.encode(["one two three four"], False, None))
+        d = asyncio.ensure_future(thread.encode(["five six"], True, None))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await held
+        return await asyncio.gather(a, b, c, d)
+
+    a, b, c, d = asyncio.run(main())
     thread.stop()
     assert a == [[101, 3, 3, 5, 4, 102]]
     assert b == [[101, 3, 3]]
@@ -96,8 +102,18 @@ def test_requests_with_different_options_are_not_merged():
 def test_an_error_fails_only_its_own_request():
     tok = FakeTokenizer()
     thread = TokenizerThread(tok)
-    ok1, bad, ok2 = queued_together(thread, lambda: thread.encode(["fine text"]), lambda: thread.encode(["a BOOM here"]),
-                                    lambda: thread.encode(["also fine"]))
+
+    async def main():
+        gate, held = await _blocked(thread)
+        ok1 = asyncio.ensure_future(thread.encode(["fine text"]))
+        bad = asyncio.ensure_future(thread.encode(["a BOOM here"]))
+        ok2 = asyncio.ensure_future(thread.encode(["also fine"]))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await held
+        return await asyncio.gather(ok1, bad, ok2, return_exceptions=True)
+
+    ok1, bad, ok2 = asyncio.run(main())
     thread.stop()
     assert ok1 == alone(["fine text"]) and ok2 == alone(["also fine"])
     assert isinstance(bad, ValueError) and "BOOM" in str(bad)
@@ -106,11 +122,21 @@ def test_an_error_fails_only_its_own_request():
 def test_a_cancelled_request_does_not_disturb_the_rest():
     tok = FakeTokenizer()
     thread = TokenizerThread(tok)
-    gone, kept = queued_together(thread, lambda: thread.encode(["client left"]), lambda: thread.encode(["client stayed"]),
-                                 cancel=[0])
+
+    async def main():
+        gate, held = await _blocked(thread)
+        gone = asyncio.ensure_future(thread.encode(["client left"]))
+        kept = asyncio.ensure_future(thread.encode(["client stayed"]))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        gate.set()
+        await held
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await kept
+
+    assert asyncio.run(main()) == alone(["client stayed"])
     thread.stop()
-    assert isinstance(gone, asyncio.CancelledError)
-    assert kept == alone(["client stayed"])
 
 
 def test_call_runs_on_the_thread_and_stop_refuses_later_work():
