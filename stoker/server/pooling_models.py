@@ -17,7 +17,6 @@ from typing import Any
 from stoker.pooling.config import PoolingConfig
 from stoker.server.batcher import BatchRecord, BatcherConfig, DynamicBatcher
 from stoker.server.errors import ApiError
-from stoker.server.tokenizer_thread import TokenizerThread
 
 logger = logging.getLogger("stoker.server")
 
@@ -44,8 +43,9 @@ class PoolingModel:
     spec: PoolingModelSpec
     config: PoolingConfig
     runner: Any  # pooling.runner.PoolingRunner (torch): kept out of this module's imports
+    tokenizer: Any  # used only on `tokenizer_thread` (HF tokenizers are not shared across threads)
     vocab_size: int
-    tokenizer_thread: TokenizerThread  # owns the tokenizer (HF tokenizers are not shared across threads)
+    tokenizer_thread: ThreadPoolExecutor
     worker: ThreadPoolExecutor  # the model's instances: one thread each, every forward runs on one
     batcher: DynamicBatcher | None = None
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
@@ -74,19 +74,14 @@ class PoolingModel:
         self.batcher.start()
 
     async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(tokenizer, *args) on the tokenizer thread."""
-        return await self.tokenizer_thread.call(fn, *args)
-
-    async def encode(self, texts: list[str], add_special_tokens: bool, max_length: int | None) -> list[list[int]]:
-        """Token ids of each text, coalesced with other requests' texts into one tokenizer call."""
-        return await self.tokenizer_thread.encode(texts, add_special_tokens, max_length)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, self.tokenizer, *args)
 
     async def stop(self) -> None:
         if self.batcher is not None:
             await self.batcher.stop()
         # not waited for on the event loop: a batch still running finishes on its own thread
         self.worker.shutdown(wait=False)
-        self.tokenizer_thread.stop()
+        self.tokenizer_thread.shutdown(wait=False)
 
 
 def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
@@ -95,7 +90,6 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     busy beside the first slows it: docs/benchmarks.md, "Server overhead")."""
     import dataclasses
     import json
-    import os
     from pathlib import Path
 
     import torch
@@ -123,12 +117,8 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     logger.info("%s: %d instance(s)%s", spec.names[0], num_instances,
                 f" of {per_instance} CPU thread(s) each" if runner.device.type == "cpu" else f" on {runner.device}")
     spec = dataclasses.replace(spec, batcher=batcher, instance_count=num_instances)
-    # The tokenizer thread encodes the texts waiting at once in one call; left on, the Rust
-    # tokenizer would spread each call over a rayon pool of one thread per CPU, on the cores
-    # the instances' forwards use. The user's own setting stands.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return PoolingModel(spec, runner.config, runner, int(hf_config["vocab_size"]),
-                        TokenizerThread(load_tokenizer(spec.path), f"stoker-tokenize-{spec.names[0]}"),
+    return PoolingModel(spec, runner.config, runner, load_tokenizer(spec.path), int(hf_config["vocab_size"]),
+                        ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenize"),
                         instance_executor(num_instances, per_instance))
 
 

@@ -1,7 +1,6 @@
 """POST /v1/embeddings, /v1/rerank and /v1/score over the pooling models (vLLM's behaviour).
 
-Texts are tokenized on the model's tokenizer thread (coalesced across requests:
-server/tokenizer_thread.py); each input then goes to the model's
+Texts are tokenized on the model's tokenizer thread; each input then goes to the model's
 dynamic batcher as one item, and the request awaits all of its items. Limits as vLLM's:
 an input longer than the model's max_model_len is a 400 unless `truncate_prompt_tokens`
 asks for truncation; `dimensions` only on a Matryoshka model (config.json `is_matryoshka` or
@@ -68,6 +67,11 @@ class OpenAIServingPooling:
 
     # ------------------------------------------------------------------ tokenization (tokenizer thread)
     @staticmethod
+    def _encode_texts(tok: Any, texts: list[str], add_special: bool, truncate: int | None) -> list[list[int]]:
+        kw: dict[str, Any] = {"truncation": True, "max_length": truncate} if truncate else {}
+        return tok(texts, add_special_tokens=add_special, **kw)["input_ids"]
+
+    @staticmethod
     def _encode_pairs(tok: Any, pairs: list[tuple[str, str]], truncate: int | None) -> tuple[list[list[int]], list[list[int]]]:
         kw: dict[str, Any] = {"truncation": True, "max_length": truncate} if truncate else {}
         enc = tok([p[0] for p in pairs], [p[1] for p in pairs], return_token_type_ids=True, **kw)
@@ -117,7 +121,7 @@ class OpenAIServingPooling:
         dims = self._dimensions(model, req.dimensions)
         inputs = req.inputs()
         if isinstance(inputs[0], str):
-            ids = await model.encode(inputs, req.add_special_tokens, truncate)
+            ids = await model.tokenize(self._encode_texts, inputs, req.add_special_tokens, truncate)
         else:
             ids = [list(x) for x in inputs]  # type: ignore[arg-type]
             bad = [t for x in ids for t in x if not 0 <= t < model.vocab_size][:5]
@@ -166,7 +170,7 @@ class OpenAIServingPooling:
             scores = await self._run(model, [PoolInput(i, t) for i, t in zip(ids, types)], [len(i) for i in ids], priority)
             return [float(s) for s in scores], sum(len(i) for i in ids)
         texts = list(dict.fromkeys(t for p in pairs for t in p))  # each distinct text embedded once
-        ids = await model.encode(texts, True, truncate)
+        ids = await model.tokenize(self._encode_texts, texts, True, truncate)
         self._check_lengths(model, ids)
         vectors = dict(zip(texts, await self._embed(model, ids, priority)))
 
