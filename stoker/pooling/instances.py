@@ -6,9 +6,9 @@ each of the ~60 ops of a BERT forward is a parallel region that ends with its sl
 On a small machine shared with the HTTP event loop (about 1 ms of CPU per request), the loop
 preempting one team member stalls the whole team, and between regions the workers sleep
 (OMP_WAIT_POLICY=PASSIVE, cpu_runtime.py) and must be woken. Two instances of one thread each
-have no team to wait for: on 2 cores the same MiniLM-shaped encoder ran 433 passages/s as two
-single-threaded instances at batch 16 against 286-325/s as one two-thread instance
-(docs/benchmarks.md, "Embeddings on CPU"). On a GPU the instances would only queue on one
+have no team to wait for: on 2 cores the same MiniLM-shaped encoder ran 446 passages/s as two
+single-threaded instances at batch 16 against 383/s as one two-thread instance at batch 32
+(benchmarks/pooling_instances_cpu.py; docs/benchmarks.md, "Embeddings on CPU"). On a GPU the instances would only queue on one
 device, so the default there is one.
 
 Each instance thread sets its own OpenMP thread count once, when it starts: libgomp keeps that

@@ -1,7 +1,7 @@
 """The pooling models a server holds: each with its tokenizer thread, its instances (worker
 threads, each running whole batches: pooling/instances.py) and its dynamic batcher. A
-registry by served name, so one server can hold
-several (issue 18 part 4 adds them from a config file); routes look models up by `model`.
+registry by served name, so one server can hold several (`stoker serve --config`); routes look
+models up by `model`.
 """
 
 from __future__ import annotations
