@@ -8,7 +8,8 @@ batcher on: --max-batch-size 32 --max-queue-delay-microseconds 2000, the default
 count, access log off); c = 32, one input per request, base64. For each round, over the timed
 load: every server thread's CPU (user + system, /proc/PID/task/TID/stat) per request, the
 event loop being the main thread and the rest ranked by CPU (the instances first, then the
-tokenizer thread); the load client's CPU (this process, resource.getrusage); the whole
+tokenizer thread), and the share of the wall time the busiest instance thread was runnable but
+waiting for a CPU (schedstat); the load client's CPU (this process, resource.getrusage); the whole
 machine's idle cores (/proc/stat); and the server's batches (its /metrics). A server that
 uses less than the machine's cores while requests wait is waiting on something other than
 CPU (docs/benchmarks.md, "Embeddings on CPU").
@@ -36,15 +37,17 @@ BATCHER = ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000"]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of `pid`, by thread id."""
+def thread_seconds(pid: int) -> dict[int, tuple[float, float]]:
+    """(CPU seconds (user + system), seconds runnable but waiting for a CPU) of each thread of
+    `pid`, by thread id (/proc/PID/task/TID/stat and schedstat)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            waited_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
         except OSError:  # the thread ended
             continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
+        out[int(tid)] = ((int(fields[11]) + int(fields[12])) / TICK, waited_ns / 1e9)
     return out
 
 
@@ -74,12 +77,15 @@ def one_round(url: str, pid: int, inputs: list[str]) -> dict[str, float]:
     wall = time.perf_counter() - t0
     threads1, client1, (idle1, total1), batches1 = thread_seconds(pid), client_seconds(), machine_ticks(), batch_sums(url)
     n = len(inputs)
-    used = {tid: threads1[tid] - threads0.get(tid, 0.0) for tid in threads1}
-    loop = used.pop(pid, 0.0)
-    ranked = sorted(used.values(), reverse=True)
+    used = {tid: (threads1[tid][0] - threads0.get(tid, (0.0, 0.0))[0], threads1[tid][1] - threads0.get(tid, (0.0, 0.0))[1])
+            for tid in threads1}
+    loop = used.pop(pid, (0.0, 0.0))[0]
+    ranked_threads = sorted(used.values(), reverse=True)  # by CPU: the instances first
+    ranked = [cpu for cpu, _ in ranked_threads]
     row = {"rate": rate, "event loop": 1e6 * loop / n}
     for i, seconds in enumerate(ranked[:3]):
         row[f"thread {i + 1}"] = 1e6 * seconds / n
+    row["thread 1 runq wait"] = ranked_threads[0][1] / wall if ranked_threads else 0.0  # fraction of the wall time
     row["other threads"] = 1e6 * sum(ranked[3:]) / n
     row["server"] = 1e6 * (loop + sum(ranked)) / n
     row["client"] = 1e6 * (client1 - client0) / n
@@ -109,7 +115,7 @@ def main() -> None:
             asyncio.run(_load(url, inputs[:256], 32))  # warm-up
             for r in range(args.rounds):
                 rows.append(one_round(url, proc.pid, inputs))
-                print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" if "cores" in k else f"{k} {v:.1f}"
+                print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" if "cores" in k or "wait" in k else f"{k} {v:.1f}"
                                                      for k, v in rows[-1].items()), flush=True)
         finally:
             proc.terminate()
@@ -118,7 +124,7 @@ def main() -> None:
           f"{args.workload} at c = 32, base64; medians of {args.rounds} rounds; CPU in us per request")
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---:|" * len(rows[0]))
-    print("| " + " | ".join(f"{statistics.median(r[k] for r in rows):.2f}" if "cores" in k else
+    print("| " + " | ".join(f"{statistics.median(r[k] for r in rows):.2f}" if "cores" in k or "wait" in k else
                             f"{statistics.median(r[k] for r in rows):.1f}" for k in rows[0]) + " |")
 
 
