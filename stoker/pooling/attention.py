@@ -196,8 +196,10 @@ class VarlenAttention(nn.Module):
         assert not self.causal and self.num_kv_heads == self.num_heads, "forward_qkv is the encoders' path"
         batch = current_batch()
         if self._kernel(qkv):
-            q, k, v = (qkv[:, i].contiguous() for i in range(3))  # each (T, H, D)
-            return _kernel_attention(q, k, v, batch, self.scale, causal=False)
+            from stoker.kernels.cpu import native
+
+            # q, k and v read in place from the projection's rows: no copy of each
+            return native.encoder_attention(qkv.contiguous(), batch.token_table, batch.cu_tensor, batch.lengths, self.scale)
         return varlen_attention_qkv(qkv, batch, self.scale)
 
 

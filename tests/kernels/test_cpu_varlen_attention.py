@@ -56,3 +56,28 @@ def test_the_layer_picks_the_kernel_on_cpu_float32_only() -> None:
     with varlen_batch(VarlenBatch.build(lengths, torch.device("cpu"))):
         double(q.double(), q.double(), q.double())
     assert double.use_kernel is False
+
+
+@pytest.mark.parametrize("heads, head_dim", [(4, 32), (12, 16)])
+def test_encoder_attention_reads_qkv_in_place(heads: int, head_dim: int) -> None:
+    """An encoder's fused projection (T, 3, H, D) straight into the kernel, no q/k/v copies; the
+    lengths sit around the vector width (a short row's softmax runs as whole masked vectors)
+    and the 64-key panels."""
+    gen = torch.Generator().manual_seed(heads)
+    lengths = [1, 5, 12, 16, 17, 64, 65, 130]
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=gen)
+    batch = VarlenBatch.build(lengths, torch.device("cpu"))
+    got = native.encoder_attention(qkv, batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+    want = per_sequence(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, 0.3, False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_encoder_attention_refuses_tables_that_disagree() -> None:
+    qkv = torch.randn(10, 3, 2, 32)
+    batch = VarlenBatch.build([4, 6], torch.device("cpu"))
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the 9 tokens"):
+        native.encoder_attention(qkv[:9], batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+    with pytest.raises(ValueError, match=r"contiguous float32 \(T, 3, H, D\)"):
+        native.encoder_attention(qkv.double(), batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+    with pytest.raises(ValueError, match="disagree on the number of sequences"):
+        native.encoder_attention(qkv, batch.token_table[:1], batch.cu_tensor, batch.lengths, 0.3)

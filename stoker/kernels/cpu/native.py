@@ -7,6 +7,8 @@ everything that could make it read or write outside a tensor is checked here fir
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from stoker.kernels._common import kv_inverse_scales
@@ -196,6 +198,97 @@ def varlen_attention(
         status = lib.stoker_prefill_attention_bidirectional_f32(*args, torch.get_num_threads())
     _raise_for_status(status, "varlen_attention", "each sequence's length must fit its token_table row", num_tokens)
     return out
+
+
+def encoder_attention(
+    qkv: torch.Tensor,  # (T, 3, H, D) an encoder's fused projection, contiguous
+    token_table: torch.Tensor,  # (B, max_len) int32: row s = the token rows of sequence s
+    cu_seqlens: torch.Tensor,  # (B + 1,) int64
+    lengths: torch.Tensor,  # (B,) int64
+    scale: float,
+) -> torch.Tensor:  # (T, H, D)
+    """varlen_attention, not causal, reading q, k and v in place from one fused projection
+    (prefill_attention.c, stoker_encoder_attention_f32): no copy of each."""
+    num_tokens, three, num_heads, head_dim = qkv.shape
+    if three != 3 or qkv.dtype != torch.float32 or not qkv.is_contiguous():
+        raise ValueError(f"encoder_attention needs contiguous float32 (T, 3, H, D), got {tuple(qkv.shape)} {qkv.dtype}")
+    _check_varlen_tables(token_table, cu_seqlens, lengths, num_tokens)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    if lengths.shape[0]:
+        status = _checked_library().stoker_encoder_attention_f32(
+            qkv.data_ptr(), num_tokens, token_table.data_ptr(), token_table.shape[1], cu_seqlens.data_ptr(),
+            lengths.data_ptr(), out.data_ptr(), lengths.shape[0], num_heads, head_dim, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        _raise_for_status(status, "encoder_attention", "each sequence's length must fit its token_table row", num_tokens)
+    return out
+
+
+def _check_varlen_tables(token_table: torch.Tensor, cu_seqlens: torch.Tensor, lengths: torch.Tensor, num_tokens: int) -> None:
+    """The C side trusts cu_seqlens; it checks each length against token_table's width and each row id against T."""
+    if token_table.dtype != torch.int32 or cu_seqlens.dtype != torch.int64 or lengths.dtype != torch.int64:
+        raise ValueError("token_table must be int32, cu_seqlens and lengths int64")
+    num_seqs = lengths.shape[0]
+    if token_table.dim() != 2 or token_table.shape[0] != num_seqs or cu_seqlens.shape != (num_seqs + 1,):
+        raise ValueError(f"token_table {tuple(token_table.shape)}, cu_seqlens {tuple(cu_seqlens.shape)} and lengths "
+                         f"{tuple(lengths.shape)} disagree on the number of sequences")
+    if not (token_table.is_contiguous() and cu_seqlens.is_contiguous() and lengths.is_contiguous()):
+        raise ValueError("token_table, cu_seqlens and lengths must be contiguous")
+    if num_seqs and (int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens):
+        raise ValueError(f"cu_seqlens must run from 0 to the {num_tokens} tokens")
+
+
+# BertLayer's activations, as stoker_bert_layer_f32 numbers them (encoder_layer.c)
+BERT_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
+
+
+def bert_layer(
+    x: torch.Tensor,  # (T, hidden) float32, contiguous: read, and overwritten with the layer's output
+    params: ctypes.Array,  # 12 data pointers, bert_layer_params' order
+    num_heads: int,
+    intermediate: int,
+    eps: float,
+    act: int,  # BERT_ACTIVATIONS
+    token_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    workspace: torch.Tensor,  # >= T * (5 * hidden + intermediate) float32, contiguous
+) -> None:
+    """One post-LayerNorm BERT layer in one C call, the GIL released throughout
+    (encoder_layer.c); the weights are `params`, made once per layer by bert_layer_params."""
+    num_tokens, hidden = x.shape
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"bert_layer needs contiguous float32 (T, hidden), got {x.dtype}")
+    if workspace.dtype != torch.float32 or not workspace.is_contiguous() or workspace.numel() < num_tokens * (5 * hidden + intermediate):
+        raise ValueError(f"workspace of {workspace.numel()} floats, need {num_tokens * (5 * hidden + intermediate)}")
+    if act not in BERT_ACTIVATIONS.values():
+        raise ValueError(f"act {act}: not one of BERT_ACTIVATIONS' {sorted(set(BERT_ACTIVATIONS.values()))}")
+    _check_varlen_tables(token_table, cu_seqlens, lengths, num_tokens)
+    if not lengths.shape[0]:
+        return
+    status = _checked_library().stoker_bert_layer_f32(
+        x.data_ptr(), num_tokens, hidden, num_heads, intermediate, params, eps, act, token_table.data_ptr(),
+        token_table.shape[1], cu_seqlens.data_ptr(), lengths.data_ptr(), lengths.shape[0], scale, workspace.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_for_status(status, "bert_layer", "each sequence's length must fit its token_table row", num_tokens)
+
+
+def bert_layer_params(tensors: list[torch.Tensor], hidden: int, intermediate: int) -> ctypes.Array:
+    """The 12 tensors of a layer (Wqkv, bqkv, Wo, bo, LN1 weight and bias, W1, b1, W2, b2, LN2
+    weight and bias; projections as pack_linear_weight panels, biases packed too), checked
+    once, as the ctypes array bert_layer takes. The tensors must outlive it."""
+    nr = panel_width()
+    whole = lambda n: -(-n // nr) * nr  # noqa: E731  (outputs padded to whole panels)
+    expected = [(whole(3 * hidden) // nr, hidden, nr), (whole(3 * hidden),), (whole(hidden) // nr, hidden, nr), (whole(hidden),),
+                (hidden,), (hidden,), (whole(intermediate) // nr, hidden, nr), (whole(intermediate),),
+                (whole(hidden) // nr, intermediate, nr), (whole(hidden),), (hidden,), (hidden,)]  # fmt: skip
+    if len(tensors) != 12:
+        raise ValueError(f"a BERT layer has 12 parameter tensors, got {len(tensors)}")
+    for i, (t, shape) in enumerate(zip(tensors, expected)):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"parameter {i} of a BERT layer: {tuple(t.shape)} {t.dtype}, expected contiguous {shape} float32 on CPU")
+    return (ctypes.c_void_p * 12)(*(t.data_ptr() for t in tensors))
 
 
 # ---------------------------------------------------------------- store_kvcache (store_kvcache.c)
