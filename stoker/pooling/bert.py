@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stoker.layers.linear import Linear, MergedLinear
-from stoker.pooling.attention import VarlenAttention
+from stoker.pooling.attention import VarlenAttention, current_batch
 
 _ACTS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -70,6 +70,7 @@ class BertIntermediate(nn.Module):
         act = cfg.get("hidden_act", "gelu")
         if act not in _ACTS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTS)}")
+        self.act_name = act
         self.act = _ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, intermediate)
@@ -89,14 +90,92 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
+    """The layers, run through their modules (the reference, any device and dtype) or, on CPU
+    float32 with the C kernels, each layer in one C call (`FusedBertLayers`). Which is decided at
+    the first forward, when the weights are loaded and re-laid, and kept; `use_fused = False`
+    before it keeps the modules (the tests' twin)."""
+
     def __init__(self, cfg: dict[str, Any], eps: float) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg, eps) for _ in range(cfg["num_hidden_layers"]))
+        self.num_heads, self.eps = cfg["num_attention_heads"], eps
+        self.use_fused: bool | None = None
+        self.fused: FusedBertLayers | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.use_fused is None:
+            self.fused = FusedBertLayers.build(self, hidden)
+            self.use_fused = self.fused is not None
+        if self.use_fused:
+            assert self.fused is not None
+            return self.fused(hidden)
         for layer in self.layer:
             hidden = layer(hidden)
         return hidden
+
+
+class FusedBertLayers:
+    """Every layer of a BERT encoder as one C call (kernels/cpu/encoder_layer.c), the GIL
+    released for the whole layer: through the modules a layer is ~35 torch and ctypes calls,
+    each of which gives the GIL back and takes it again, and in an embedding server each re-take
+    can wait behind the event loop (docs/benchmarks.md, issue 18). The modules are its twin."""
+
+    def __init__(self, encoder: BertEncoder) -> None:
+        from stoker.kernels.cpu import native
+
+        first = encoder.layer[0]
+        self.hidden = first.attention.output.dense.out_features
+        self.intermediate = first.intermediate.dense.out_features
+        self.num_heads, self.eps = encoder.num_heads, encoder.eps
+        self.act = native.BERT_ACTIVATIONS[first.intermediate.act_name]
+        self.scale = (self.hidden // self.num_heads) ** -0.5
+        self.tensors = [self._tensors(layer) for layer in encoder.layer]  # kept: the arrays point into them
+        self.params = [native.bert_layer_params(t, self.hidden, self.intermediate) for t in self.tensors]
+
+    @staticmethod
+    def _tensors(layer: BertLayer) -> list[torch.Tensor]:
+        attn_out, out = layer.attention.output, layer.output
+        tensors = []
+        for linear, norm in ((layer.attention.get_submodule("self").qkv, None), (attn_out.dense, attn_out.LayerNorm),
+                             (layer.intermediate.dense, None), (out.dense, out.LayerNorm)):
+            tensors += [linear.weight.data, linear.bias.data]
+            if norm is not None:
+                tensors += [norm.weight.data, norm.bias.data]
+        return tensors
+
+    @classmethod
+    def build(cls, encoder: BertEncoder, hidden: torch.Tensor) -> FusedBertLayers | None:
+        """The fused layers, or None where they cannot run: not CPU float32, no C kernels, a
+        head_dim the attention kernel does not take, an activation it lacks, or a projection not
+        on the packed C weights (another weight method, or its torch twin in a test)."""
+        from stoker.kernels.cpu import native
+        from stoker.layers.weight_method import PackedCpuMethod
+        from stoker.pooling.attention import kernel_supports
+
+        if not encoder.layer or not kernel_supports(hidden, encoder.layer[0].attention.get_submodule("self").head_dim):
+            return None
+        for layer in encoder.layer:
+            linears = (layer.attention.get_submodule("self").qkv, layer.attention.output.dense, layer.intermediate.dense,
+                       layer.output.dense)
+            for linear in linears:
+                method = linear.method
+                if not (isinstance(method, PackedCpuMethod) and method.kernel is native.linear
+                        and not method.fuse_silu_and_mul and linear.bias is not None):
+                    return None
+            if layer.intermediate.act_name not in native.BERT_ACTIVATIONS:
+                return None
+        return cls(encoder)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        from stoker.kernels.cpu import native
+
+        batch = current_batch()
+        x = hidden.contiguous()  # overwritten layer by layer: the embeddings' fresh output
+        workspace = torch.empty(x.shape[0] * (5 * self.hidden + self.intermediate), dtype=torch.float32)
+        for params in self.params:
+            native.bert_layer(x, params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
+                              batch.cu_tensor, batch.lengths, self.scale, workspace)
+        return x
 
 
 class BertEmbeddings(nn.Module):

@@ -32,6 +32,8 @@ KERNEL_TESTS = [
     "tests/kernels/test_kv_fp8.py",
     "tests/kernels/test_cpu_native.py",
     "tests/kernels/test_cpu_prefill_attention.py",
+    "tests/kernels/test_cpu_varlen_attention.py",
+    "tests/kernels/test_cpu_bert_layer.py",
     "tests/kernels/test_cpu_rows.py",
     "tests/model/test_cpu_weight_layout.py",
 ]
