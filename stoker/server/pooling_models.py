@@ -20,6 +20,16 @@ from stoker.server.errors import ApiError
 
 logger = logging.getLogger("stoker.server")
 
+# A request whose texts total at most this many characters is tokenized on the event loop (a
+# 3-10 word query: ~17 us of Rust), not handed to the tokenizer thread: the hand-off costs the
+# loop more than that, and the request no longer queues behind the others' (at c = 32 a query
+# waited 5.6 ms there for ~0.1 ms of work; docs/benchmarks.md, "Eleventh session"). Longer
+# requests keep the thread, so a 2048-passage request never stalls the loop.
+INLINE_TOKENIZE_CHARS = 2048
+# Texts on which a tokenizer's inline encoder must give what its transformers call gives.
+_PROBES = ["Hello, world!", "  leading and trailing spaces  ", "naïve café — 東京 ☃", "a\tb\nc", "[CLS] [SEP] <s> </s>",
+           "don't stop", "1234567890 3.14159", ""]
+
 
 @dataclass(frozen=True)
 class PoolingModelSpec:
@@ -51,6 +61,14 @@ class PoolingModel:
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     metrics: Any = None  # server/pooling_metrics.py PoolingMetrics, set by the server
+    inline_encoder: Any = None  # inline_encoder(tokenizer): used only on the event loop
+
+    def encode_inline(self, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
+        """The texts' token ids computed here, on the event loop, or None: the request is for
+        the tokenizer thread (no inline encoder, or longer than INLINE_TOKENIZE_CHARS)."""
+        if self.inline_encoder is None or sum(map(len, texts)) > INLINE_TOKENIZE_CHARS:
+            return None
+        return [self.inline_encoder.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -82,6 +100,28 @@ class PoolingModel:
         # not waited for on the event loop: a batch still running finishes on its own thread
         self.worker.shutdown(wait=False)
         self.tokenizer_thread.shutdown(wait=False)
+
+
+def inline_encoder(tokenizer: Any) -> Any | None:
+    """A copy of a fast tokenizer's Rust tokenizer with truncation and padding off (a private
+    copy: transformers sets those on its own per call, which is why the tokenizer itself stays
+    on one thread), or None: a slow tokenizer, or one whose transformers call does more than
+    the Rust encode on the probe texts (then every request takes the tokenizer thread)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_str(backend.to_str())
+    encoder.no_truncation()
+    encoder.no_padding()
+    for add_special in (True, False):
+        want = tokenizer(_PROBES, add_special_tokens=add_special)["input_ids"]
+        if [encoder.encode(t, add_special_tokens=add_special).ids for t in _PROBES] != want:
+            logger.info("%s: its transformers tokenizer differs from the Rust encode; every request is "
+                        "tokenized on the tokenizer thread", type(tokenizer).__name__)
+            return None
+    return encoder
 
 
 def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
@@ -117,9 +157,10 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     logger.info("%s: %d instance(s)%s", spec.names[0], num_instances,
                 f" of {per_instance} CPU thread(s) each" if runner.device.type == "cpu" else f" on {runner.device}")
     spec = dataclasses.replace(spec, batcher=batcher, instance_count=num_instances)
-    return PoolingModel(spec, runner.config, runner, load_tokenizer(spec.path), int(hf_config["vocab_size"]),
+    tokenizer = load_tokenizer(spec.path)
+    return PoolingModel(spec, runner.config, runner, tokenizer, int(hf_config["vocab_size"]),
                         ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenize"),
-                        instance_executor(num_instances, per_instance))
+                        instance_executor(num_instances, per_instance), inline_encoder=inline_encoder(tokenizer))
 
 
 class PoolingModels:

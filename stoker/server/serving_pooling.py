@@ -71,6 +71,15 @@ class OpenAIServingPooling:
         kw: dict[str, Any] = {"truncation": True, "max_length": truncate} if truncate else {}
         return tok(texts, add_special_tokens=add_special, **kw)["input_ids"]
 
+    async def _token_ids(self, model: PoolingModel, texts: list[str], add_special: bool,
+                         truncate: int | None) -> list[list[int]]:
+        """A short request without truncation on the event loop (PoolingModel.encode_inline), the
+        rest on the tokenizer thread."""
+        ids = model.encode_inline(texts, add_special) if truncate is None else None
+        if ids is None:
+            ids = await model.tokenize(self._encode_texts, texts, add_special, truncate)
+        return ids
+
     @staticmethod
     def _encode_pairs(tok: Any, pairs: list[tuple[str, str]], truncate: int | None) -> tuple[list[list[int]], list[list[int]]]:
         kw: dict[str, Any] = {"truncation": True, "max_length": truncate} if truncate else {}
@@ -121,7 +130,7 @@ class OpenAIServingPooling:
         dims = self._dimensions(model, req.dimensions)
         inputs = req.inputs()
         if isinstance(inputs[0], str):
-            ids = await model.tokenize(self._encode_texts, inputs, req.add_special_tokens, truncate)
+            ids = await self._token_ids(model, inputs, req.add_special_tokens, truncate)
         else:
             ids = [list(x) for x in inputs]  # type: ignore[arg-type]
             bad = [t for x in ids for t in x if not 0 <= t < model.vocab_size][:5]
@@ -170,7 +179,7 @@ class OpenAIServingPooling:
             scores = await self._run(model, [PoolInput(i, t) for i, t in zip(ids, types)], [len(i) for i in ids], priority)
             return [float(s) for s in scores], sum(len(i) for i in ids)
         texts = list(dict.fromkeys(t for p in pairs for t in p))  # each distinct text embedded once
-        ids = await model.tokenize(self._encode_texts, texts, True, truncate)
+        ids = await self._token_ids(model, texts, True, truncate)
         self._check_lengths(model, ids)
         vectors = dict(zip(texts, await self._embed(model, ids, priority)))
 
