@@ -25,7 +25,8 @@
  *
  * Short sequences (a 12-token query against 64-key panels): only the score vectors that hold
  * keys are computed, and the softmax runs over whole masked vectors, not key by key (a batch
- * of 9 queries, MiniLM's 12 heads: 283 -> 106 us a layer on one AVX-512 core).
+ * of 9 queries, MiniLM's 12 heads: 237-246 -> 77-79 us a layer on one AVX-512 core, with the
+ * copies of q, k and v gone too; benchmarks/bert_layer_cpu.py, docs/benchmarks.md).
  *
  * FP8 KV cache (stoker_paged_prefill_attention_fp8): K and V hold E4M3 bits; they are
  * dequantized (value x k_scale, value x v_scale) as they are packed into the float panels,
