@@ -115,10 +115,10 @@ class BertEncoder(nn.Module):
 
 
 class FusedBertLayers:
-    """Every layer of a BERT encoder as one C call (kernels/cpu/encoder_layer.c), the GIL
-    released for the whole layer: through the modules a layer is ~35 torch and ctypes calls,
-    each of which gives the GIL back and takes it again, and in an embedding server each re-take
-    can wait behind the event loop (docs/benchmarks.md, issue 18). The modules are its twin."""
+    """All the layers of a BERT encoder in one C call (kernels/cpu/encoder_layer.c), the GIL
+    released throughout: through the modules a layer is ~35 torch and ctypes calls, each of
+    which gives the GIL back and takes it again, and in an embedding server each re-take can
+    wait behind the event loop (docs/benchmarks.md, issue 18). The modules are its twin."""
 
     def __init__(self, encoder: BertEncoder) -> None:
         from stoker.kernels.cpu import native
@@ -131,6 +131,7 @@ class FusedBertLayers:
         self.scale = (self.hidden // self.num_heads) ** -0.5
         self.tensors = [self._tensors(layer) for layer in encoder.layer]  # kept: the arrays point into them
         self.params = [native.bert_layer_params(t, self.hidden, self.intermediate) for t in self.tensors]
+        self.all_params = native.bert_encoder_params(self.params)  # every layer in one call
 
     @staticmethod
     def _tensors(layer: BertLayer) -> list[torch.Tensor]:
@@ -172,9 +173,8 @@ class FusedBertLayers:
         batch = current_batch()
         x = hidden.contiguous()  # overwritten layer by layer: the embeddings' fresh output
         workspace = torch.empty(x.shape[0] * (5 * self.hidden + self.intermediate), dtype=torch.float32)
-        for params in self.params:
-            native.bert_layer(x, params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
-                              batch.cu_tensor, batch.lengths, self.scale, workspace)
+        native.bert_layer(x, self.all_params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
+                          batch.cu_tensor, batch.lengths, self.scale, workspace)
         return x
 
 

@@ -4,6 +4,7 @@ side from reading outside its tensors."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,8 @@ def test_bert_layer_refuses_what_would_read_outside_its_tensors(tmp_path: Path) 
         native.bert_layer(x[:9].contiguous(), *args, *tables, fused.scale, workspace)
     with pytest.raises(ValueError, match="parameter 2 of a BERT layer"):
         native.bert_layer_params([t if i != 2 else t[:, :1] for i, t in enumerate(fused.tensors[0])], hidden, inter)
+    with pytest.raises(ValueError, match="12 per layer"):
+        native.bert_layer(x, (ctypes.c_void_p * 13)(*fused.params[0], None), *args[1:], *tables, fused.scale, workspace)
     with varlen_batch(batch):  # and the good call runs
         native.bert_layer(x, *args, *tables, fused.scale, workspace)
     assert torch.isfinite(x).all()

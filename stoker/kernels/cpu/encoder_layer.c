@@ -112,3 +112,20 @@ int stoker_bert_layer_f32(float *x, int64_t num_tokens, int64_t hidden, int64_t 
     add_layer_norm(x, h, params[10], params[11], T, hidden, eps, num_threads);
     return 0;
 }
+
+/* Every layer of an encoder in one call: params holds num_layers runs of the 12 pointers above,
+ * layer after layer. One call, not one per layer, because each return to Python must take the
+ * GIL back, and in a server the event loop often holds it: at c = 32 on 2 cores a batch of
+ * queries waited ~0.5 ms for each of its 6 layer calls' returns (docs/benchmarks.md). */
+int stoker_bert_encoder_f32(float *x, int64_t num_tokens, int64_t hidden, int64_t num_heads, int64_t intermediate,
+                            int64_t num_layers, const float *const *params, float eps, int act,
+                            const int32_t *token_table, int64_t max_len, const int64_t *cu_seqlens,
+                            const int64_t *lengths, int64_t num_seqs, float scale, float *workspace, int num_threads) {
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int status = stoker_bert_layer_f32(x, num_tokens, hidden, num_heads, intermediate, params + 12 * l, eps, act,
+                                                 token_table, max_len, cu_seqlens, lengths, num_seqs, scale, workspace,
+                                                 num_threads);
+        if (status) return status;
+    }
+    return 0;
+}

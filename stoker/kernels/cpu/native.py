@@ -243,7 +243,7 @@ BERT_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
 
 def bert_layer(
     x: torch.Tensor,  # (T, hidden) float32, contiguous: read, and overwritten with the layer's output
-    params: ctypes.Array,  # 12 data pointers, bert_layer_params' order
+    params: ctypes.Array,  # 12 data pointers, bert_layer_params' order; 12 x L: every layer, one call
     num_heads: int,
     intermediate: int,
     eps: float,
@@ -254,8 +254,9 @@ def bert_layer(
     scale: float,
     workspace: torch.Tensor,  # >= T * (5 * hidden + intermediate) float32, contiguous
 ) -> None:
-    """One post-LayerNorm BERT layer in one C call, the GIL released throughout
-    (encoder_layer.c); the weights are `params`, made once per layer by bert_layer_params."""
+    """Post-LayerNorm BERT layers in one C call, the GIL released throughout (encoder_layer.c):
+    one layer, or with `params` holding 12 x L pointers (bert_layer_params of each layer, joined
+    by bert_encoder_params) all L of them, layer after layer."""
     num_tokens, hidden = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"bert_layer needs contiguous float32 (T, hidden), got {x.dtype}")
@@ -266,10 +267,12 @@ def bert_layer(
     _check_varlen_tables(token_table, cu_seqlens, lengths, num_tokens)
     if not lengths.shape[0]:
         return
-    status = _checked_library().stoker_bert_layer_f32(
-        x.data_ptr(), num_tokens, hidden, num_heads, intermediate, params, eps, act, token_table.data_ptr(),
-        token_table.shape[1], cu_seqlens.data_ptr(), lengths.data_ptr(), lengths.shape[0], scale, workspace.data_ptr(),
-        torch.get_num_threads(),
+    if len(params) % 12 or not params:
+        raise ValueError(f"params holds {len(params)} pointers: 12 per layer")
+    status = _checked_library().stoker_bert_encoder_f32(
+        x.data_ptr(), num_tokens, hidden, num_heads, intermediate, len(params) // 12, params, eps, act,
+        token_table.data_ptr(), token_table.shape[1], cu_seqlens.data_ptr(), lengths.data_ptr(), lengths.shape[0], scale,
+        workspace.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _raise_for_status(status, "bert_layer", "each sequence's length must fit its token_table row", num_tokens)
 
@@ -289,6 +292,11 @@ def bert_layer_params(tensors: list[torch.Tensor], hidden: int, intermediate: in
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"parameter {i} of a BERT layer: {tuple(t.shape)} {t.dtype}, expected contiguous {shape} float32 on CPU")
     return (ctypes.c_void_p * 12)(*(t.data_ptr() for t in tensors))
+
+
+def bert_encoder_params(layers: list[ctypes.Array]) -> ctypes.Array:
+    """Several layers' bert_layer_params as one array of 12 x L pointers, for one bert_layer call."""
+    return (ctypes.c_void_p * (12 * len(layers)))(*(ptr for layer in layers for ptr in layer))
 
 
 # ---------------------------------------------------------------- store_kvcache (store_kvcache.c)
