@@ -91,7 +91,7 @@ class BertLayer(nn.Module):
 
 class BertEncoder(nn.Module):
     """The layers, run through their modules (the reference, any device and dtype) or, on CPU
-    float32 with the C kernels, each layer in one C call (`FusedBertLayers`). Which is decided at
+    float32 with the C kernels, all of them in one C call (`FusedBertLayers`). Which is decided at
     the first forward, when the weights are loaded and re-laid, and kept; `use_fused = False`
     before it keeps the modules (the tests' twin)."""
 
