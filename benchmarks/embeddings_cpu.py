@@ -15,7 +15,8 @@ asking for `--encoding-format` (base64 by default, as the official `openai` clie
 sentence-transformers runs in this process with the server idle, batch sizes 1..128, the
 best kept. Throughput = inputs / wall seconds; each figure is the median of `--runs`.
 
-    .venv/bin/python benchmarks/embeddings_cpu.py [--runs 3] [--inputs 512] [--quick]
+    .venv/bin/python benchmarks/embeddings_cpu.py [--runs 3] [--inputs 512] [--levels 1 8 32 128]
+                                                  [--max-queue-delay-microseconds 2000]
                                                   [--workload passages|queries|both]
                                                   [--instance-counts 2 1]
 """
@@ -154,7 +155,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--inputs", type=int, default=512)
-    ap.add_argument("--quick", action="store_true", help="also concurrency 128")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 128], help="concurrency levels (default: 1 8 32 128)")
+    ap.add_argument("--max-queue-delay-microseconds", type=int, default=2000,
+                    help="the batcher-on configs' delay (default 2000; Triton's own default is 0)")
     # The official `openai` client asks for base64 unless told otherwise (openai/lib/_parsing/
     # _embeddings.py: encoding_format defaults to "base64" when not given); float is JSON numbers.
     ap.add_argument("--encoding-format", choices=["base64", "float"], default="base64",
@@ -167,10 +170,10 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from stoker.testing.tiny_pooling import make_bert_embedder
 
-    levels = [1, 8, 32] + ([128] if args.quick else [])
+    levels = args.levels
     configs: dict[str, list[str]] = {}
     for n in args.instance_counts:  # Triton's instance_group count (stoker serve's default on CPU: 2)
-        configs[f"on, {n} inst."] = ["--max-batch-size", "32", "--max-queue-delay-microseconds", "2000",
+        configs[f"on, {n} inst."] = ["--max-batch-size", "32", "--max-queue-delay-microseconds", str(args.max_queue_delay_microseconds),
                                      "--instance-count", str(n)]
         configs[f"off, {n} inst."] = ["--max-batch-size", "1", "--instance-count", str(n)]
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
