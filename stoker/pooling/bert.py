@@ -129,9 +129,9 @@ class FusedBertLayers:
         self.num_heads, self.eps = encoder.num_heads, encoder.eps
         self.act = native.BERT_ACTIVATIONS[first.intermediate.act_name]
         self.scale = (self.hidden // self.num_heads) ** -0.5
-        self.tensors = [self._tensors(layer) for layer in encoder.layer]  # kept: the arrays point into them
-        self.params = [native.bert_layer_params(t, self.hidden, self.intermediate) for t in self.tensors]
-        self.all_params = native.bert_encoder_params(self.params)  # every layer in one call
+        self.tensors = [self._tensors(layer) for layer in encoder.layer]  # kept: the array points into them
+        self.params = native.bert_encoder_params([native.bert_layer_params(t, self.hidden, self.intermediate)
+                                                  for t in self.tensors])  # 12 x L pointers: every layer in one call
 
     @staticmethod
     def _tensors(layer: BertLayer) -> list[torch.Tensor]:
@@ -173,7 +173,7 @@ class FusedBertLayers:
         batch = current_batch()
         x = hidden.contiguous()  # overwritten layer by layer: the embeddings' fresh output
         workspace = torch.empty(x.shape[0] * (5 * self.hidden + self.intermediate), dtype=torch.float32)
-        native.bert_layer(x, self.all_params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
+        native.bert_encoder(x, self.params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
                           batch.cu_tensor, batch.lengths, self.scale, workspace)
         return x
 

@@ -20,11 +20,12 @@ from stoker.server.errors import ApiError
 
 logger = logging.getLogger("stoker.server")
 
-# A request whose texts total at most this many characters is tokenized on the event loop (a
-# 3-10 word query: ~17 us of Rust), not handed to the tokenizer thread: the hand-off costs the
-# loop more than that, and the request no longer queues behind the others' (at c = 32 a query
-# waited 5.6 ms there for ~0.1 ms of work; docs/benchmarks.md, "Eleventh session"). Longer
-# requests keep the thread, so a 2048-passage request never stalls the loop.
+# A request whose texts total at most this many characters is tokenized on the event loop, not
+# handed to the tokenizer thread: the hand-off cost the loop more than the Rust encode does (the
+# loop's CPU per query at c = 32 fell from 570-612 to 502-512 us with it), and the request no
+# longer queues behind the others' (a query had waited 5.6 ms there for ~0.1 ms of work;
+# docs/benchmarks.md, "Eleventh session"). Longer requests keep the thread, so a 2048-passage
+# request never stalls the loop.
 INLINE_TOKENIZE_CHARS = 2048
 # Texts on which a tokenizer's inline encoder must give what its transformers call gives.
 _PROBES = ["Hello, world!", "  leading and trailing spaces  ", "naïve café — 東京 ☃", "a\tb\nc", "[CLS] [SEP] <s> </s>",

@@ -64,18 +64,19 @@ def test_bert_layer_refuses_what_would_read_outside_its_tensors(tmp_path: Path) 
     x = torch.randn(10, hidden)
     batch = VarlenBatch.build([4, 6], torch.device("cpu"))
     tables = (batch.token_table, batch.cu_tensor, batch.lengths)
-    args = (fused.params[0], fused.num_heads, inter, fused.eps, fused.act)
+    layer = native.bert_layer_params(fused.tensors[0], hidden, inter)  # one layer's 12 pointers
+    args = (layer, fused.num_heads, inter, fused.eps, fused.act)
     with pytest.raises(ValueError, match="workspace of 10 floats"):
-        native.bert_layer(x, *args, *tables, fused.scale, torch.empty(10))
+        native.bert_encoder(x, *args, *tables, fused.scale, torch.empty(10))
     workspace = torch.empty(10 * (5 * hidden + inter))
     with pytest.raises(ValueError, match="act 7"):
-        native.bert_layer(x, fused.params[0], fused.num_heads, inter, fused.eps, 7, *tables, fused.scale, workspace)
+        native.bert_encoder(x, layer, fused.num_heads, inter, fused.eps, 7, *tables, fused.scale, workspace)
     with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the 9 tokens"):
-        native.bert_layer(x[:9].contiguous(), *args, *tables, fused.scale, workspace)
+        native.bert_encoder(x[:9].contiguous(), *args, *tables, fused.scale, workspace)
     with pytest.raises(ValueError, match="parameter 2 of a BERT layer"):
         native.bert_layer_params([t if i != 2 else t[:, :1] for i, t in enumerate(fused.tensors[0])], hidden, inter)
     with pytest.raises(ValueError, match="12 per layer"):
-        native.bert_layer(x, (ctypes.c_void_p * 13)(*fused.params[0], None), *args[1:], *tables, fused.scale, workspace)
+        native.bert_encoder(x, (ctypes.c_void_p * 13)(*layer, None), *args[1:], *tables, fused.scale, workspace)
     with varlen_batch(batch):  # and the good call runs
-        native.bert_layer(x, *args, *tables, fused.scale, workspace)
+        native.bert_encoder(x, *args, *tables, fused.scale, workspace)
     assert torch.isfinite(x).all()

@@ -237,12 +237,12 @@ def _check_varlen_tables(token_table: torch.Tensor, cu_seqlens: torch.Tensor, le
         raise ValueError(f"cu_seqlens must run from 0 to the {num_tokens} tokens")
 
 
-# BertLayer's activations, as stoker_bert_layer_f32 numbers them (encoder_layer.c)
+# BertLayer's activations, as encoder_layer.c numbers them
 BERT_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
 
 
-def bert_layer(
-    x: torch.Tensor,  # (T, hidden) float32, contiguous: read, and overwritten with the layer's output
+def bert_encoder(
+    x: torch.Tensor,  # (T, hidden) float32, contiguous: read, and overwritten with the last layer's output
     params: ctypes.Array,  # 12 data pointers, bert_layer_params' order; 12 x L: every layer, one call
     num_heads: int,
     intermediate: int,
@@ -259,7 +259,7 @@ def bert_layer(
     by bert_encoder_params) all L of them, layer after layer."""
     num_tokens, hidden = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"bert_layer needs contiguous float32 (T, hidden), got {x.dtype}")
+        raise ValueError(f"bert_encoder needs contiguous float32 (T, hidden), got {x.dtype}")
     if workspace.dtype != torch.float32 or not workspace.is_contiguous() or workspace.numel() < num_tokens * (5 * hidden + intermediate):
         raise ValueError(f"workspace of {workspace.numel()} floats, need {num_tokens * (5 * hidden + intermediate)}")
     if act not in BERT_ACTIVATIONS.values():
@@ -274,13 +274,13 @@ def bert_layer(
         token_table.data_ptr(), token_table.shape[1], cu_seqlens.data_ptr(), lengths.data_ptr(), lengths.shape[0], scale,
         workspace.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    _raise_for_status(status, "bert_layer", "each sequence's length must fit its token_table row", num_tokens)
+    _raise_for_status(status, "bert_encoder", "each sequence's length must fit its token_table row", num_tokens)
 
 
 def bert_layer_params(tensors: list[torch.Tensor], hidden: int, intermediate: int) -> ctypes.Array:
     """The 12 tensors of a layer (Wqkv, bqkv, Wo, bo, LN1 weight and bias, W1, b1, W2, b2, LN2
     weight and bias; projections as pack_linear_weight panels, biases packed too), checked
-    once, as the ctypes array bert_layer takes. The tensors must outlive it."""
+    once, as the ctypes array bert_encoder takes. The tensors must outlive it."""
     nr = panel_width()
     whole = lambda n: -(-n // nr) * nr  # noqa: E731  (outputs padded to whole panels)
     expected = [(whole(3 * hidden) // nr, hidden, nr), (whole(3 * hidden),), (whole(hidden) // nr, hidden, nr), (whole(hidden),),
@@ -295,7 +295,7 @@ def bert_layer_params(tensors: list[torch.Tensor], hidden: int, intermediate: in
 
 
 def bert_encoder_params(layers: list[ctypes.Array]) -> ctypes.Array:
-    """Several layers' bert_layer_params as one array of 12 x L pointers, for one bert_layer call."""
+    """Several layers' bert_layer_params as one array of 12 x L pointers, for one bert_encoder call."""
     return (ctypes.c_void_p * (12 * len(layers)))(*(ptr for layer in layers for ptr in layer))
 
 
