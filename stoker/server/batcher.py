@@ -241,11 +241,14 @@ class DynamicBatcher:
                 oldest = self._oldest_arrival()
                 wait = (oldest or 0.0) + delay - time.monotonic()
                 if wait > 0:
+                    # one timer, not asyncio.wait_for: that wraps the wait in a new task, and
+                    # this runs on every arrival while a batch waits for its delay
                     self._wake.clear()
+                    timer = asyncio.get_running_loop().call_later(wait, self._wake.set)
                     try:
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass
+                        await self._wake.wait()
+                    finally:
+                        timer.cancel()
                     continue  # re-check: more arrived, or the delay ran out
                 size = min(self.num_queued, self.config.max_batch_size)
             batch = self._take(size)

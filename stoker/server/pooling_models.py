@@ -170,13 +170,10 @@ class PoolingModels:
     def __init__(self, specs: list[PoolingModelSpec],
                  loader: Callable[[PoolingModelSpec], PoolingModel] = load_pooling_model) -> None:
         self.specs, self.loader = specs, loader
+        self.names: tuple[str, ...] = tuple(n for s in specs for n in s.names)  # asked on every request
         self.models: list[PoolingModel] = []
         self.ready = False
         self.metrics: Any = None  # PoolingMetrics, shared by the models (each labels its own name)
-
-    @property
-    def names(self) -> list[str]:
-        return [n for s in self.specs for n in s.names]
 
     async def load(self) -> None:
         for spec in self.specs:
