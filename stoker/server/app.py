@@ -27,6 +27,7 @@ from stoker.server.errors import ApiError, describe_validation_errors, error_bod
 from stoker.server.http_limits import install_redaction
 from stoker.server.metrics import EngineLogLine
 from stoker.server.middleware import Gatekeeper
+from stoker.server.pooling_asgi import PoolingEndpoints
 from stoker.server.pooling_models import load_pooling
 from stoker.server.routes import router
 from stoker.server.serving import ClientDisconnected
@@ -148,13 +149,17 @@ def create_app(
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan, routes=router.routes)
     app.state.stoker = state
     openapi.install(app)  # 400 in OpenAI's shape, not FastAPI's 422; each route's real responses
-    app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
-                       on_reject=state.metrics.reject, body_timeout_s=settings.body_read_timeout_s)
-    install_redaction()  # no key or token from a query string in the access log
 
     def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
         state.metrics.reject(status)
         return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+    # Inner to outer: the pooling endpoints before FastAPI's routing (pooling_asgi.py), behind
+    # Gatekeeper's key and body limits like every route.
+    app.add_middleware(PoolingEndpoints, state=state, error_response=_error)
+    app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
+                       on_reject=state.metrics.reject, body_timeout_s=settings.body_read_timeout_s)
+    install_redaction()  # no key or token from a query string in the access log
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

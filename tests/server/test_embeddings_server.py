@@ -205,6 +205,36 @@ def test_limits_and_refusals(server) -> None:
     assert httpx.get(url + "/metrics").status_code == 200
 
 
+def _rejected_400(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("stoker:requests_rejected_total{") and 'status="400"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_bodies_the_pooling_fast_path_hands_on(server) -> None:
+    """The pooling endpoints are answered before FastAPI's routing (pooling_asgi.py); what that
+    path does not take reaches FastAPI with its body intact and gets FastAPI's answer."""
+    url, _ = server
+    post = lambda body, **kw: httpx.post(url + "/v1/embeddings", content=body, timeout=60, **kw)  # noqa: E731
+    ok = json.dumps({"model": EMB, "input": "hello"}).encode()
+    before = _rejected_400(url)
+    assert "input" in _error(post(b'{"model": "tiny-embed"}', headers={"content-type": "application/json"}), 400, "input")
+    assert _rejected_400(url) == before + 1  # refusals on the fast path are counted like FastAPI's
+    # handed on: malformed JSON, a JSON array, an empty body, a body that is not JSON by its type
+    assert _error(post(b'{"input": ', headers={"content-type": "application/json"}), 400, None).startswith("malformed JSON")
+    _error(post(b'["hello"]', headers={"content-type": "application/json"}), 400, None)
+    _error(post(b"", headers={"content-type": "application/json"}), 400, None)
+    _error(post(ok, headers={"content-type": "text/plain"}), 400, None)
+    # taken: JSON by any of FastAPI's rules, in one piece or in chunks
+    for headers in ({"content-type": "application/json; charset=utf-8"}, {"content-type": "application/vnd.api+json"}):
+        assert post(ok, headers=headers).json()["data"][0]["object"] == "embedding"
+    chunked = post(iter([ok[:7], ok[7:20], ok[20:]]), headers={"content-type": "application/json"})
+    assert chunked.status_code == 200 and chunked.json()["usage"]["prompt_tokens"] > 0
+    # other methods on the path are FastAPI's
+    assert httpx.get(url + "/v1/embeddings").status_code == 405
+
+
 def test_a_full_queue_answers_503_with_retry_after(folders: dict[str, Path]) -> None:
     from stoker.server.batcher import BatcherConfig
     from stoker.server.pooling_models import PoolingModelSpec
