@@ -351,13 +351,17 @@ def ttft_s(model: ModelSpec | str, gpu: GPUSpec | str, prompt_len: int, *, weigh
 
 def crossover_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, context_len: int = 1024,
                     weight_dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1,
-                    link: Interconnect | str | None = None, limit: int = 1 << 16) -> int | None:
+                    link: Interconnect | str | None = None, limit: int = 1 << 16,
+                    act_dtype: str = "bf16", lm_head: bool = True) -> int | None:
     """Smallest decode batch at which the weight matmuls become compute-bound (cross the ridge),
-    at datasheet peaks; None if not by `limit`. Attention never crosses: its FLOPs grow with KV."""
+    at datasheet peaks; None if not by `limit`. Attention never crosses: its FLOPs grow with KV.
+    `lm_head=False`: a model that computes no logits (an encoder or embedding model: pooling
+    reads the hidden states), whose crossover is its projections' alone; counted, a vocabulary
+    of 30k rows x every token is compute-bound from a handful of tokens and moves the answer."""
     def crossed(b: int) -> bool:
         s = step_cost(model, gpu, batch=b, context_len=context_len, weight_dtype=weight_dtype,
-                      kv_dtype=kv_dtype, tp=tp, link=link, eff=Efficiencies.ideal())
-        gemms = [op for op in s.ops if op.op_class == "gemm"]
+                      kv_dtype=kv_dtype, tp=tp, link=link, eff=Efficiencies.ideal(), act_dtype=act_dtype)
+        gemms = [op for op in s.ops if op.op_class == "gemm" and (lm_head or op.name != "lm_head")]
         return sum(op.time_s for op in gemms if op.bound == "compute") > sum(op.time_s for op in gemms) / 2
     if not crossed(limit):
         return None

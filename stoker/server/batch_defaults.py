@@ -42,7 +42,10 @@ def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, w
         return None
     try:
         spec = spec_from_config(_spec_config(hf_config), name="pooling-model")
-        return crossover_batch(spec, gpu, context_len=1, weight_dtype=weight_dtype)
+        # no LM head: a pooling model reads hidden states; activations in the weights' dtype on
+        # CPU (a float32 engine), bf16 elsewhere as the cost model assumes
+        act = "fp32" if weight_dtype == "fp32" else "bf16"
+        return crossover_batch(spec, gpu, context_len=1, weight_dtype=weight_dtype, act_dtype=act, lm_head=False)
     except (ValueError, KeyError) as exc:  # a config the cost model cannot price: no default, said once
         logger.info("batcher: no roofline default for preferred batch tokens (%s)", exc)
         return None
