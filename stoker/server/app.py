@@ -144,8 +144,8 @@ def create_app(
                 await state.pooling.shutdown()
 
     # The routes go to the app's own router, not through include_router: FastAPI 0.165 resolves
-    # an included router's routes again on every request (_IncludedRouter), which cost ~70 us of
-    # event-loop CPU per request on a bare POST (docs/benchmarks.md, "Twelfth session").
+    # an included router's routes again on every request (_IncludedRouter); the event loop's CPU
+    # per embeddings request fell from 308-322 to 271 us without it (docs/benchmarks.md, "Twelfth session").
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan, routes=router.routes)
     app.state.stoker = state
     openapi.install(app)  # 400 in OpenAI's shape, not FastAPI's 422; each route's real responses

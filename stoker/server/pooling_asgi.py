@@ -1,10 +1,10 @@
 """POST /v1/embeddings, /v1/rerank and /v1/score answered in pure ASGI, before FastAPI routes.
 
-Why: an embedding request's own work on the event loop (tokenize a query, queue it, encode the
-answer) is ~80 us; FastAPI 0.165 added ~150 us around it (route matching, dependency solving,
-its Request and body handling, per request), and on a small machine the event loop's CPU is
-taken from the model's forward while requests wait in a closed loop (docs/benchmarks.md,
-"Twelfth session"). The endpoints are the same: the same request models validate the same
+Why: FastAPI 0.165's per-request machinery (route matching, dependency solving, its Request
+and body handling) was most of the event loop's CPU per embeddings request, and on a small
+machine that CPU is taken from the model's forward while requests wait in a closed loop; with
+this path the loop's CPU per request fell from 271-290 to 181-199 us in process
+(benchmarks/embeddings_loop_cpu.py; docs/benchmarks.md, "Twelfth session"). The endpoints are the same: the same request models validate the same
 JSON, the same serving class answers, errors take the same shape (errors.py) and are counted
 the same way.
 

@@ -75,3 +75,29 @@ def test_a_missing_content_type_is_json_as_for_fastapi() -> None:
     inner_got, sent, errors = _run(_scope(content_type=None), _body(b'{"input": 5}'))
     assert inner_got == [] and len(errors) == 1 and errors[0][0] == 400 and errors[0][2] == "input"
     assert sent[0]["status"] == 400
+
+
+def test_a_chunked_body_over_the_limit_is_refused_by_gatekeeper_in_front() -> None:
+    """Gatekeeper stays in front of the fast path: a chunked body (no Content-Length) that
+    crosses the limit while the fast path reads it is a 413, and the app behind never runs."""
+    from stoker.server.middleware import Gatekeeper
+
+    inner_called: list[bool] = []
+    sent: list[dict[str, Any]] = []
+    queue = _body(b'{"input": "' + b"x" * 60, b"x" * 60, b'"}')
+
+    async def receive() -> dict[str, Any]:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        inner_called.append(True)
+
+    def error_response(*args: Any) -> Response:
+        raise AssertionError(f"the fast path answered {args}")
+
+    app = Gatekeeper(PoolingEndpoints(inner, state=None, error_response=error_response), api_key=None, max_body_bytes=100)
+    asyncio.run(app(_scope(), receive, send))
+    assert inner_called == [] and sent[0]["status"] == 413
