@@ -35,7 +35,8 @@ def rss_mb() -> float:
 
 
 def main() -> None:
-    live = start_server(make_tiny_checkpoint(Path(tempfile.mkdtemp()), "llama"))
+    tmp_dir = tempfile.TemporaryDirectory()  # removed at exit, also when a run fails
+    live = start_server(make_tiny_checkpoint(Path(tmp_dir.name), "llama"))
     try:
         rss_before = rss_mb()
         latencies: list[float] = []

@@ -74,7 +74,8 @@ def main() -> None:
     device_file = read_device_file(args.device_file) if args.device_file else measure_device()
     device = to_spec(device_file)
     points = sweep_points(args.batch_sizes, args.contexts, args.prefill_lens)
-    f, mb, rows = run_check(points, device, Path(tempfile.mkdtemp()), rounds=args.rounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        f, mb, rows = run_check(points, device, Path(tmp), rounds=args.rounds)
 
     print(f"# {cpu_model()} ({isa()}), {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}, load average {os.getloadavg()[0]:.2f} at the end")

@@ -132,7 +132,9 @@ def main() -> None:
     from stoker import LLM
     from stoker.testing.tiny_checkpoint import make_tiny_checkpoint
 
-    tmp = Path(tempfile.mkdtemp(prefix="stoker-server-bench-"))
+    # Removed at exit (weakref finalizer), also when a run fails: the checkpoint is ~95 MB.
+    tmp_dir = tempfile.TemporaryDirectory(prefix="stoker-server-bench-")
+    tmp = Path(tmp_dir.name)
     ckpt = make_tiny_checkpoint(tmp / "model", arch="llama", seed=0, **MODEL)
     reqs = workload(num=args.num_requests)
     llm = LLM(str(ckpt), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)

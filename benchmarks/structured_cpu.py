@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=64)
     args = ap.parse_args()
-    path = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "m512", "llama", **ISSUE2_SHAPE)
+    tmp_dir = tempfile.TemporaryDirectory()  # removed at exit, also when a run fails
+    path = make_tiny_checkpoint(Path(tmp_dir.name) / "m512", "llama", **ISSUE2_SHAPE)
     llm = LLM(str(path), kv_cache_memory_bytes=1 << 29, max_model_len=1024, device="cpu")
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(32, 256))]} for _ in range(args.num_prompts)]

@@ -107,7 +107,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp())
+    tmp_dir = tempfile.TemporaryDirectory()  # removed at exit, also when a run fails
+    tmp = Path(tmp_dir.name)
     path = make_tiny_checkpoint(tmp / "m512", "llama", **ISSUE2_SHAPE)
     kw = {"kv_cache_memory_bytes": 1 << 28, "max_model_len": 1024, "max_num_seqs": 64}
     rows = []
