@@ -8,11 +8,13 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install test test-gpu serve clean
 
+# --no-cache-dir: the environment is ~3 GB; a wheel cache beside it would nearly double what a
+# fresh machine needs on disk (a CI run once failed with "No space left on device" here).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-cache-dir -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
