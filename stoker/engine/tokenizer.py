@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# transformers imports its modules lazily (on first attribute access, and from_pretrained
+# imports the tokenizer class it finds). Two threads doing that at once in a fresh process can
+# see a half-initialized module: "cannot import name 'AutoTokenizer' from 'transformers'".
+# `stoker serve --config` loads the generative and the pooling models on separate threads, so
+# every load goes through this lock (a tokenizer loads in well under a second).
+_LOAD_LOCK = threading.Lock()
+
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
     path = Path(model_dir)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise FileNotFoundError(
             f"no tokenizer files in {path}: add tokenizer.json (or tokenizer.model / vocab.json + merges.txt) and tokenizer_config.json"
         )
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
