@@ -21,7 +21,7 @@ from stoker.server.tool_parsers import PARSERS
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        help="OpenAI- and vLLM-compatible HTTP server (completions, chat, responses, embeddings, rerank, score, metrics)",
         description="Serve a Hugging Face checkpoint over the OpenAI API (as vLLM and NIM serve it). "
         "With no MODEL_DIR, a small random-weight demo model is made and served.",
     )
