@@ -29,10 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint folder (config.json + *.safetensors + tokenizer); default: the built-in demo model")
     add_engine_args(p, model_required=False)
     s = p.add_argument_group("server")
-    s.add_argument("--config", default=None, metavar="models.yaml",
+    s.add_argument("--config", default=None, metavar="models.yaml|REPOSITORY",
                    help="serve several models: at most one generative and any number of embedding / reranker models, "
-                        "each with its own settings (docs/server.md, \"Several models in one server\"); replaces "
-                        "MODEL_DIR and the per-model flags")
+                        "each with its own settings, from a YAML file or a model repository folder (one subfolder "
+                        "per model; docs/server.md, \"Several models in one server\"); replaces MODEL_DIR and the "
+                        "per-model flags")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,

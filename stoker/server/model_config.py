@@ -13,6 +13,12 @@ Each entry takes the keys its `stoker serve` flags name (the same types and choi
 key, a wrong type, a missing folder or a name served twice is refused at start-up, naming the
 key and the model. With --config, MODEL_DIR and every per-model flag are refused (they would be
 ambiguous): only the server's own flags (--host, --port, --api-key...) apply.
+
+`--config` may also name a model repository folder, as Triton's `--model-repository`: each
+subfolder is one model served under the subfolder's name, a Hugging Face checkpoint folder
+itself or, Triton's layout, numbered version folders of which the highest is served. Its
+architecture puts it under `generate` or `pooling` (`runner` overrides), and an optional
+`serve.yaml` in the subfolder holds its settings: the keys of a models.yaml entry but `path`.
 """
 
 from __future__ import annotations
@@ -150,31 +156,97 @@ def _entry(where: str, entry: Any, kind: str, actions: dict[str, argparse.Action
     return str(path), names, ns
 
 
-def load_serve_config(file: str | Path) -> ServeConfig:
-    """Read and check a models.yaml; ConfigError (a ValueError) names the key and the model."""
+REPOSITORY_SETTINGS = "serve.yaml"  # a model's settings in a model repository folder
+
+
+def _read_yaml(file: Path) -> Any:
     import yaml
 
-    file = Path(file)
     try:
-        raw = yaml.safe_load(file.read_text())
+        return yaml.safe_load(file.read_text())
     except OSError as exc:
         raise ConfigError(f"--config {file}: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {file}: not valid YAML: {exc}") from exc
+
+
+def _model_folder(sub: Path) -> Path:
+    """The checkpoint a repository entry serves: itself, or its highest numbered version."""
+    if (sub / "config.json").is_file():
+        return sub
+    versions = [v for v in sub.iterdir() if v.name.isdigit() and (v / "config.json").is_file()]
+    if not versions:
+        raise ConfigError(f"--config {sub.parent}: {sub.name}: no config.json in it nor in a numbered version "
+                          "folder (1/, 2/...); each subfolder of a model repository is one Hugging Face checkpoint")
+    return max(versions, key=lambda v: int(v.name))
+
+
+def repository_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A model repository folder as the mapping a models.yaml holds (see the module docstring),
+    and what each entry is called in errors (its serve.yaml, or its folder)."""
+    from stoker.pooling.config import resolve_runner
+
+    raw: dict[str, Any] = {"pooling": []}
+    labels: dict[str, Any] = {"pooling": []}
+    generative: list[str] = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        settings_file = sub / REPOSITORY_SETTINGS
+        settings = _read_yaml(settings_file) if settings_file.is_file() else {}
+        if settings is None:
+            settings = {}  # an empty file
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--config {settings_file}: must be a mapping of settings (served_model_name, "
+                              f"max_batch_size, ...), got {settings!r}")
+        if "path" in settings:
+            raise ConfigError(f"--config {settings_file}: path: not taken here, the model is its folder {sub}")
+        path = _model_folder(sub)
+        entry = {"path": str(path), "served_model_name": sub.name, **settings}
+        runner = entry.get("runner", "auto")
+        try:
+            kind = resolve_runner(path, runner if isinstance(runner, str) else "?")
+        except ValueError as exc:
+            raise ConfigError(f"--config {settings_file}: runner: {exc}") from exc
+        label = str(settings_file if settings_file.is_file() else sub)
+        if kind == "generate":
+            generative.append(sub.name)
+            raw["generate"], labels["generate"] = entry, label
+        else:
+            raw["pooling"].append(entry)
+            labels["pooling"].append(label)
+    if not generative and not raw["pooling"]:
+        raise ConfigError(f"--config {folder}: a model repository with no model folder in it (one subfolder per "
+                          "model, named as it is served)")
+    if len(generative) > 1:
+        raise ConfigError(f"--config {folder}: holds {len(generative)} generative models ({', '.join(generative)}); "
+                          "a server serves at most one (set runner: pooling in a serve.yaml if one is an embedder)")
+    return raw, labels
+
+
+def load_serve_config(file: str | Path) -> ServeConfig:
+    """Read and check a models.yaml or a model repository folder; ConfigError (a ValueError)
+    names the key and the model."""
+    file = Path(file)
+    labels: dict[str, Any] | None = None  # a repository's: each entry named by its serve.yaml or folder
+    if file.is_dir():
+        raw, labels = repository_config(file)
+        base = file.resolve()
+    else:
+        raw = _read_yaml(file)
+        base = file.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {file}: must be a mapping with `generate` and/or `pooling`")
     unknown = sorted(str(k) for k in raw if k not in ("generate", "pooling"))
     if unknown:
         raise ConfigError(f"--config {file}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                           "(the file takes: generate (one model), pooling (a list of models))")
-    base = file.resolve().parent
     out = ServeConfig()
     gen = raw.get("generate")
     if gen is not None:
         if isinstance(gen, list):
             raise ConfigError(f"--config {file}: generate: at most one generative model (a mapping, not a list)")
         parser = _engine_parser()
-        path, names, ns = _entry("generate", gen, "generate", _actions(parser), parser, base)
+        where = labels["generate"] if labels else "generate"
+        path, names, ns = _entry(where, gen, "generate", _actions(parser), parser, base)
         out.generate = GenerateEntry(path, names, ns)
     pooling = raw.get("pooling") or []
     if not isinstance(pooling, list):
@@ -184,7 +256,7 @@ def load_serve_config(file: str | Path) -> ServeConfig:
     parser = _pooling_parser()
     actions = _actions(parser)
     for i, entry in enumerate(pooling):
-        where = f"pooling[{i}]"
+        where = labels["pooling"][i] if labels else f"pooling[{i}]"
         path, names, ns = _entry(where, entry, "pooling", actions, parser, base)
         try:
             out.pooling.append(pooling_spec(ns, path, names))

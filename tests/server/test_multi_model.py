@@ -163,3 +163,83 @@ def test_batcher_flags_on_a_generative_model_are_refused_naming_them(folders: di
         build_app(_args(str(folders["chat"]), "--max-batch-size", "8", "--instance-count", "2"))
     with pytest.raises(ValueError, match="--max-queue-delay-microseconds"):
         build_app(_args("--max-queue-delay-microseconds", "100"))  # the demo model
+
+
+@pytest.fixture(scope="module")
+def repository(folders: dict[str, Path]) -> Path:
+    """Triton's layout: one folder per model, named as served; `emb` in version folders (2 is
+    served), `rr` with its settings in serve.yaml."""
+    import shutil
+
+    from stoker.testing.tiny_pooling import make_cross_encoder
+
+    repo = folders["root"] / "repository"
+    shutil.copytree(folders["chat"], repo / "chat")
+    shutil.copytree(folders["emb"], repo / "emb" / "1")
+    shutil.copytree(folders["emb"], repo / "emb" / "2")
+    make_cross_encoder(repo / "rr")
+    (repo / "rr" / "serve.yaml").write_text("served_model_name: [reranker, rr]\nmax_batch_size: 4\npriority_levels: 2\n")
+    (repo / ".cache").mkdir()  # hidden folders are not models
+    return repo
+
+
+def test_a_model_repository_folder(repository: Path) -> None:
+    from stoker.server.model_config import load_serve_config
+
+    cfg = load_serve_config(repository)
+    assert cfg.generate is not None and cfg.generate.names == ("chat",)
+    assert Path(cfg.generate.path) == repository / "chat"
+    by_name = {s.names[0]: s for s in cfg.pooling}
+    assert sorted(by_name) == ["emb", "reranker"] and by_name["reranker"].names == ("reranker", "rr")
+    assert Path(by_name["emb"].path) == repository / "emb" / "2", "the highest version is served"
+    assert by_name["reranker"].batcher.max_batch_size == 4 and by_name["reranker"].batcher.priority_levels == 2
+    assert by_name["emb"].batcher.max_batch_size == 32  # no serve.yaml: the flags' defaults
+
+
+def test_a_server_from_a_model_repository(repository: Path) -> None:
+    from stoker.server.cli import build_app
+
+    from tests.server.conftest import serve_app
+
+    app, _ = build_app(_args("--config", str(repository), "--log-interval", "3600", "--max-waiting-requests", "8"))
+    live = serve_app(app)
+    try:
+        assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]] == ["chat", "emb", "reranker", "rr"]
+        r = httpx.post(live.url + "/v1/rerank", json={"model": "rr", "query": "a", "documents": ["b", "c"]}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+        r = httpx.post(live.url + "/v1/embeddings", json={"model": "emb", "input": "x"}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("layout, words", [
+    ({"a/1/x.txt": ""}, ["a:", "no config.json", "version folder"]),
+    ({}, ["no model folder"]),
+    ({"emb/serve.yaml": "path: /elsewhere\n"}, ["emb/serve.yaml", "path", "its folder"]),
+    ({"emb/serve.yaml": "max_batch_sise: 4\n"}, ["'emb'", "max_batch_sise", "unknown key"]),
+    ({"emb/serve.yaml": "- 1\n"}, ["emb/serve.yaml", "must be a mapping"]),
+    ({"emb/serve.yaml": "runner: embed\n"}, ["emb/serve.yaml", "runner"]),
+    ({"c2/": "chat"}, ["2 generative models", "c2, chat"]),
+])
+def test_a_bad_repository_is_refused_naming_the_folder(folders: dict[str, Path], tmp_path: Path,
+                                                        layout: dict[str, str], words: list[str]) -> None:
+    import shutil
+
+    from stoker.server.model_config import ConfigError, load_serve_config
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    if layout:  # every case but the empty one holds the two good models
+        shutil.copytree(folders["chat"], repo / "chat")
+        shutil.copytree(folders["emb"], repo / "emb")
+    for rel, text in layout.items():
+        if rel.endswith("/"):
+            shutil.copytree(folders[text], repo / rel)
+        else:
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(repo)
+    for word in words:
+        assert word in str(err.value), str(err.value)
