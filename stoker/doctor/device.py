@@ -62,7 +62,9 @@ def _kernel_gemm_flops(n: int, iters: int) -> float | None:
     return 2 * n**3 / microbench.median_s(lambda: native.linear(x, w, n), iters)
 
 
-def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512, 1024), iters: int = 10) -> DeviceFile:
+def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512, 1024), iters: int = 10,
+                   read_sizes_mib: tuple[int, ...] | None = None) -> DeviceFile:
+    """`read_sizes_mib`: the read buffers (default: read_mib / 4 and read_mib)."""
     import torch
 
     m: dict[str, Any] = {"threads": torch.get_num_threads()}
@@ -72,7 +74,7 @@ def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512,
         k = _kernel_gemm_flops(n, iters)
         if k is not None:
             m[f"stoker_linear_fp32_n{n}_gflops"] = k / 1e9
-    for mib in (read_mib // 4, read_mib):
+    for mib in read_sizes_mib or (read_mib // 4, read_mib):
         m[f"read_sum_{mib}mib_gb_per_s"] = microbench.stream_read_bytes_per_s(mib * 2**20, iters) / 1e9
         gemv = microbench.gemv_read_bytes_per_s(mib * 2**20, iters)
         if gemv is not None:
@@ -84,3 +86,12 @@ def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512,
                       read_gb_per_s=max(v for k, v in m.items() if k.startswith("read_")), memory_gb=round(memory_gib(), 2),
                       cpu_model=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), measurements=m)
+
+
+def quick_cpu_device() -> DeviceFile:
+    """A start-up estimate of this CPU's two roofs, for a default that needs only their ratio
+    (the batcher's preferred batch, server/batch_defaults.py): the engine's float32 kernel at
+    n = 512 and one 256 MiB read (a quarter of that stays partly in these VMs' shared L3 and
+    reads ~1.7x too fast). About 0.5 s on a 2-core Xeon VM; `stoker doctor
+    --write-device-file` measures more shapes and larger buffers."""
+    return measure_device(gemm_sizes=(512,), iters=5, read_sizes_mib=(256,))

@@ -1,4 +1,4 @@
-"""The batcher's default preferred batch, from the roofline rather than a guess. Pure Python.
+"""The batcher's default preferred batch, from the roofline rather than a guess.
 
 A pooling step is one prefill: every token of every sequence goes through the weight GEMMs
 once. A (tokens x in) @ (in x out) GEMM reads its weights once whatever the rows, so it stays
@@ -9,14 +9,20 @@ step of B sequences is B tokens through the same GEMMs). So the default is in to
 (`BatcherConfig.preferred_batch_tokens`): the batcher sends as soon as that much work waits.
 
 The device is the hardware table's entry for the GPU torch names, or on a CPU the device file
-`stoker doctor --write-device-file` measured. Without either, there is no default: Triton's
-behaviour without `preferred_batch_size` (batches as large as `max_batch_size` allows within
-`max_queue_delay_microseconds`).
+`stoker doctor --write-device-file` measured, or, with neither and when asked (`measure_cpu`:
+the caller has a queue delay, the only case where a preferred size changes anything), a quick
+measurement of this CPU at start-up (doctor/device.py: quick_cpu_device, once per process).
+Without a device, there is no default: Triton's behaviour without `preferred_batch_size`
+(batches as large as `max_batch_size` allows within `max_queue_delay_microseconds`).
+
+Pure Python but for that measurement, which imports torch when it runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Any
 
 logger = logging.getLogger("stoker.server")
@@ -31,13 +37,14 @@ def _spec_config(hf_config: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": hf_config["num_attention_heads"], "tie_word_embeddings": True}
 
 
-def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, weight_dtype: str) -> int | None:
+def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, weight_dtype: str,
+                           measure_cpu: bool = False) -> int | None:
     """Tokens per batch where the weight GEMMs stop being weight-bound on this device, or None
-    when the device is not known (no table entry, no device file)."""
+    when the device is not known (no table entry, no device file, and not `measure_cpu`)."""
     from stoker.roofline.costmodel import crossover_batch
     from stoker.roofline.modelspec import spec_from_config
 
-    gpu = _device_spec(device_name)
+    gpu = _device_spec(device_name, measure_cpu)
     if gpu is None:
         return None
     try:
@@ -51,17 +58,31 @@ def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, w
         return None
 
 
-def _device_spec(device_name: str | None) -> Any:
+def _device_spec(device_name: str | None, measure_cpu: bool) -> Any:
     from stoker.roofline.hardware import gpu_from_device_name
 
     if device_name:
         return gpu_from_device_name(device_name)
     from stoker.roofline.device_file import default_path, read_device_file, to_spec
 
-    if not default_path().exists():
-        return None
-    try:
-        return to_spec(read_device_file())
-    except ValueError as exc:
-        logger.info("batcher: the device file is unreadable (%s)", exc)
-        return None
+    if default_path().exists():
+        try:
+            return to_spec(read_device_file())
+        except ValueError as exc:
+            logger.info("batcher: the device file is unreadable (%s)", exc)
+            return None
+    return measured_cpu_spec() if measure_cpu else None
+
+
+@functools.lru_cache(maxsize=1)  # once per process: every pooling model of a server shares it
+def measured_cpu_spec() -> Any:
+    from stoker.doctor.device import quick_cpu_device
+    from stoker.roofline.device_file import to_spec
+
+    start = time.perf_counter()
+    device = quick_cpu_device()
+    logger.info("batcher: no device file, so this CPU was measured for the roofline default in %.1f s: "
+                "%.0f GFLOP/s fp32, %.1f GB/s read (`stoker doctor --write-device-file` keeps a fuller "
+                "measurement; --preferred-batch-size skips this)", time.perf_counter() - start,
+                device.fp32_tflops * 1e3, device.read_gb_per_s)
+    return to_spec(device)

@@ -147,11 +147,18 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
         device = runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(runner.model.parameters()).dtype]
-        tokens = preferred_batch_tokens(hf_config, name, dtype)
+        # on a CPU with no device file, measure it, but only where a preferred size matters:
+        # with no queue delay a batch goes whenever an instance is free, whatever its size
+        tokens = preferred_batch_tokens(hf_config, name, dtype, measure_cpu=batcher.max_queue_delay_microseconds > 0)
         batcher = dataclasses.replace(batcher, preferred_batch_tokens=tokens)
-        logger.info("batcher for %s: preferred batch %s", spec.names[0],
-                    f"{tokens} tokens (the roofline's weight-bound edge)" if tokens else
-                    f"none known for this device (batches up to --max-batch-size {batcher.max_batch_size})")
+        if tokens:
+            why = f"{tokens} tokens (the roofline's weight-bound edge)"
+        elif not batcher.max_queue_delay_microseconds:
+            why = (f"none (no --max-queue-delay-microseconds: a batch of what waits, up to --max-batch-size "
+                   f"{batcher.max_batch_size}, goes whenever an instance is free)")
+        else:
+            why = f"none known for this device (batches up to --max-batch-size {batcher.max_batch_size})"
+        logger.info("batcher for %s: preferred batch %s", spec.names[0], why)
     num_threads = torch.get_num_threads()
     num_instances = resolve_instance_count(spec.instance_count, runner.device, num_threads)
     per_instance = threads_per_instance(num_instances, num_threads)

@@ -61,3 +61,38 @@ def test_a_gpu_from_the_table_and_no_device(tmp_path: Path, monkeypatch: pytest.
     h100 = preferred_batch_tokens(MINILM, "NVIDIA H100 80GB HBM3", "bf16")
     assert h100 is not None and h100 > 32 * 8  # 32 eight-token queries are still weight-bound there
     assert preferred_batch_tokens({**MINILM, "vocab_size": 250002}, "NVIDIA H100 80GB HBM3", "bf16") == h100
+
+
+def test_a_cpu_without_a_device_file_is_measured_once_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  device_file: DeviceFile) -> None:
+    import stoker.doctor.device
+    from stoker.server.batch_defaults import measured_cpu_spec
+
+    from_file = preferred_batch_tokens(MINILM, None, "fp32")
+    monkeypatch.setenv("STOKER_DEVICE_FILE", str(tmp_path / "absent.yaml"))
+    calls: list[int] = []
+    monkeypatch.setattr(stoker.doctor.device, "quick_cpu_device", lambda: calls.append(1) or CPU)
+    measured_cpu_spec.cache_clear()
+    try:
+        assert preferred_batch_tokens(MINILM, None, "fp32") is None and not calls  # not asked: nothing measured
+        assert preferred_batch_tokens(MINILM, None, "fp32", measure_cpu=True) == from_file  # the same roofs
+        assert preferred_batch_tokens(QWEN3_EMB, None, "fp32", measure_cpu=True) is not None
+        assert calls == [1], "measured once per process"
+        assert preferred_batch_tokens(MINILM, "NVIDIA H100 80GB HBM3", "bf16", measure_cpu=True) > 32 * 8
+    finally:
+        measured_cpu_spec.cache_clear()
+
+
+def test_the_quick_measurement_of_this_cpu() -> None:
+    """The real probe: positive roofs and a crossover a MiniLM-shaped encoder can reach (on the
+    2-core Xeon VM it was 19 tokens with the doctor's full device file)."""
+    from stoker.doctor.device import quick_cpu_device
+    from stoker.roofline.costmodel import crossover_batch
+
+    device = quick_cpu_device()
+    assert device.fp32_tflops > 0 and device.read_gb_per_s > 0
+    assert any(k.startswith("read_") and "256mib" in k for k in device.measurements)
+    assert not any(k.startswith("read_") and "64mib" in k for k in device.measurements), "no cache-sized buffer"
+    tokens = crossover_batch(spec_from_config(_spec_config(MINILM), name="m"), to_spec(device), context_len=1,
+                             weight_dtype="fp32", act_dtype="fp32", lm_head=False)
+    assert 1 < tokens < 4096
