@@ -3,7 +3,10 @@ tiny random checkpoint. In-process so tests can also look at the engine's block 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -69,6 +72,43 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def start_serve_process(args: list[str], log_path: Path, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`python -m stoker serve ARGS` on a free port of 127.0.0.1, logging to log_path; returns
+    (process, url) once /v1/health/ready answers 200 (AssertionError with the log's tail if the
+    process exits or is not ready in time). The command a user runs, in a fresh interpreter."""
+    import httpx
+
+    port = free_port()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "stoker", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(log_path.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop_process(proc)
+            raise AssertionError("not ready: " + log_path.read_text()[-3000:])
+        time.sleep(0.2)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def serve_app(app: Any, ready_path: str = "/v1/health/ready", http: Any = None, timeout_s: float = 60) -> LiveServer:

@@ -3,10 +3,6 @@ embedding model, built by the real CLI path and driven by the official `openai` 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -82,37 +78,19 @@ def test_stoker_serve_config_as_a_process(folders: dict[str, Path], tmp_path: Pa
     """The command a user runs, in a fresh interpreter: the chat model and the embedding model load
     on two threads at once (in this pytest process transformers is already imported, which hid
     a race in its lazy imports that stopped this start-up)."""
-    from tests.server.conftest import free_port
+    from tests.server.conftest import start_serve_process, stop_process
 
     cfg = _write(tmp_path, f"generate:\n  path: {folders['chat']}\n  served_model_name: chat\n  max_model_len: 128\n"
                            f"  kv_cache_memory_bytes: 4000000\npooling:\n  - path: {folders['emb']}\n    served_model_name: emb\n")
-    port, log_path = free_port(), tmp_path / "server.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "stoker", "serve", "--config", str(cfg), "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    proc, url = start_serve_process(["--config", str(cfg)], log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready: " + log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         r = httpx.post(url + "/v1/embeddings", json={"model": "emb", "input": "a stoker"}, timeout=60)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64, r.text
         r = httpx.post(url + "/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     assert "Traceback" not in log_path.read_text()
 
 

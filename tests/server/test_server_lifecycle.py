@@ -8,38 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, start_serve_process
 
 
 def start_server(model: Path, log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     """`stoker serve MODEL` (served as "tiny", max_model_len 256, `flags`) on a free port,
     logging to log_path; returns once /v1/health/ready answers 200."""
-    port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stoker", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "256", "--served-model-name", "tiny", *flags],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(log_path.read_text()[-3000:])
-        try:
-            if httpx.get(url + "/v1/health/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise AssertionError("not ready: " + log_path.read_text()[-3000:])
-        time.sleep(0.2)
+    return start_serve_process([str(model), "--max-model-len", "256", "--served-model-name", "tiny", *flags], log_path)
 
 
 def test_sigterm_finishes_in_flight_then_exits(tiny_llama: Path, tmp_path: Path) -> None:
