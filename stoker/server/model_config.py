@@ -122,7 +122,8 @@ def _names(where: str, entry: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _entry(where: str, entry: Any, kind: str, actions: dict[str, argparse.Action],
-           parser: argparse.ArgumentParser, base: Path) -> tuple[str, tuple[str, ...], argparse.Namespace]:
+           parser: argparse.ArgumentParser, base: Path,
+           in_repository: bool = False) -> tuple[str, tuple[str, ...], argparse.Namespace]:
     from stoker.pooling.config import resolve_runner
 
     if not isinstance(entry, dict):
@@ -133,7 +134,8 @@ def _entry(where: str, entry: Any, kind: str, actions: dict[str, argparse.Action
         raise ConfigError(f"{label}: path: required, the model's checkpoint folder")
     unknown = sorted(k for k in entry if k not in actions and k not in _COMMON)
     if unknown:
-        allowed = ", ".join([*_COMMON, *sorted(actions)])
+        common = [k for k in _COMMON if k != "path"] if in_repository else list(_COMMON)  # a serve.yaml has no path
+        allowed = ", ".join([*common, *sorted(actions)])
         raise ConfigError(f"{label}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))} "
                           f"(a {kind} model takes: {allowed})")
     names = _names(label, entry)
@@ -246,7 +248,7 @@ def load_serve_config(file: str | Path) -> ServeConfig:
             raise ConfigError(f"--config {file}: generate: at most one generative model (a mapping, not a list)")
         parser = _engine_parser()
         where = labels["generate"] if labels else "generate"
-        path, names, ns = _entry(where, gen, "generate", _actions(parser), parser, base)
+        path, names, ns = _entry(where, gen, "generate", _actions(parser), parser, base, labels is not None)
         out.generate = GenerateEntry(path, names, ns)
     pooling = raw.get("pooling") or []
     if not isinstance(pooling, list):
@@ -257,7 +259,7 @@ def load_serve_config(file: str | Path) -> ServeConfig:
     actions = _actions(parser)
     for i, entry in enumerate(pooling):
         where = labels["pooling"][i] if labels else f"pooling[{i}]"
-        path, names, ns = _entry(where, entry, "pooling", actions, parser, base)
+        path, names, ns = _entry(where, entry, "pooling", actions, parser, base, labels is not None)
         try:
             out.pooling.append(pooling_spec(ns, path, names))
         except ValueError as exc:  # the batcher's own checks, in flag form: say which model

@@ -195,7 +195,7 @@ def test_a_server_from_a_model_repository(repository: Path) -> None:
     ({"a/1/x.txt": ""}, ["a:", "no config.json", "version folder"]),
     ({}, ["no model folder"]),
     ({"emb/serve.yaml": "path: /elsewhere\n"}, ["emb/serve.yaml", "path", "its folder"]),
-    ({"emb/serve.yaml": "max_batch_sise: 4\n"}, ["'emb'", "max_batch_sise", "unknown key"]),
+    ({"emb/serve.yaml": "max_batch_sise: 4\n"}, ["'emb'", "max_batch_sise", "unknown key", "takes: served_model_name"]),
     ({"emb/serve.yaml": "- 1\n"}, ["emb/serve.yaml", "must be a mapping"]),
     ({"emb/serve.yaml": "runner: embed\n"}, ["emb/serve.yaml", "runner"]),
     ({"c2/": "chat"}, ["2 generative models", "c2, chat"]),
