@@ -174,7 +174,7 @@ class FusedBertLayers:
         x = hidden.contiguous()  # overwritten layer by layer: the embeddings' fresh output
         workspace = torch.empty(x.shape[0] * (5 * self.hidden + self.intermediate), dtype=torch.float32)
         native.bert_encoder(x, self.params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
-                          batch.cu_tensor, batch.lengths, self.scale, workspace)
+                            batch.cu_tensor, batch.lengths, self.scale, workspace)
         return x
 
 

@@ -95,8 +95,8 @@ static void activate(float *x, int64_t num, int act, int num_threads) {
 /* Returns 0, 1 (no memory in the attention), 2 (a sequence's length does not fit token_table), 4 (unknown act). */
 static int bert_layer(float *x, int64_t num_tokens, int64_t hidden, int64_t num_heads, int64_t intermediate,
                       const float *const *params, float eps, int act, const int32_t *token_table, int64_t max_len,
-                          const int64_t *cu_seqlens, const int64_t *lengths, int64_t num_seqs, float scale,
-                          float *workspace, int num_threads) {
+                      const int64_t *cu_seqlens, const int64_t *lengths, int64_t num_seqs, float scale,
+                      float *workspace, int num_threads) {
     if (act != ACT_GELU && act != ACT_GELU_TANH && act != ACT_RELU) return 4;
     const int64_t T = num_tokens;
     float *qkv = workspace, *attn = qkv + T * 3 * hidden, *h = attn + T * hidden, *inter = h + T * hidden;
@@ -123,8 +123,8 @@ int stoker_bert_encoder_f32(float *x, int64_t num_tokens, int64_t hidden, int64_
                             const int64_t *lengths, int64_t num_seqs, float scale, float *workspace, int num_threads) {
     for (int64_t l = 0; l < num_layers; l++) {
         const int status = bert_layer(x, num_tokens, hidden, num_heads, intermediate, params + 12 * l, eps, act,
-                                                 token_table, max_len, cu_seqlens, lengths, num_seqs, scale, workspace,
-                                                 num_threads);
+                                      token_table, max_len, cu_seqlens, lengths, num_seqs, scale, workspace,
+                                      num_threads);
         if (status) return status;
     }
     return 0;
