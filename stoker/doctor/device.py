@@ -91,8 +91,10 @@ def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512,
 def quick_cpu_device() -> DeviceFile:
     """A start-up estimate of this CPU's two roofs, for a default that needs only their ratio
     (the batcher's preferred batch, server/batch_defaults.py): n = 512 matmuls (torch's and the
-    engine's kernel) and one 256 MiB read (a quarter of that stays partly in these VMs' shared
-    L3 and read ~1.7x too fast). 20 repetitions: with 5, the first GEMMs of a fresh process put
-    the peak at 200-300 GFLOP/s where the doctor measures ~320 on a 2-core Xeon VM; with 20,
-    285-323 in ~0.8 s. `stoker doctor --write-device-file` measures more shapes, larger buffers."""
+    engine's kernel) and one 256 MiB read (not the doctor's quarter-size buffer too, which stays
+    partly in these VMs' shared L3 and reads faster than memory). 20 repetitions: with 5, the
+    first GEMMs of a fresh process put the peak at 201-291 GFLOP/s in three server starts on a
+    2-core Xeon VM, with 20 at 285-294 in 0.7-0.8 s, where the doctor measured 320
+    (docs/benchmarks.md, "Thirteenth session"). `stoker doctor --write-device-file` measures
+    more shapes and larger buffers."""
     return measure_device(gemm_sizes=(512,), iters=20, read_sizes_mib=(256,))

@@ -176,7 +176,10 @@ def _model_folder(sub: Path) -> Path:
     """The checkpoint a repository entry serves: itself, or its highest numbered version."""
     if (sub / "config.json").is_file():
         return sub
-    versions = [v for v in sub.iterdir() if v.name.isdigit() and (v / "config.json").is_file()]
+    try:
+        versions = [v for v in sub.iterdir() if v.name.isdigit() and (v / "config.json").is_file()]
+    except OSError as exc:
+        raise ConfigError(f"--config {sub}: {exc.strerror or exc}") from exc
     if not versions:
         raise ConfigError(f"--config {sub.parent}: {sub.name}: no config.json in it nor in a numbered version "
                           "folder (1/, 2/...); each subfolder of a model repository is one Hugging Face checkpoint")
@@ -191,7 +194,11 @@ def repository_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     raw: dict[str, Any] = {"pooling": []}
     labels: dict[str, Any] = {"pooling": []}
     generative: list[str] = []
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    try:
+        subfolders = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError as exc:
+        raise ConfigError(f"--config {folder}: {exc.strerror or exc}") from exc
+    for sub in subfolders:
         settings_file = sub / REPOSITORY_SETTINGS
         settings = _read_yaml(settings_file) if settings_file.is_file() else {}
         if settings is None:
@@ -205,7 +212,7 @@ def repository_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         entry = {"path": str(path), "served_model_name": sub.name, **settings}
         runner = entry.get("runner", "auto")
         try:
-            kind = resolve_runner(path, runner if isinstance(runner, str) else "?")
+            kind = resolve_runner(path, runner if isinstance(runner, str) else repr(runner))
         except ValueError as exc:
             raise ConfigError(f"--config {settings_file}: runner: {exc}") from exc
         label = str(settings_file if settings_file.is_file() else sub)

@@ -198,6 +198,7 @@ def test_a_server_from_a_model_repository(repository: Path) -> None:
     ({"emb/serve.yaml": "max_batch_sise: 4\n"}, ["'emb'", "max_batch_sise", "unknown key", "takes: served_model_name"]),
     ({"emb/serve.yaml": "- 1\n"}, ["emb/serve.yaml", "must be a mapping"]),
     ({"emb/serve.yaml": "runner: embed\n"}, ["emb/serve.yaml", "runner"]),
+    ({"emb/serve.yaml": "runner: 5\n"}, ["emb/serve.yaml", "runner", "got '5'"]),
     ({"c2/": "chat"}, ["2 generative models", "c2, chat"]),
 ])
 def test_a_bad_repository_is_refused_naming_the_folder(folders: dict[str, Path], tmp_path: Path,
