@@ -32,7 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stoker.kernels import reference  # noqa: E402
-from stoker.kernels.cpu import build, native  # noqa: E402
+from stoker.kernels.cpu import build  # noqa: E402
+from stoker.kernels.cpu import elementwise as cpu_elementwise  # noqa: E402
+from stoker.kernels.cpu import linear as cpu_linear  # noqa: E402
+from stoker.kernels.cpu import paged_decode_attention as cpu_decode  # noqa: E402
+from stoker.kernels.cpu import prefill_attention as cpu_prefill  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 50) -> float:
@@ -56,7 +60,7 @@ def decode_attention() -> dict[str, float]:
     query = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
     out: dict[str, float] = {}
-    for name, fn in (("twin", reference.paged_decode_attention), ("c_kernel", native.paged_decode_attention)):
+    for name, fn in (("twin", reference.paged_decode_attention), ("c_kernel", cpu_decode.paged_decode_attention)):
         out[f"{name}_hot_ms"] = median_ms(lambda f=fn: f(query, k_cache, v_cache, tables[0], context_lens, scale))
 
         def one_step(f=fn) -> None:  # all 8 layers in turn
@@ -92,7 +96,7 @@ def prefill_attention() -> dict[str, float]:
     query = torch.randn(cu[-1], num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
     out: dict[str, float] = {"tokens": float(cu[-1])}
-    for name, fn in (("twin", reference.paged_attention), ("c_kernel", native.paged_attention)):
+    for name, fn in (("twin", reference.paged_attention), ("c_kernel", cpu_prefill.paged_attention)):
         out[f"{name}_ms"] = median_ms(lambda f=fn: f(query, k_cache, v_cache, tables, cu, lens, scale), repeats=20)
     flops = sum(4 * n * (n + 1) / 2 * head_dim * num_heads for n in lens)  # QK^T and PV, causal
     out["c_kernel_gflops"] = flops / out["c_kernel_ms"] / 1e6
@@ -114,7 +118,7 @@ def row_ops() -> dict[str, float]:
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
         freqs = torch.arange(1024, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        for impl in (reference, native):
+        for impl in (reference, cpu_elementwise):
             tag = "twin" if impl is reference else "c_kernel"
             out[f"add_rms_norm_{rows}_{tag}_us"] = 1e3 * median_ms(lambda i=impl: i.fused_add_rms_norm(x, residual, weight, 1e-5))
             out[f"silu_and_mul_{rows}_{tag}_us"] = 1e3 * median_ms(lambda i=impl: i.silu_and_mul(gate_up))
@@ -129,12 +133,12 @@ def gemms() -> dict[str, float]:
         weight = torch.randn(out_features, in_features, generator=gen)
         column_major = weight.t().contiguous().t()
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        panels = native.pack_linear_weight(weight)
-        gate_up = native.pack_linear_weight(weight, gate_up=True) if in_features == 512 else None
+        panels = cpu_linear.pack_linear_weight(weight)
+        gate_up = cpu_linear.pack_linear_weight(weight, gate_up=True) if in_features == 512 else None
         for m in (1, 8, 16, 32, 64, 2048):
             x = torch.randn(m, in_features, generator=gen)
             key = f"{in_features}x{out_features}_m{m}"
-            out[f"{key}_stoker_packed_ms"] = median_ms(lambda: native.linear(x, panels, out_features))
+            out[f"{key}_stoker_packed_ms"] = median_ms(lambda: cpu_linear.linear(x, panels, out_features))
             out[f"{key}_row_major_ms"] = median_ms(lambda: torch.nn.functional.linear(x, weight))
             out[f"{key}_column_major_ms"] = median_ms(lambda: torch.nn.functional.linear(x, column_major))
             out[f"{key}_onednn_packed_ms"] = median_ms(
@@ -142,10 +146,10 @@ def gemms() -> dict[str, float]:
             )
             if gate_up is not None:
                 out[f"{key}_gate_up_stoker_fused_silu_ms"] = median_ms(
-                    lambda: native.linear(x, gate_up, out_features, silu_and_mul=True)
+                    lambda: cpu_linear.linear(x, gate_up, out_features, silu_and_mul=True)
                 )
                 out[f"{key}_gate_up_mkl_then_silu_ms"] = median_ms(
-                    lambda: native.silu_and_mul(torch.nn.functional.linear(x, column_major))
+                    lambda: cpu_elementwise.silu_and_mul(torch.nn.functional.linear(x, column_major))
                 )
     return out
 

@@ -39,7 +39,7 @@ from throughput_vs_hf import workload  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.kernels import reference  # noqa: E402
-from stoker.kernels.cpu import native  # noqa: E402
+from stoker.kernels.cpu import linear as cpu_linear  # noqa: E402
 from stoker.quantization import formats  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
@@ -54,17 +54,17 @@ def bench_kernels(repeats: int) -> list[dict]:
     layers = 24
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) / 64 for _ in range(layers)]
-    f32 = [native.pack_linear_weight(w) for w in weights]
+    f32 = [cpu_linear.pack_linear_weight(w) for w in weights]
     q8 = {}
     for dtype in ("int8", "fp8"):
         qs = [formats.quantize_rows(w, dtype) for w in weights]
-        q8[dtype] = [(native.pack_linear_weight(q), native.pack_scales(s, q.dtype), q, s) for q, s in qs]
+        q8[dtype] = [(cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, q.dtype), q, s) for q, s in qs]
     del weights
     gc.collect()
     impls = {
-        "float32 C": (lambda i, x: native.linear(x, f32[i], n), 4),
-        "int8 C": (lambda i, x: native.linear_q8(x, q8["int8"][i][0], q8["int8"][i][1], k, n), 1),
-        "fp8 C": (lambda i, x: native.linear_q8(x, q8["fp8"][i][0], q8["fp8"][i][1], k, n), 1),
+        "float32 C": (lambda i, x: cpu_linear.linear(x, f32[i], n), 4),
+        "int8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["int8"][i][0], q8["int8"][i][1], k, n), 1),
+        "fp8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["fp8"][i][0], q8["fp8"][i][1], k, n), 1),
         "int8 torch _weight_int8pack_mm": (lambda i, x: torch.ops.aten._weight_int8pack_mm(x, q8["int8"][i][2], q8["int8"][i][3].view(-1)), 1),
         "int8 twin (dequantize per call)": (lambda i, x: reference.w8_linear(x, q8["int8"][i][2], q8["int8"][i][3], k), 1),
     }
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args()
-    out: dict = {"machine": f"{cpu_model()}, ISA build {native.target()}, {torch.get_num_threads()} threads",
+    out: dict = {"machine": f"{cpu_model()}, ISA build {cpu_linear.target()}, {torch.get_num_threads()} threads",
                  "torch": torch.__version__, "repeats": args.repeats}
     print(f"# {out['machine']}; torch {torch.__version__}; medians of {args.repeats} interleaved repeats")
     with tempfile.TemporaryDirectory() as d:

@@ -52,14 +52,15 @@ def _kernel_gemm_flops(n: int, iters: int) -> float | None:
     """The engine's float32 linear kernel at M = N = K = n (None without the C kernels)."""
     import torch
 
-    from stoker.kernels.cpu import build, native
+    from stoker.kernels.cpu import build
+    from stoker.kernels.cpu import linear as cpu_linear
 
     if not build.available():
         return None
     gen = torch.Generator().manual_seed(0)
-    w = native.pack_linear_weight(torch.randn(n, n, generator=gen))
+    w = cpu_linear.pack_linear_weight(torch.randn(n, n, generator=gen))
     x = torch.randn(n, n, generator=gen)
-    return 2 * n**3 / microbench.median_s(lambda: native.linear(x, w, n), iters)
+    return 2 * n**3 / microbench.median_s(lambda: cpu_linear.linear(x, w, n), iters)
 
 
 def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512, 1024), iters: int = 10,

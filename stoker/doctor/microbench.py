@@ -67,14 +67,15 @@ def gemv_read_bytes_per_s(num_bytes: int, iters: int = 10, k: int = 4096) -> flo
     """Weight bytes / time of x (1, K) @ W^T with W (num_bytes / 4K, K) packed (None without the C kernels)."""
     import torch
 
-    from stoker.kernels.cpu import build, native
+    from stoker.kernels.cpu import build
+    from stoker.kernels.cpu import linear as cpu_linear
 
     if not build.available():
         return None
-    n = max(native.panel_width(), num_bytes // (4 * k) // native.panel_width() * native.panel_width())
-    w = native.pack_linear_weight(torch.ones(n, k))
+    n = max(cpu_linear.panel_width(), num_bytes // (4 * k) // cpu_linear.panel_width() * cpu_linear.panel_width())
+    w = cpu_linear.pack_linear_weight(torch.ones(n, k))
     x = torch.ones(1, k)
-    return n * k * 4 / median_s(lambda: native.linear(x, w, n), iters)
+    return n * k * 4 / median_s(lambda: cpu_linear.linear(x, w, n), iters)
 
 
 def matmul_flops(n: int, dtype_name: str = "float32", iters: int = 10) -> float:
@@ -91,16 +92,16 @@ def _projection_weights(spec: ModelSpec) -> list[tuple[Any, int, bool]]:
     order the forward runs them: (L x 4) distinct matrices, (ceil(N / NR), K, NR) panels each."""
     import torch
 
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import linear as cpu_linear
 
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    shapes = [(q + 2 * kv, h, False), (h, q, False), (2 * i, h, native.gate_up_fusable(i)), (h, i, False)]
+    shapes = [(q + 2 * kv, h, False), (h, q, False), (2 * i, h, cpu_linear.gate_up_fusable(i)), (h, i, False)]
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(spec.num_layers):
         for n, k, fused in shapes:
             w = torch.randn(n, k, generator=gen) * k**-0.5
-            out.append((native.pack_linear_weight(w, gate_up=fused), n, fused))
+            out.append((cpu_linear.pack_linear_weight(w, gate_up=fused), n, fused))
     return out
 
 
@@ -114,14 +115,14 @@ class ProjectionChain:
     def seconds(self, tokens: int, iters: int) -> float:
         import torch
 
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
 
         gen = torch.Generator().manual_seed(1)
         xs = {k: torch.randn(tokens, k, generator=gen) for k in {w.shape[1] for w, _, _ in self.weights}}
 
         def chain() -> None:
             for w, n, fused in self.weights:
-                native.linear(xs[w.shape[1]], w, n, None, fused)
+                cpu_linear.linear(xs[w.shape[1]], w, n, None, fused)
 
         return median_s(chain, iters, warmup=1 if tokens >= 512 else 2)
 
@@ -143,7 +144,7 @@ def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: 
     `flush`, from cold caches, as in a step)."""
     import torch
 
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import paged_decode_attention as cpu_decode
 
     caches, table = _paged_caches(spec, num_seqs, context_len)
     q = torch.randn(num_seqs, spec.num_heads, spec.head_dim)
@@ -152,7 +153,7 @@ def decode_attention_s(spec: ModelSpec, num_seqs: int, context_len: int, iters: 
 
     def run() -> None:
         for k, v in caches:
-            native.paged_decode_attention(q, k, v, table, lens, scale)
+            cpu_decode.paged_decode_attention(q, k, v, table, lens, scale)
 
     return median_s(run, iters, before=cache_flusher() if flush else None)
 
@@ -161,7 +162,7 @@ def prefill_attention_s(spec: ModelSpec, prompt_len: int, iters: int) -> float:
     """All layers' causal attention of one fresh prompt of prompt_len tokens."""
     import torch
 
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import prefill_attention as cpu_prefill
 
     caches, table = _paged_caches(spec, 1, prompt_len)
     q = torch.randn(prompt_len, spec.num_heads, spec.head_dim)
@@ -169,7 +170,7 @@ def prefill_attention_s(spec: ModelSpec, prompt_len: int, iters: int) -> float:
 
     def run() -> None:
         for k, v in caches:
-            native.paged_attention(q, k, v, table, [0, prompt_len], [prompt_len], scale)
+            cpu_prefill.paged_attention(q, k, v, table, [0, prompt_len], [prompt_len], scale)
 
     return median_s(run, iters, warmup=1)
 
@@ -185,7 +186,8 @@ def row_ops_s(spec: ModelSpec, tokens: int, iters: int) -> float:
     2048 tokens) are not the cache-resident pair a loop over one layer's would be."""
     import torch
 
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import elementwise as cpu_elementwise
+    from stoker.kernels.cpu import store_kvcache as cpu_store
 
     h, d, q_dim, kv_dim = spec.hidden_size, spec.head_dim, spec.q_dim, spec.kv_dim
     gen = torch.Generator().manual_seed(2)
@@ -203,14 +205,14 @@ def row_ops_s(spec: ModelSpec, tokens: int, iters: int) -> float:
     def run() -> None:
         torch.nn.functional.embedding(ids, embed)
         for (kc, vc), b in zip(caches, layers):
-            _, res = native.fused_add_rms_norm(b["x"], b["res"], w, 1e-6)
+            _, res = cpu_elementwise.fused_add_rms_norm(b["x"], b["res"], w, 1e-6)
             q, k, v = b["qkv"].split([q_dim, kv_dim, kv_dim], dim=-1)
-            q, k = native.rotary_embedding(pos, q.reshape(tokens, spec.num_heads, d),
-                                           k.reshape(tokens, spec.num_kv_heads, d), cos_sin)
-            native.store_kvcache(k, v.reshape(tokens, spec.num_kv_heads, d), kc, vc, pos)
+            q, k = cpu_elementwise.rotary_embedding(pos, q.reshape(tokens, spec.num_heads, d),
+                                                    k.reshape(tokens, spec.num_kv_heads, d), cos_sin)
+            cpu_store.store_kvcache(k, v.reshape(tokens, spec.num_kv_heads, d), kc, vc, pos)
             out = torch.empty_like(q)
             out[:] = b["attn"]
-            native.fused_add_rms_norm(b["o"], res, w, 1e-6)
-        native.fused_add_rms_norm(layers[-1]["o"], layers[-1]["res"], w, 1e-6)  # the final norm
+            cpu_elementwise.fused_add_rms_norm(b["o"], res, w, 1e-6)
+        cpu_elementwise.fused_add_rms_norm(layers[-1]["o"], layers[-1]["res"], w, 1e-6)  # the final norm
 
     return median_s(run, iters)

@@ -19,7 +19,11 @@ from types import ModuleType
 import torch
 
 from stoker.kernels import reference
-from stoker.kernels.cpu import native as cpu_native
+from stoker.kernels.cpu import common as cpu_common
+from stoker.kernels.cpu import elementwise as cpu_elementwise
+from stoker.kernels.cpu import paged_decode_attention as cpu_decode
+from stoker.kernels.cpu import prefill_attention as cpu_prefill
+from stoker.kernels.cpu import store_kvcache as cpu_store
 
 
 @functools.cache
@@ -56,8 +60,8 @@ def store_kvcache(
 ) -> None:
     if use_triton(key):
         return _kernel("store_kvcache").store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if cpu_native.store_supported(key, value, k_cache):
-        return cpu_native.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if cpu_store.store_supported(key, value, k_cache):
+        return cpu_store.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -75,8 +79,8 @@ def paged_decode_attention(
     args = (query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
     if use_triton(query):
         return _kernel("paged_decode_attention").paged_decode_attention(*args, k_scale=k_scale, v_scale=v_scale)
-    if cpu_native.supports(query, k_cache):
-        return cpu_native.paged_decode_attention(*args, k_scale, v_scale)
+    if cpu_common.supports(query, k_cache):
+        return cpu_decode.paged_decode_attention(*args, k_scale, v_scale)
     return reference.paged_decode_attention(*args, k_scale, v_scale)
 
 
@@ -95,16 +99,16 @@ def paged_attention(
     args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window)
     if use_triton(query):
         return _kernel("paged_prefill_attention").paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
-    if cpu_native.prefill_supported(query, k_cache):
-        return cpu_native.paged_attention(*args, k_scale, v_scale)
+    if cpu_prefill.prefill_supported(query, k_cache):
+        return cpu_prefill.paged_attention(*args, k_scale, v_scale)
     return reference.paged_attention(*args, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return _kernel("rms_norm").rms_norm(x, weight, eps)
-    if cpu_native.supports_rows(x, weight):
-        return cpu_native.rms_norm(x, weight, eps)
+    if cpu_common.supports_rows(x, weight):
+        return cpu_elementwise.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -113,16 +117,16 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return _kernel("rms_norm").fused_add_rms_norm(x, residual, weight, eps)
-    if cpu_native.supports_rows(x, residual, weight):
-        return cpu_native.fused_add_rms_norm(x, residual, weight, eps)
+    if cpu_common.supports_rows(x, residual, weight):
+        return cpu_elementwise.fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return _kernel("activation").silu_and_mul(x)
-    if cpu_native.supports_rows(x):
-        return cpu_native.silu_and_mul(x)
+    if cpu_common.supports_rows(x):
+        return cpu_elementwise.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
@@ -134,8 +138,8 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(query):
         return _kernel("rotary").rotary_embedding(positions, query, key, cos_sin_cache)
-    if cpu_native.supports_rows(query, key, cos_sin_cache):
-        return cpu_native.rotary_embedding(positions, query, key, cos_sin_cache)
+    if cpu_common.supports_rows(query, key, cos_sin_cache):
+        return cpu_elementwise.rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding(positions, query, key, cos_sin_cache)
 
 

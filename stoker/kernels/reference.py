@@ -237,7 +237,7 @@ def paged_attention(
 
 def linear_packed(
     x: torch.Tensor,  # (..., K)
-    packed: torch.Tensor,  # (P, K, NR): W (N, K) in column panels, kernels/cpu/native.pack_linear_weight
+    packed: torch.Tensor,  # (P, K, NR): W (N, K) in column panels, kernels/cpu/linear.pack_linear_weight
     out_features: int,  # N <= P * NR
     bias: torch.Tensor | None = None,  # (P * NR,) in panel order
     silu_and_mul: bool = False,  # panels of [gate | up] halves -> silu(gate) * up, (..., N / 2)
@@ -255,7 +255,7 @@ def linear_packed(
 
 
 def dequantize_panels(packed: torch.Tensor, scales: torch.Tensor, group_k: int) -> torch.Tensor:
-    """(P, K, NR) int8 / float8 panels and (G, P * NR) scales (kernels/cpu/native.pack_scales)
+    """(P, K, NR) int8 / float8 panels and (G, P * NR) scales (kernels/cpu/linear.pack_scales)
     -> the (P, K, NR) float32 panels they stand for: w = q * s, as linear.c computes it. FP8
     panels are read as value / 256, their scales carrying the 256 (linear.c's header)."""
     num_panels, k, nr = packed.shape
@@ -276,7 +276,7 @@ def linear_packed_q8(
     bias: torch.Tensor | None = None,
     silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """Twin of kernels/cpu/native.linear_q8: dequantize the panels, then linear_packed."""
+    """Twin of kernels/cpu/linear.linear_q8: dequantize the panels, then linear_packed."""
     return linear_packed(x, dequantize_panels(packed, scales, group_k), out_features, bias, silu_and_mul)
 
 
@@ -354,7 +354,7 @@ def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ids: torch
 
 def lora_segments(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, segments: list[tuple[int, int, int]],
                   out: torch.Tensor) -> torch.Tensor:
-    """Twin of kernels/cpu/native.lora (and the CPU path without the C kernels): for each
+    """Twin of kernels/cpu/lora.lora (and the CPU path without the C kernels): for each
     segment (slot s, tokens t0:t1), out[t0:t1, :N] += (x[t0:t1] @ A[s].T) @ BT[s]. BT's zeros
     outside the kernel's blocks and past each adapter's rank are multiplied here, skipped there."""
     n = bt.shape[2]

@@ -105,13 +105,13 @@ class LinearMethodChooser:
 
     def _fuse_silu(self, name: str, layer: Linear, backend: str) -> bool:
         """A [gate; up] layer whose MLP applies SiLU, on a CPU kernel that can fuse it."""
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
         from stoker.layers.activation import SiluAndMul
 
         if backend not in ("cpu", "cpu_q8") or list(layer.shard_offsets) != ["gate", "up"]:
             return False
         parent = self.model.get_submodule(name.rpartition(".")[0])
-        return isinstance(getattr(parent, "act", None), SiluAndMul) and native.gate_up_fusable(layer.out_features // 2)
+        return isinstance(getattr(parent, "act", None), SiluAndMul) and cpu_linear.gate_up_fusable(layer.out_features // 2)
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {m}" for m, n in sorted(self.chosen.items()))

@@ -136,14 +136,14 @@ class FusedGateUpMixin:
     fuse_silu_and_mul: bool
 
     def output_rows(self, layer: Linear) -> torch.Tensor:
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
 
-        return native.gate_up_rows(layer.out_features)
+        return cpu_linear.gate_up_rows(layer.out_features)
 
     def activate(self, pre: torch.Tensor) -> torch.Tensor:  # (T, 2I) panel order -> (T, I)
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
 
-        return native.silu_and_mul_panels(pre)
+        return cpu_linear.silu_and_mul_panels(pre)
 
 
 class PackedCpuMethod(FusedGateUpMixin, LinearMethod):
@@ -156,17 +156,17 @@ class PackedCpuMethod(FusedGateUpMixin, LinearMethod):
     """
 
     def __init__(self, fuse_silu_and_mul: bool = False) -> None:
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
 
         self.fuse_silu_and_mul = fuse_silu_and_mul
-        self.kernel = native.linear
+        self.kernel = cpu_linear.linear
 
     def process_after_loading(self, layer: Linear) -> None:
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import linear as cpu_linear
 
-        layer.weight = nn.Parameter(native.pack_linear_weight(layer.weight.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
+        layer.weight = nn.Parameter(cpu_linear.pack_linear_weight(layer.weight.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
         if layer.bias is not None:
-            layer.bias = nn.Parameter(native.pack_linear_weight(layer.bias.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
+            layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data, gate_up=self.fuse_silu_and_mul), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.out_features, layer.bias, self.fuse_silu_and_mul)

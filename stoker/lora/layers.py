@@ -142,9 +142,9 @@ class LoRASlots:
         if x.is_cuda and mapping.slot_ids is not None:
             return self._apply_bgmv(x, out, mapping.slot_ids)
         if self.use_c_kernel:
-            from stoker.kernels.cpu import native
+            from stoker.kernels.cpu import lora as cpu_lora
 
-            return native.lora(x, self.A, self.BT, mapping.segments_tensor, self.blocks, self.ranks, out)
+            return cpu_lora.lora(x, self.A, self.BT, mapping.segments_tensor, self.blocks, self.ranks, out)
         return reference.lora_segments(x, self.A, self.BT, mapping.segments, out)
 
     def _apply_bgmv(self, x: torch.Tensor, out: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:

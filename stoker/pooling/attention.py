@@ -6,7 +6,7 @@ attention itself scatters them into a padded (B, H, max_len, D) view so one SDPA
 the batch, with a key mask (and the causal mask for decoders). That pads the attention's
 FLOPs to max_len^2 per sequence, never the GEMMs'. That is the torch path, the reference the
 varlen C kernel is tested against (DESIGN.md rule 7): on CPU float32, VarlenAttention runs every
-sequence over its own tokens with no padding and no mask (native.varlen_attention).
+sequence over its own tokens with no padding and no mask (prefill_attention.varlen_attention).
 
 An encoder's q, k and v come out of one GEMM as (T, 3, H, D) (`varlen_attention_qkv`): they
 are scattered into the padded view with one copy, not three, and the key mask is an additive
@@ -171,7 +171,7 @@ class VarlenAttention(nn.Module):
     """Drop-in for layers.attention.Attention in a pooling model: same call, no KV cache.
 
     On CPU float32 the C kernel runs every sequence over its own tokens with no padding
-    (native.varlen_attention); elsewhere the padded SDPA path above, its reference. Which one is
+    (prefill_attention.varlen_attention); elsewhere the padded SDPA path above, its reference. Which one is
     decided at the first forward (the model's dtype and device are known then) and kept."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: bool) -> None:
@@ -196,15 +196,15 @@ class VarlenAttention(nn.Module):
         assert not self.causal and self.num_kv_heads == self.num_heads, "forward_qkv is the encoders' path"
         batch = current_batch()
         if self._kernel(qkv):
-            from stoker.kernels.cpu import native
+            from stoker.kernels.cpu import prefill_attention as cpu_prefill
 
             # q, k and v read in place from the projection's rows: no copy of each
-            return native.encoder_attention(qkv.contiguous(), batch.token_table, batch.cu_tensor, batch.lengths, self.scale)
+            return cpu_prefill.encoder_attention(qkv.contiguous(), batch.token_table, batch.cu_tensor, batch.lengths, self.scale)
         return varlen_attention_qkv(qkv, batch, self.scale)
 
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch, scale: float,
                       causal: bool) -> torch.Tensor:
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import prefill_attention as cpu_prefill
 
-    return native.varlen_attention(q, k, v, batch.token_table, batch.cu_tensor, batch.lengths, scale, causal)
+    return cpu_prefill.varlen_attention(q, k, v, batch.token_table, batch.cu_tensor, batch.lengths, scale, causal)

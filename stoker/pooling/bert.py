@@ -121,17 +121,17 @@ class FusedBertLayers:
     wait behind the event loop (docs/benchmarks.md, issue 18). The modules are its twin."""
 
     def __init__(self, encoder: BertEncoder) -> None:
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import encoder_layer as cpu_encoder
 
         first = encoder.layer[0]
         self.hidden = first.attention.output.dense.out_features
         self.intermediate = first.intermediate.dense.out_features
         self.num_heads, self.eps = encoder.num_heads, encoder.eps
-        self.act = native.BERT_ACTIVATIONS[first.intermediate.act_name]
+        self.act = cpu_encoder.BERT_ACTIVATIONS[first.intermediate.act_name]
         self.scale = (self.hidden // self.num_heads) ** -0.5
         self.tensors = [self._tensors(layer) for layer in encoder.layer]  # kept: the array points into them
-        self.params = native.bert_encoder_params([native.bert_layer_params(t, self.hidden, self.intermediate)
-                                                  for t in self.tensors])  # 12 x L pointers: every layer in one call
+        self.params = cpu_encoder.bert_encoder_params([cpu_encoder.bert_layer_params(t, self.hidden, self.intermediate)
+                                                       for t in self.tensors])  # 12 x L pointers: every layer in one call
 
     @staticmethod
     def _tensors(layer: BertLayer) -> list[torch.Tensor]:
@@ -149,7 +149,8 @@ class FusedBertLayers:
         """The fused layers, or None where they cannot run: not CPU float32, no C kernels, a
         head_dim the attention kernel does not take, an activation it lacks, or a projection not
         on the packed C weights (another weight method, or its torch twin in a test)."""
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import encoder_layer as cpu_encoder
+        from stoker.kernels.cpu import linear as cpu_linear
         from stoker.layers.weight_method import PackedCpuMethod
         from stoker.pooling.attention import kernel_supports
 
@@ -160,21 +161,21 @@ class FusedBertLayers:
                        layer.output.dense)
             for linear in linears:
                 method = linear.method
-                if not (isinstance(method, PackedCpuMethod) and method.kernel is native.linear
+                if not (isinstance(method, PackedCpuMethod) and method.kernel is cpu_linear.linear
                         and not method.fuse_silu_and_mul and linear.bias is not None):
                     return None
-            if layer.intermediate.act_name not in native.BERT_ACTIVATIONS:
+            if layer.intermediate.act_name not in cpu_encoder.BERT_ACTIVATIONS:
                 return None
         return cls(encoder)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        from stoker.kernels.cpu import native
+        from stoker.kernels.cpu import encoder_layer as cpu_encoder
 
         batch = current_batch()
         x = hidden.contiguous()  # overwritten layer by layer: the embeddings' fresh output
         workspace = torch.empty(x.shape[0] * (5 * self.hidden + self.intermediate), dtype=torch.float32)
-        native.bert_encoder(x, self.params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
-                            batch.cu_tensor, batch.lengths, self.scale, workspace)
+        cpu_encoder.bert_encoder(x, self.params, self.num_heads, self.intermediate, self.eps, self.act, batch.token_table,
+                                 batch.cu_tensor, batch.lengths, self.scale, workspace)
         return x
 
 

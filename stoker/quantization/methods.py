@@ -162,14 +162,14 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
     def process_after_loading(self, layer: Linear) -> None:
         """Re-lay the weights for the backend and bind the forward once (apply only calls it)."""
         if self.backend == "cpu_q8":
-            from stoker.kernels.cpu import native
+            from stoker.kernels.cpu import linear as cpu_linear
 
             gate_up = self.fuse_silu_and_mul
-            layer.weight_scale = nn.Parameter(native.pack_scales(layer.weight_scale.data, self.storage_dtype, gate_up), requires_grad=False)
-            layer.weight = nn.Parameter(native.pack_linear_weight(layer.weight.data, gate_up=gate_up), requires_grad=False)
+            layer.weight_scale = nn.Parameter(cpu_linear.pack_scales(layer.weight_scale.data, self.storage_dtype, gate_up), requires_grad=False)
+            layer.weight = nn.Parameter(cpu_linear.pack_linear_weight(layer.weight.data, gate_up=gate_up), requires_grad=False)
             if layer.bias is not None:
-                layer.bias = nn.Parameter(native.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
-            self.kernel = native.linear_q8
+                layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
+            self.kernel = cpu_linear.linear_q8
             self._forward = self._cpu_q8
         elif self.backend == "int8pack":
             layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(-1).contiguous(), requires_grad=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import encoder_layer as cpu_encoder
 from stoker.pooling.attention import VarlenBatch, varlen_batch
 from stoker.pooling.bert import BertEncoder, FusedBertLayers
 from stoker.pooling.runner import PoolingRunner, PoolInput
@@ -64,19 +64,19 @@ def test_bert_layer_refuses_what_would_read_outside_its_tensors(tmp_path: Path) 
     x = torch.randn(10, hidden)
     batch = VarlenBatch.build([4, 6], torch.device("cpu"))
     tables = (batch.token_table, batch.cu_tensor, batch.lengths)
-    layer = native.bert_layer_params(fused.tensors[0], hidden, inter)  # one layer's 12 pointers
+    layer = cpu_encoder.bert_layer_params(fused.tensors[0], hidden, inter)  # one layer's 12 pointers
     args = (layer, fused.num_heads, inter, fused.eps, fused.act)
     with pytest.raises(ValueError, match="workspace of 10 floats"):
-        native.bert_encoder(x, *args, *tables, fused.scale, torch.empty(10))
+        cpu_encoder.bert_encoder(x, *args, *tables, fused.scale, torch.empty(10))
     workspace = torch.empty(10 * (5 * hidden + inter))
     with pytest.raises(ValueError, match="act 7"):
-        native.bert_encoder(x, layer, fused.num_heads, inter, fused.eps, 7, *tables, fused.scale, workspace)
+        cpu_encoder.bert_encoder(x, layer, fused.num_heads, inter, fused.eps, 7, *tables, fused.scale, workspace)
     with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the 9 tokens"):
-        native.bert_encoder(x[:9].contiguous(), *args, *tables, fused.scale, workspace)
+        cpu_encoder.bert_encoder(x[:9].contiguous(), *args, *tables, fused.scale, workspace)
     with pytest.raises(ValueError, match="parameter 2 of a BERT layer"):
-        native.bert_layer_params([t if i != 2 else t[:, :1] for i, t in enumerate(fused.tensors[0])], hidden, inter)
+        cpu_encoder.bert_layer_params([t if i != 2 else t[:, :1] for i, t in enumerate(fused.tensors[0])], hidden, inter)
     with pytest.raises(ValueError, match="12 per layer"):
-        native.bert_encoder(x, (ctypes.c_void_p * 13)(*layer, None), *args[1:], *tables, fused.scale, workspace)
+        cpu_encoder.bert_encoder(x, (ctypes.c_void_p * 13)(*layer, None), *args[1:], *tables, fused.scale, workspace)
     with varlen_batch(batch):  # and the good call runs
-        native.bert_encoder(x, *args, *tables, fused.scale, workspace)
+        cpu_encoder.bert_encoder(x, *args, *tables, fused.scale, workspace)
     assert torch.isfinite(x).all()

@@ -69,7 +69,7 @@ def test_an_isa_the_cpu_lacks_is_refused_with_what_it_lacks(monkeypatch: pytest.
 @pytest.mark.parametrize("isa", NARROWER)
 def test_kernel_suite_on_each_narrower_build(isa: str) -> None:
     """The twin and invariance tests of every C kernel, against this ISA's build."""
-    check = "from stoker.kernels.cpu import native; print(native.target())"
+    check = "from stoker.kernels.cpu import linear as cpu_linear; print(cpu_linear.target())"
     probe = subprocess.run([sys.executable, "-c", check], env=_env(isa), capture_output=True, text=True, timeout=300)
     assert probe.stdout.strip() == EXPECTED_TARGET[isa], probe.stdout + probe.stderr
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *KERNEL_TESTS]
@@ -79,7 +79,8 @@ def test_kernel_suite_on_each_narrower_build(isa: str) -> None:
 
 _LINEAR_OUT = """
 import sys, torch
-from stoker.kernels.cpu import build, native
+from stoker.kernels.cpu import build
+from stoker.kernels.cpu import linear as cpu_linear
 if len(sys.argv) > 2:  # another -mtune for this ISA's build (before the library loads)
     flags, needs = build.ISA_TARGETS[build.selected_isa()]
     build.ISA_TARGETS[build.selected_isa()] = ([*flags, "-mtune=" + sys.argv[2]], needs)
@@ -88,15 +89,15 @@ w = torch.randn(300, 200, generator=gen) / 200**0.5
 b = torch.randn(300, generator=gen)
 x = torch.randn(37, 200, generator=gen)
 gate_up = torch.randn(2 * 128, 200, generator=gen) / 200**0.5
-y = native.linear(x, native.pack_linear_weight(w), 300, native.pack_linear_weight(b))
-h = native.linear(x, native.pack_linear_weight(gate_up, gate_up=True), 256, silu_and_mul=True)
+y = cpu_linear.linear(x, cpu_linear.pack_linear_weight(w), 300, cpu_linear.pack_linear_weight(b))
+h = cpu_linear.linear(x, cpu_linear.pack_linear_weight(gate_up, gate_up=True), 256, silu_and_mul=True)
 q8 = {}
 for dtype in (torch.int8, torch.float8_e4m3fn):
     q = (w * 300).clamp(-120, 120).to(dtype) if dtype == torch.float8_e4m3fn else (w * 300).round().clamp(-127, 127).to(dtype)
     s = torch.rand(300, 2, generator=gen) * 0.01
     for rows in (1, 37):  # widened in registers, and the dequantized-panel path
-        q8[str(dtype), rows] = native.linear_q8(x[:rows], native.pack_linear_weight(q), native.pack_scales(s, dtype), 128, 300)
-torch.save({"target": native.target(), "linear": y, "silu": h, "q8": q8}, sys.argv[1])
+        q8[str(dtype), rows] = cpu_linear.linear_q8(x[:rows], cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, dtype), 128, 300)
+torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8}, sys.argv[1])
 """
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from stoker.kernels import reference
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import linear as cpu_linear
 from stoker.quantization import formats
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -34,10 +34,10 @@ def quantized(out_features: int, in_features: int, dtype: str, group_k: int | No
 
 
 def run(x, q, s, group_k, bias=None, silu=False):
-    packed = native.pack_linear_weight(q, gate_up=silu)
-    scales = native.pack_scales(s, q.dtype, gate_up=silu)
-    pb = None if bias is None else native.pack_linear_weight(bias, gate_up=silu)
-    return native.linear_q8(x, packed, scales, group_k, q.shape[0], pb, silu), reference.linear_packed_q8(
+    packed = cpu_linear.pack_linear_weight(q, gate_up=silu)
+    scales = cpu_linear.pack_scales(s, q.dtype, gate_up=silu)
+    pb = None if bias is None else cpu_linear.pack_linear_weight(bias, gate_up=silu)
+    return cpu_linear.linear_q8(x, packed, scales, group_k, q.shape[0], pb, silu), reference.linear_packed_q8(
         x, packed, scales, group_k, q.shape[0], pb, silu)
 
 
@@ -95,7 +95,7 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 40])
 def test_fused_silu_and_mul(dtype: str, num_tokens: int) -> None:
-    inter = native.panel_width()  # gate and up of whole half-panels
+    inter = cpu_linear.panel_width()  # gate and up of whole half-panels
     q, s, gk = quantized(2 * inter, 96, dtype)
     x = torch.randn(num_tokens, 96)
     out, twin = run(x, q, s, gk, silu=True)
@@ -107,14 +107,14 @@ def test_fused_silu_and_mul(dtype: str, num_tokens: int) -> None:
 
 def test_bad_input_is_refused() -> None:
     q, s, gk = quantized(100, 32, "int8")
-    packed, scales = native.pack_linear_weight(q), native.pack_scales(s, q.dtype)
+    packed, scales = cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, q.dtype)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn panels"):
-        native.linear_q8(torch.randn(3, 32), packed.float(), scales, gk, 100)
+        cpu_linear.linear_q8(torch.randn(3, 32), packed.float(), scales, gk, 100)
     with pytest.raises(ValueError, match="scales"):
-        native.linear_q8(torch.randn(3, 32), packed, scales[:, :-1], gk, 100)
+        cpu_linear.linear_q8(torch.randn(3, 32), packed, scales[:, :-1], gk, 100)
     with pytest.raises(ValueError, match="scales"):
-        native.linear_q8(torch.randn(3, 32), packed, scales, 8, 100)  # 4 groups expected, 1 given
+        cpu_linear.linear_q8(torch.randn(3, 32), packed, scales, 8, 100)  # 4 groups expected, 1 given
     with pytest.raises(ValueError, match="does not fit"):
-        native.linear_q8(torch.randn(3, 31), packed, scales, gk, 100)
+        cpu_linear.linear_q8(torch.randn(3, 31), packed, scales, gk, 100)
     with pytest.raises(ValueError, match="float32"):
-        native.linear_q8(torch.randn(3, 32, dtype=torch.float64), packed, scales, gk, 100)
+        cpu_linear.linear_q8(torch.randn(3, 32, dtype=torch.float64), packed, scales, gk, 100)

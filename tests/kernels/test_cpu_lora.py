@@ -1,4 +1,4 @@
-"""kernels/cpu/lora.c (native.lora) against its torch twin reference.lora_segments: the
+"""kernels/cpu/lora.c (lora.py's lora) against its torch twin reference.lora_segments: the
 multi-LoRA update per segment of tokens, with the blocks and ranks it skips by."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stoker.kernels import reference
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import lora as cpu_lora
 
 if not shutil.which("cc") and not shutil.which("gcc"):
     pytest.skip("no C compiler: the CPU kernels are not built here (the torch twin runs instead)", allow_module_level=True)
@@ -45,7 +45,7 @@ def test_lora_matches_its_twin(k: int, shards: list[int], r: int, threads: int) 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = native.lora(x, a, bt, torch.tensor(segments), blocks, torch.tensor(ranks), base.clone())
+        got = cpu_lora.lora(x, a, bt, torch.tensor(segments), blocks, torch.tensor(ranks), base.clone())
     finally:
         torch.set_num_threads(previous)
     want = reference.lora_segments(x, a, bt, segments, base.clone())
@@ -64,7 +64,7 @@ def test_lora_with_interleaved_columns() -> None:
     blocks = torch.tensor([(0, 16, 0, 64), (16, 32, 0, 64)])
     x, base = torch.randn(9, 48, generator=gen), torch.randn(9, 64, generator=gen)
     segments = [(1, 0, 4), (0, 4, 9)]
-    got = native.lora(x, a, bt, torch.tensor(segments), blocks, torch.tensor([16, 8]), base.clone())
+    got = cpu_lora.lora(x, a, bt, torch.tensor(segments), blocks, torch.tensor([16, 8]), base.clone())
     torch.testing.assert_close(got, reference.lora_segments(x, a, bt, segments, base.clone()), rtol=1e-5, atol=1e-4)
 
 
@@ -75,9 +75,9 @@ def test_a_tokens_update_does_not_depend_on_its_neighbours() -> None:
     x = torch.randn(7, 72, generator=gen)
     base = torch.randn(7, 64, generator=gen)
     ranks = torch.tensor([8, 8])
-    together = native.lora(x, a, bt, torch.tensor([(1, 0, 7)]), blocks, ranks, base.clone())
+    together = cpu_lora.lora(x, a, bt, torch.tensor([(1, 0, 7)]), blocks, ranks, base.clone())
     for t in range(7):
-        alone = native.lora(x[t:t + 1], a, bt, torch.tensor([(1, 0, 1)]), blocks, ranks, base[t:t + 1].clone())
+        alone = cpu_lora.lora(x[t:t + 1], a, bt, torch.tensor([(1, 0, 1)]), blocks, ranks, base[t:t + 1].clone())
         assert torch.equal(alone[0], together[t])
 
 
@@ -85,7 +85,7 @@ def test_lora_refuses_what_does_not_chain() -> None:
     a, bt = torch.zeros(2, 8, 16), torch.zeros(2, 8, 32)
     blocks, ranks = torch.tensor([(0, 8, 0, 32)]), torch.tensor([8, 8])
     with pytest.raises(ValueError, match="do not chain"):
-        native.lora(torch.zeros(3, 15), a, bt, torch.tensor([(0, 0, 3)]), blocks, ranks, torch.zeros(3, 32))
+        cpu_lora.lora(torch.zeros(3, 15), a, bt, torch.tensor([(0, 0, 3)]), blocks, ranks, torch.zeros(3, 32))
     with pytest.raises(ValueError, match="int64"):
-        native.lora(torch.zeros(3, 16), a, bt, torch.tensor([(0, 0, 3)], dtype=torch.int32), blocks, ranks,
-                    torch.zeros(3, 32))
+        cpu_lora.lora(torch.zeros(3, 16), a, bt, torch.tensor([(0, 0, 3)], dtype=torch.int32), blocks, ranks,
+                      torch.zeros(3, 32))

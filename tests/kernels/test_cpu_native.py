@@ -19,7 +19,7 @@ from paged_cases import NAN, assert_close, make_paged_batch
 
 from stoker.kernels import ops, reference
 from stoker.kernels.cpu import build as cpu_build
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import paged_decode_attention as cpu_decode
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
     pytest.skip("no C compiler: the CPU kernels are not built here (the torch twins run instead)", allow_module_level=True)
@@ -46,7 +46,7 @@ def run_case(
     query = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)
     scale = 1.0 / math.sqrt(head_dim)
     ctx = batch.context_lens_tensor()
-    out = native.paged_decode_attention(query, k_cache, v_cache, batch.block_tables, ctx, scale, sliding_window)
+    out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, batch.block_tables, ctx, scale, sliding_window)
     ref = reference.paged_decode_attention(query, batch.k_ref, batch.v_ref, batch.block_tables, ctx, scale, sliding_window)
     assert_close(out, ref, 1e-5, f"cpu decode {context_lens}")
     return out
@@ -109,8 +109,8 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(2, 4, 64, generator=gen)
     args = (batch.k_ref, batch.v_ref, batch.block_tables, batch.context_lens_tensor(), 0.125, None)
     calls: list[str] = []
-    real = native.paged_decode_attention
-    monkeypatch.setattr(native, "paged_decode_attention", lambda *a: (calls.append("c"), real(*a))[1])
+    real = cpu_decode.paged_decode_attention
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention", lambda *a: (calls.append("c"), real(*a))[1])
     ops.paged_decode_attention(q, *args)
     assert calls == ["c"]
     ops.paged_decode_attention(q.to(torch.bfloat16), batch.k_ref.to(torch.bfloat16), batch.v_ref.to(torch.bfloat16), *args[2:])
@@ -126,19 +126,19 @@ def test_rejects_indices_outside_the_cache() -> None:
     bad_tables = batch.block_tables.clone()
     bad_tables[1, 0] = batch.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside"):
-        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
+        cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
     bad_tables = batch.block_tables.clone()
     bad_tables[0, 1] = -1
     with pytest.raises(ValueError, match="outside"):
-        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
+        cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
     # entries past a sequence's last block are never read, so they may hold anything (padding)
     bad_tables[0, 1] = batch.block_tables[0, 1]
     bad_tables[0, -1] = -1
-    out = native.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
+    out = cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, bad_tables, batch.context_lens_tensor(), 0.1)
     assert not out.isnan().any()
     for lens in ([20, 16 * batch.block_tables.shape[1] + 1], [-1, 35]):
         with pytest.raises(ValueError, match="block table"):
-            native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, torch.tensor(lens, dtype=torch.int32), 0.1)
+            cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, torch.tensor(lens, dtype=torch.int32), 0.1)
 
 
 @pytest.fixture
@@ -205,9 +205,9 @@ def test_batch_invariant() -> None:
     batch = make_paged_batch(lens, 2, 64, 16, torch.float32, "cpu", gen)
     q = torch.randn(len(lens), 8, 64, generator=gen)
     ctx = batch.context_lens_tensor()
-    whole = native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.125)
+    whole = cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.125)
     for s in (0, 7, 19):
-        alone = native.paged_decode_attention(
+        alone = cpu_decode.paged_decode_attention(
             q[s : s + 1], batch.k_cache, batch.v_cache, batch.block_tables[s : s + 1], ctx[s : s + 1], 0.125
         )
         assert torch.equal(alone[0], whole[s])
@@ -219,8 +219,8 @@ def test_rejects_mismatched_arguments() -> None:
     q = torch.randn(2, 4, 64, generator=gen)
     ctx = batch.context_lens_tensor()
     with pytest.raises(ValueError, match="float32 or fp8 caches only"):
-        native.paged_decode_attention(q, batch.k_cache, batch.v_cache.double(), batch.block_tables, ctx, 0.1)
+        cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache.double(), batch.block_tables, ctx, 0.1)
     with pytest.raises(ValueError, match="2 queries"):
-        native.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables[:1], ctx, 0.1)
+        cpu_decode.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables[:1], ctx, 0.1)
     with pytest.raises(ValueError, match="shape mismatch"):
-        native.paged_decode_attention(q[:, :3], batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.1)
+        cpu_decode.paged_decode_attention(q[:, :3], batch.k_cache, batch.v_cache, batch.block_tables, ctx, 0.1)

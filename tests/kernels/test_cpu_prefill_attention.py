@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from paged_cases import assert_close, make_paged_batch
 
 from stoker.kernels import ops, reference
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import prefill_attention as cpu_prefill
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
     pytest.skip("no C compiler: the CPU kernels are not built here (the torch twins run instead)", allow_module_level=True)
@@ -30,7 +30,7 @@ def run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, sliding_window
     batch = make_paged_batch(context_lens, num_kv_heads, head_dim, block_size, torch.float32, "cpu", gen)
     query = torch.randn(cu[-1], num_heads, head_dim, generator=gen)
     scale = 1.0 / math.sqrt(head_dim)
-    out = native.paged_attention(query, batch.k_cache, batch.v_cache, batch.block_tables, cu, context_lens, scale, sliding_window)
+    out = cpu_prefill.paged_attention(query, batch.k_cache, batch.v_cache, batch.block_tables, cu, context_lens, scale, sliding_window)
     ref = reference.paged_attention(query, batch.k_ref, batch.v_ref, batch.block_tables, cu, context_lens, scale, sliding_window)
     assert_close(out, ref, 1e-5, f"prefill {seqs}")
 
@@ -67,8 +67,8 @@ def test_matches_twin_property(lens, kv_heads_and_group, head_dim, block_size, s
 def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 CPU takes the C kernel; a head_dim off the vector width, or the env var, the twin."""
     calls: list[int] = []
-    real = native.paged_attention
-    monkeypatch.setattr(native, "paged_attention", lambda *a: (calls.append(1), real(*a))[1])
+    real = cpu_prefill.paged_attention
+    monkeypatch.setattr(cpu_prefill, "paged_attention", lambda *a: (calls.append(1), real(*a))[1])
     gen = torch.Generator().manual_seed(3)
     batch = make_paged_batch([20], 1, 64, 16, torch.float32, "cpu", gen)
     q = torch.randn(20, 2, 64, generator=gen)
@@ -88,10 +88,10 @@ def test_bad_input_is_refused() -> None:
     q = torch.randn(10, 2, 64)
     args = (q, batch.k_cache, batch.v_cache)
     with pytest.raises(ValueError, match="query rows"):
-        native.paged_attention(*args, batch.block_tables, [0, 5, 11], [20, 35], 0.1)  # past the query
+        cpu_prefill.paged_attention(*args, batch.block_tables, [0, 5, 11], [20, 35], 0.1)  # past the query
     with pytest.raises(ValueError, match="context_len"):
-        native.paged_attention(*args, batch.block_tables, [0, 5, 10], [4, 35], 0.1)  # more rows than context
+        cpu_prefill.paged_attention(*args, batch.block_tables, [0, 5, 10], [4, 35], 0.1)  # more rows than context
     bad = batch.block_tables.clone()
     bad[1, 1] = batch.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside"):
-        native.paged_attention(*args, bad, [0, 5, 10], [20, 35], 0.1)
+        cpu_prefill.paged_attention(*args, bad, [0, 5, 10], [20, 35], 0.1)

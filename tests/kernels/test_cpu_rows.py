@@ -10,7 +10,8 @@ import torch
 from paged_cases import assert_close
 
 from stoker.kernels import ops, reference
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import elementwise as cpu_elementwise
+from stoker.kernels.cpu import store_kvcache as cpu_store
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
     pytest.skip("no C compiler: the CPU kernels are not built here (the torch twins run instead)", allow_module_level=True)
@@ -32,9 +33,9 @@ def test_rms_norm(num_rows: int, hidden: int) -> None:
     x = torch.randn(num_rows, hidden, generator=gen) * 3
     residual = torch.randn(num_rows, hidden, generator=gen)
     weight = torch.randn(hidden, generator=gen)
-    assert_close(native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, "rms_norm")
+    assert_close(cpu_elementwise.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, "rms_norm")
     x_before, residual_before = x.clone(), residual.clone()
-    out, new_residual = native.fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = cpu_elementwise.fused_add_rms_norm(x, residual, weight, 1e-5)
     out_ref, residual_ref = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, residual_ref)  # one float add: exact
     assert_close(out, out_ref, 1e-5, "fused_add_rms_norm")
@@ -46,9 +47,9 @@ def test_rms_norm_strided_rows_and_3d() -> None:
     wide = torch.randn(10, 96, generator=gen)
     x = wide[:, 16:80]  # rows 96 floats apart
     weight = torch.randn(64, generator=gen)
-    assert_close(native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, "strided")
+    assert_close(cpu_elementwise.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, "strided")
     x3 = torch.randn(2, 5, 64, generator=gen)
-    out = native.rms_norm(x3, weight, 1e-6)
+    out = cpu_elementwise.rms_norm(x3, weight, 1e-6)
     assert out.shape == x3.shape
     assert_close(out, reference.rms_norm(x3, weight, 1e-6), 1e-5, "3d")
 
@@ -59,12 +60,12 @@ def test_silu_and_mul(num_rows: int, d: int) -> None:
     gen = torch.Generator().manual_seed(num_rows * d)
     x = torch.randn(num_rows, 2 * d, generator=gen) * 4
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating exp either way
-    assert_close(native.silu_and_mul(x), reference.silu_and_mul(x), 1e-5, "silu_and_mul")
+    assert_close(cpu_elementwise.silu_and_mul(x), reference.silu_and_mul(x), 1e-5, "silu_and_mul")
 
 
 def test_silu_and_mul_rejects_odd_width() -> None:
     with pytest.raises(ValueError, match="even"):
-        native.silu_and_mul(torch.randn(2, 7))
+        cpu_elementwise.silu_and_mul(torch.randn(2, 7))
 
 
 @pytest.mark.parametrize("num_rows", ROWS)
@@ -81,7 +82,7 @@ def test_rotary(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
     cache = cos_sin_cache(4096, rot_dim)
     positions = torch.randint(0, 4096, (num_rows,), generator=gen)
     qkv_before = qkv.clone()
-    q_out, k_out = native.rotary_embedding(positions, q, k, cache)
+    q_out, k_out = cpu_elementwise.rotary_embedding(positions, q, k, cache)
     q_ref, k_ref = reference.rotary_embedding(positions, q, k, cache)
     assert q_out.shape == q.shape and k_out.shape == k.shape
     assert_close(q_out, q_ref, 1e-5, "query")
@@ -92,15 +93,15 @@ def test_rotary(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
 def test_rotary_rejects_positions_outside_the_table() -> None:
     q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
     with pytest.raises(ValueError, match="positions"):
-        native.rotary_embedding(torch.tensor([0, 1, 512]), q, k, cos_sin_cache(512, 64))
+        cpu_elementwise.rotary_embedding(torch.tensor([0, 1, 512]), q, k, cos_sin_cache(512, 64))
 
 
 def test_ops_dispatch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 CPU rows take the C kernels; bfloat16, or the env var, take the twins."""
     calls: list[str] = []
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
-        real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
+        real = getattr(cpu_elementwise, name)
+        monkeypatch.setattr(cpu_elementwise, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
     x, w = torch.randn(4, 64), torch.randn(64)
     q, k, cache = torch.randn(4, 2, 64), torch.randn(4, 1, 64), cos_sin_cache(16, 64)
     pos = torch.arange(4)
@@ -128,7 +129,7 @@ def test_store_kvcache(num_tokens: int) -> None:
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slots[::4] = -1
     caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan")) for _ in range(4)]
-    native.store_kvcache(key, value, caches[0], caches[1], slots)
+    cpu_store.store_kvcache(key, value, caches[0], caches[1], slots)
     reference.store_kvcache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
@@ -138,6 +139,6 @@ def test_store_kvcache(num_tokens: int) -> None:
 def test_store_kvcache_rejects_slots_past_the_cache() -> None:
     k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     with pytest.raises(ValueError, match="past the cache"):
-        native.store_kvcache(torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache, torch.tensor([3, 8]))
+        cpu_store.store_kvcache(torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache, torch.tensor([3, 8]))
     with pytest.raises(ValueError, match="do not fit"):
-        native.store_kvcache(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache, torch.tensor([0, 1]))
+        cpu_store.store_kvcache(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache, torch.tensor([0, 1]))

@@ -1,6 +1,6 @@
-"""native.varlen_attention (prefill_attention.c over packed sequences, block_size 1, no padding)
-against SDPA run on each sequence alone: bidirectional (encoders) and causal (decoder embedding
-models), with GQA, and the pooling layer choosing it."""
+"""kernels/cpu/prefill_attention.varlen_attention (prefill_attention.c over packed sequences,
+block_size 1, no padding) against SDPA run on each sequence alone: bidirectional (encoders) and
+causal (decoder embedding models), with GQA, and the pooling layer choosing it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoker.kernels.cpu import native
+from stoker.kernels.cpu import prefill_attention as cpu_prefill
 from stoker.pooling.attention import VarlenAttention, VarlenBatch, varlen_attention, varlen_batch
 
 if not shutil.which("cc") and not shutil.which("gcc"):
@@ -37,7 +37,7 @@ def test_varlen_attention_equals_sdpa_per_sequence(causal: bool, heads: int, kv_
     q = torch.randn(num_tokens, heads, head_dim, generator=gen)
     k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
     batch = VarlenBatch.build(lengths, torch.device("cpu"))
-    got = native.varlen_attention(q, k, v, batch.token_table, batch.cu_tensor, batch.lengths, 0.2, causal)
+    got = cpu_prefill.varlen_attention(q, k, v, batch.token_table, batch.cu_tensor, batch.lengths, 0.2, causal)
     want = per_sequence(q, k, v, lengths, 0.2, causal)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # and the padded SDPA path the layer falls back to agrees with both
@@ -67,7 +67,7 @@ def test_encoder_attention_reads_qkv_in_place(heads: int, head_dim: int) -> None
     lengths = [1, 5, 12, 16, 17, 64, 65, 130]
     qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=gen)
     batch = VarlenBatch.build(lengths, torch.device("cpu"))
-    got = native.encoder_attention(qkv, batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+    got = cpu_prefill.encoder_attention(qkv, batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
     want = per_sequence(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, 0.3, False)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -76,8 +76,8 @@ def test_encoder_attention_refuses_tables_that_disagree() -> None:
     qkv = torch.randn(10, 3, 2, 32)
     batch = VarlenBatch.build([4, 6], torch.device("cpu"))
     with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the 9 tokens"):
-        native.encoder_attention(qkv[:9], batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+        cpu_prefill.encoder_attention(qkv[:9], batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
     with pytest.raises(ValueError, match=r"contiguous float32 \(T, 3, H, D\)"):
-        native.encoder_attention(qkv.double(), batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
+        cpu_prefill.encoder_attention(qkv.double(), batch.token_table, batch.cu_tensor, batch.lengths, 0.3)
     with pytest.raises(ValueError, match="disagree on the number of sequences"):
-        native.encoder_attention(qkv, batch.token_table[:1], batch.cu_tensor, batch.lengths, 0.3)
+        cpu_prefill.encoder_attention(qkv, batch.token_table[:1], batch.cu_tensor, batch.lengths, 0.3)

@@ -62,9 +62,9 @@ def test_twin_store_is_torchs_cast(k_scale: float, v_scale: float) -> None:
 @pytest.mark.skipif(not has_cc, reason="no C compiler")
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.037, 2.5)])
 def test_c_store_writes_the_twins_bytes(k_scale: float, v_scale: float) -> None:
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import store_kvcache as cpu_store
 
-    c = _store_all(native.store_kvcache, special_values(), k_scale, v_scale)
+    c = _store_all(cpu_store.store_kvcache, special_values(), k_scale, v_scale)
     twin = _store_all(reference.store_kvcache, special_values(), k_scale, v_scale)
     assert torch.equal(c[0], twin[0]) and torch.equal(c[1], twin[1])
 
@@ -107,14 +107,14 @@ DECODE_CASES = [  # context_lens, H, Hkv, D, block_size, window
 @pytest.mark.skipif(not has_cc, reason="no C compiler")
 @pytest.mark.parametrize("ctx, heads, kv_heads, head_dim, block_size, window", DECODE_CASES)
 def test_c_decode_attention_on_fp8_cache(ctx, heads, kv_heads, head_dim, block_size, window) -> None:
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import paged_decode_attention as cpu_decode
 
     k_scale, v_scale = 0.02, 0.3
     b = fp8_batch(ctx, kv_heads, head_dim, block_size, k_scale, v_scale)
     q = torch.randn(len(ctx), heads, head_dim, generator=torch.Generator().manual_seed(5))
     scale = 1 / math.sqrt(head_dim)
     lens = b.context_lens_tensor()
-    out = native.paged_decode_attention(q, b.k_cache, b.v_cache, b.block_tables, lens, scale, window, k_scale, v_scale)
+    out = cpu_decode.paged_decode_attention(q, b.k_cache, b.v_cache, b.block_tables, lens, scale, window, k_scale, v_scale)
     ref = reference.paged_decode_attention(q, b.k_ref, b.v_ref, b.block_tables, lens, scale, window)
     assert_close(out, ref, 1e-5, "C decode fp8")
     k8, v8 = zero_nan_bytes(b.k_cache), zero_nan_bytes(b.v_cache)  # the twin's gather reads padding
@@ -142,14 +142,15 @@ def _prefill_inputs(seqs, heads, kv_heads, head_dim, block_size, k_scale, v_scal
 @pytest.mark.skipif(not has_cc, reason="no C compiler")
 @pytest.mark.parametrize("seqs, heads, kv_heads, head_dim, block_size, window", PREFILL_CASES)
 def test_c_prefill_attention_on_fp8_cache(seqs, heads, kv_heads, head_dim, block_size, window) -> None:
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import build as cpu_build
+    from stoker.kernels.cpu import prefill_attention as cpu_prefill
 
-    if head_dim % native.library().stoker_linear_vl():
+    if head_dim % cpu_build.library().stoker_linear_vl():
         pytest.skip("the C prefill kernel takes head_dim in whole vectors (others take the twin)")
     k_scale, v_scale = 0.05, 0.7
     b, q, cu, ctx = _prefill_inputs(seqs, heads, kv_heads, head_dim, block_size, k_scale, v_scale)
     scale = 1 / math.sqrt(head_dim)
-    out = native.paged_attention(q, b.k_cache, b.v_cache, b.block_tables, cu, ctx, scale, window, k_scale, v_scale)
+    out = cpu_prefill.paged_attention(q, b.k_cache, b.v_cache, b.block_tables, cu, ctx, scale, window, k_scale, v_scale)
     ref = reference.paged_attention(q, b.k_ref, b.v_ref, b.block_tables, cu, ctx, scale, window)
     assert_close(out, ref, 1e-5, "C prefill fp8")
     k8, v8 = zero_nan_bytes(b.k_cache), zero_nan_bytes(b.v_cache)
@@ -181,11 +182,12 @@ def test_triton_decode_and_prefill_on_fp8_cache() -> None:
 @pytest.mark.skipif(not has_cc, reason="no C compiler")
 def test_ops_send_fp8_caches_to_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from stoker.kernels import ops
-    from stoker.kernels.cpu import native
+    from stoker.kernels.cpu import paged_decode_attention as cpu_decode
+    from stoker.kernels.cpu import store_kvcache as cpu_store
 
     calls = []
-    monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append("decode") or torch.zeros(1))
-    monkeypatch.setattr(native, "store_kvcache", lambda *a: calls.append("store"))
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention", lambda *a: calls.append("decode") or torch.zeros(1))
+    monkeypatch.setattr(cpu_store, "store_kvcache", lambda *a: calls.append("store"))
     b = fp8_batch([5], 1, 64, 16, 1.0, 1.0)
     q = torch.randn(1, 1, 64)
     ops.store_kvcache(q[:, :1], q[:, :1], b.k_cache, b.v_cache, torch.tensor([0]), 1.0, 1.0)
