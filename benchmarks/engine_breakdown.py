@@ -76,7 +76,8 @@ def main() -> None:
         flops: collections.Counter = collections.Counter()
         instrument(seconds, flops)
         for i, (ids, n) in enumerate(reqs):
-            engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), prompt_token_ids=ids)
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            engine.add_request(engine.input_processor.process(f"r{i}", None, params, ids))
         schedule = engine.scheduler.schedule
         last: dict = {}
 

@@ -57,7 +57,7 @@ def main() -> None:
         real, probe = onmachine.build_checkpoints(Path(tmp))
         for label, path in (("issue 2 (95 MB)", real), ("probe (1.3 MB)", probe)):
             llm = onmachine.build_llm(path, [onmachine.Point("decode", 4, args.context)])
-            runner = llm.engine.executor.runner
+            runner = llm.engine.executor.driver_runner
             for batch in (1, 4):
                 msg = step_timing.decode_message(batch, args.context, runner.block_size)
                 for _ in range(3):

@@ -95,7 +95,8 @@ def decode_steps(llm: LLM, batch: int, input_len: int, steps: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     engine = llm.engine
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", prompt_token_ids=[rng.randrange(5, 1000) for _ in range(input_len)], params=params)
+        ids = [rng.randrange(5, 1000) for _ in range(input_len)]
+        engine.add_request(engine.input_processor.process(f"d{batch}-{i}", None, params, ids))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()  # prefill (and the first token)
     times = []
@@ -117,7 +118,7 @@ def bench_decode(repeats: int, tmp: Path) -> list[dict]:
         for wdtype in WEIGHTS:
             llm = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=256 << 20, max_num_seqs=32,
                       quantization=None if wdtype == "float32" else wdtype)
-            runner = llm.engine.runner
+            runner = llm.engine.executor.driver_runner
             embed = runner.model.model.embed_tokens.weight
             info[wdtype] = {"weight_bytes_read": runner.weight_bytes_held() - embed.numel() * embed.element_size(),
                             "kv_bytes_per_token": runner.kv_spec.bytes_per_token}
@@ -163,8 +164,8 @@ def bench_kv_capacity(tmp: Path) -> list[dict]:
     for kv in ("auto", "fp8"):
         llm = LLM(str(path), max_model_len=512, kv_cache_memory_bytes=512 << 20, kv_cache_dtype=kv)
         rows.append({"kv_cache_dtype": kv, "budget_MiB": 512, "blocks": llm.engine.block_manager.num_blocks,
-                     "bytes_per_token": llm.engine.runner.kv_spec.bytes_per_token,
-                     "tokens": llm.engine.block_manager.num_blocks * llm.engine.runner.block_size})
+                     "bytes_per_token": llm.engine.executor.driver_runner.kv_spec.bytes_per_token,
+                     "tokens": llm.engine.block_manager.num_blocks * llm.engine.executor.driver_runner.block_size})
     return rows
 
 

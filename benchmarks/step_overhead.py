@@ -67,7 +67,7 @@ class StepTimer:
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.engine
-        self.runner = llm.engine.runner
+        self.runner = llm.engine.executor.driver_runner
         self.is_cuda = self.runner.device.type == "cuda"
         self.current: dict[str, float] = defaultdict(float)
         self._wrap(self.engine.scheduler, "schedule", "schedule")
@@ -146,7 +146,7 @@ def run_batch(llm: LLM, timer: StepTimer, batch_size: int, input_len: int, outpu
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch_size):
         ids = [rng.randrange(5, vocab) for _ in range(input_len)]
-        llm.engine.add_request(f"b{batch_size}-{i}", prompt_token_ids=ids, params=params)
+        llm.engine.add_request(llm.engine.input_processor.process(f"b{batch_size}-{i}", None, params, ids))
     decode_steps: list[dict[str, float]] = []
     seen = 0
     while llm.engine.has_unfinished_requests():
@@ -190,7 +190,7 @@ def main() -> None:
         llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
                   max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=kv_bytes, enforce_eager=args.enforce_eager,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-        runner = llm.engine.runner
+        runner = llm.engine.executor.driver_runner
         graphs = runner.graph_runner is not None
         timer = StepTimer(llm)
         try:

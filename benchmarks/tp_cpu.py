@@ -76,8 +76,8 @@ def decode_steps(llm: LLM, batch: int, input_len: int, output_len: int, seed: in
     try:
         for i in range(batch):
             ids = [rng.randrange(5, 1000) for _ in range(input_len)]
-            engine.add_request(f"b{batch}-{i}", None, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True),
-                               prompt_token_ids=ids)
+            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(engine.input_processor.process(f"b{batch}-{i}", None, params, ids))
         monitor = getattr(executor, "collectives", None)
         while engine.has_unfinished_requests():
             current.clear()

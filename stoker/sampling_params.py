@@ -6,7 +6,7 @@ follow the OpenAI API as vLLM serves it (../shared/reference/facts.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stoker.structured.spec import StructuredOutputs
 
@@ -45,11 +45,6 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM: words never completed (their last token banned after the rest)
     # vLLM's structured_outputs: the output follows a JSON schema, JSON, a regex, a choice or a grammar
     structured_outputs: StructuredOutputs | None = None
-    # Filled by the engine from generation_config.json; not a user knob.
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
-    # Filled by the engine from bad_words and its tokenizer: each word's token ids (with and
-    # without a leading space), the last of which is banned when the output ends with the rest.
-    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                                engine.hf_config["vocab_size"], args.seed, engine.eos_token_ids)
     result = measure(llm, requests)
     result.update(model=args.model, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-                  dtype=str(engine.runner.dtype).removeprefix("torch."), device=str(engine.runner.device))
+                  dtype=str(engine.executor.driver_runner.dtype).removeprefix("torch."), device=str(engine.executor.driver_runner.device))
     engine.check_integrity()
     if args.save_result:
         from pathlib import Path

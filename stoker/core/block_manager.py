@@ -168,6 +168,21 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
 
+    def free_tail(self, seq: Sequence) -> None:
+        """Release seq's blocks past its computed tokens (reserved for draft tokens that were
+        rejected). They hold no computed token, so none of them is registered in the cache."""
+        table = self.block_tables.get(seq.seq_id)
+        if not table:
+            return
+        keep = self.num_blocks_needed(seq.num_computed_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            # Taken fresh from the free list for drafts: this sequence's alone, and never hashed.
+            assert block.ref_count == 1 and block.block_hash is None, f"block {block_id} is shared or hashed"
+            block.ref_count = 0
+            self.free_block_ids[block_id] = None
+
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_block_ids:
             self._evict_hash(block_id)

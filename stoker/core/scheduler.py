@@ -8,39 +8,57 @@ budget is split (chunked prefill), so it shares steps with running decodes inste
 stalling them. When blocks run out, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to be recomputed later (its full blocks
 are often still in the prefix cache, which makes the recompute cheap).
+
+The scheduler learns from each step (DESIGN.md, seam 21): `schedule()` plans and reserves the
+blocks, the runner answers a `StepResult`, and `update_after_step(plan, result)` advances each
+sequence by what was computed and accepted, appends the accepted tokens, frees the blocks
+that hold only rejected draft tokens and registers the full blocks in the prefix cache. Draft
+tokens (`Sequence.draft_token_ids`, speculative decoding) are scheduled after a running
+sequence's known tokens; the K/V of a rejected draft is never hashed and its block is freed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stoker.core.block_manager import BlockManager
 from stoker.core.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from stoker.core.step import StepResult
+
 
 @dataclass
 class ScheduledSequence:
-    """One sequence's share of a step: compute tokens [start_pos, start_pos + num_tokens)."""
+    """One sequence's share of a step: compute tokens [start_pos, start_pos + num_tokens), the
+    last `num_draft_tokens` of them proposed drafts to verify."""
 
     seq: Sequence
     start_pos: int  # == seq.num_computed_tokens before the step
     num_tokens: int
     block_table: list[int]
+    num_draft_tokens: int = 0
     # Fixed at planning time: the chunk reaches the end of the known tokens, so its last
-    # position is sampled (a middle chunk of a long prompt is not).
+    # known position is sampled (a middle chunk of a long prompt is not), and so is each draft's.
     do_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.do_sample = self.start_pos + self.num_tokens == self.seq.num_tokens
+        self.do_sample = self.start_pos + self.num_tokens - self.num_draft_tokens == self.seq.num_tokens
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.num_tokens
 
     @property
+    def draft_token_ids(self) -> list[int]:
+        return self.seq.draft_token_ids[: self.num_draft_tokens]
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.seq.tokens_slice(self.start_pos, self.context_len)
+        known = self.seq.tokens_slice(self.start_pos, self.context_len - self.num_draft_tokens)
+        return known + self.draft_token_ids if self.num_draft_tokens else known
 
 
 @dataclass
@@ -48,6 +66,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # (source, destination) block copies the runner makes before the forward (StepMessage.kv_copies)
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -78,18 +98,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
-        if seq.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if seq.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len "
-                f"({self.max_model_len}); shorten the prompt or raise max_model_len"
-            )
-        if not self.enable_chunked_prefill and seq.num_prompt_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt has {seq.num_prompt_tokens} tokens, more than max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) with chunked prefill off"
-            )
+        # The input processor (engine/input_processor.py) admits only prompts that can run; these
+        # say the invariants the scheduler relies on (a prompt it could never place would hang).
+        assert 0 < seq.num_prompt_tokens <= self.max_model_len, (seq.num_prompt_tokens, self.max_model_len)
+        assert self.enable_chunked_prefill or seq.num_prompt_tokens <= self.max_num_batched_tokens
         self.waiting.append(seq)
 
     @property
@@ -119,7 +131,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -128,7 +140,9 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num_new)
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, bm.get_block_table(seq)))
+                num_drafts = max(num_new - seq.num_uncomputed_tokens, 0)  # the budget may cut drafts
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, bm.get_block_table(seq),
+                                                       num_drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -168,11 +182,36 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step ran: the scheduled tokens are in the cache now."""
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+    def update_after_step(self, plan: SchedulerOutput, result: StepResult) -> None:
+        """The step ran: advance each scheduled sequence by what it computed and accepted.
+
+        A sequence that sampled gets its accepted tokens appended. Its K/V is valid for the known
+        tokens it computed and for the drafts that were accepted (the accepted tokens but the
+        last, which is new); a rejected draft's position is not computed, so the sequence rolls
+        back to before it, the blocks holding only rejected drafts are freed, and only blocks
+        full of computed tokens are hashed into the prefix cache."""
+        if result.finished_sending or result.finished_recving:
+            raise RuntimeError("a KV connector reported finished transfers, but this scheduler runs none")
+        bm = self.block_manager
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted while the step ran: its blocks are already free
+                continue
+            num_computed = s.num_tokens - s.num_draft_tokens
+            sampled = result.sampled.get(seq.seq_id)
+            if s.do_sample:
+                if sampled is None or not 1 <= len(sampled.token_ids) <= 1 + s.num_draft_tokens:
+                    got = "none" if sampled is None else len(sampled.token_ids)
+                    raise RuntimeError(f"sequence {seq.seq_id} sampled {1 + s.num_draft_tokens} row(s) but the step "
+                                       f"accepted {got} token(s): a runner must accept 1 to 1 + drafts")
+                accepted = sampled.token_ids
+                num_computed += len(accepted) - 1  # the accepted drafts; the last token is new
+                seq.append_tokens(accepted)
+            seq.num_computed_tokens = s.start_pos + num_computed
+            seq.draft_token_ids = []  # verified (or not): a proposer proposes afresh
+            if s.num_draft_tokens:
+                bm.free_tail(seq)
+            bm.cache_full_blocks(seq)
 
     # ------------------------------------------------------------------ internals
     def _preempt(self, seq: Sequence) -> None:

@@ -54,6 +54,11 @@ class Sequence:
     # as prefill chunks compute them. Only the request's first sequence computes them.
     prompt_logprobs: list | None = field(default=None, repr=False)
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # bad_words as token ids, tokenized once by the input processor (sampling bans them)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Proposed next tokens awaiting verification (speculative decoding): scheduled after the
+    # known tokens, never part of token_ids; the step's result says which were accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -102,3 +107,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)

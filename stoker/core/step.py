@@ -1,8 +1,10 @@
-"""The step message: what the scheduler's plan becomes when it crosses into a runner. [no torch]
+"""The step round trip: the plan that crosses into a runner, and the result that comes back. [no torch]
 
-One contract for every runner (DESIGN.md, seam 17): the in-process runner at TP=1, and every
-tensor-parallel rank, which receives it pickled over torch.distributed. It holds plain values
-only (ints, lists, the request's SamplingParams), never a `Sequence` or the scheduler.
+One contract for every runner (DESIGN.md, seams 17 and 21): the in-process runner at TP=1, and
+every tensor-parallel rank, which receives the message pickled over torch.distributed. Both
+directions hold plain values only (ints, lists, the request's SamplingParams), never a
+`Sequence` or the scheduler. The scheduler plans a `StepMessage`, the runner answers a
+`StepResult`, and `Scheduler.update_after_step(plan, result)` learns what happened from it.
 
 Forward part (every rank needs it): per scheduled sequence its new token ids, the position of
 the first one, its block table and whether its last position samples.
@@ -10,12 +12,22 @@ Sampling part (only the rank that samples, rank 0, needs it): per sampling row i
 which of the request's n completions it is (seeds its generator), how many tokens it has
 generated (min_tokens) and, only when a penalty or bad_words needs them, its prompt and output
 ids. `for_workers()` drops the sampling part, so a broadcast carries the forward only.
+
+Optional parts, empty unless a capability fills them (absent costs nothing):
+  * per sequence `draft_token_ids`: proposed tokens at the tail of `token_ids`, to verify; the
+    sequence then samples `num_sampled` = 1 + len(drafts) rows (speculative decoding);
+  * per step `kv_copies`: (source, destination) block pairs the runner copies in every layer's
+    cache before the forward (done when the result comes back: they run in the step);
+  * per step `kv_connector_meta`: what a KV connector's worker side needs this step (its
+    handles reach the layers through the forward context); transfers it finishes come back
+    in `StepResult.finished_sending` / `finished_recving` (vLLM's names).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from stoker.core.scheduler import ScheduledSequence, SchedulerOutput
 from stoker.core.sequence import Sequence
@@ -29,6 +41,9 @@ class SampleSpec:
     num_output_tokens: int
     # (prompt ids, output ids) when a penalty or bad_words needs them, else None
     history_ids: tuple[list[int], list[int]] | None = None
+    # bad_words as token ids (with and without a leading space); the last of each is banned
+    # where the output ends with the rest (engine/input_processor.py tokenizes them once)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,10 +57,18 @@ class SeqStep:
     # predict). Every rank needs it: the LM head's gather is a collective over those rows.
     prompt_logprobs: tuple[int, list[int]] | None = None
     lora_slot: int = -1  # the LoRA slot its adapter is in (-1: the base model)
+    # Proposed tokens to verify: the last len(draft_token_ids) of token_ids (speculative decoding)
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows this sequence samples: the last known token's and one per draft (derived, so it
+        can never disagree with the drafts it verifies)."""
+        return 1 + len(self.draft_token_ids) if self.do_sample else 0
 
     @property
     def context_len(self) -> int:
@@ -79,6 +102,9 @@ class StepMessage:
     # seq_id -> how it samples; only for seqs with do_sample, and only on the sampling rank
     sampling: dict[int, SampleSpec] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # (source block, destination block): copied in every layer's K and V cache before the forward
+    kv_copies: tuple[tuple[int, int], ...] = ()
+    kv_connector_meta: Any = None  # a KV connector's per-step metadata (None: no connector)
 
     @property
     def sampled_seq_ids(self) -> list[int]:
@@ -101,6 +127,42 @@ class StepMessage:
     def for_workers(self) -> StepMessage:
         """The forward part alone: what a rank that does not sample needs."""
         return dataclasses.replace(self, sampling={}, eos_token_ids=())
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Scores of prompt tokens [first_index, first_index + len(logprobs)) of one sequence."""
+
+    first_index: int  # index into the prompt of the first token scored
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the model's most likely token at that position
+    top_ids: list[list[int]]  # (len, top n)
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """What one sequence kept from a step: its accepted tokens in order (one per step without
+    drafts; with drafts, the accepted ones and the token sampled after them), each with its
+    log-probability and, when the request asks for logprobs, (its rank, the top ids, their values)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[int, list[int], list[float]] | None]
+
+
+@dataclass
+class StepResult:
+    """What a step did, as rank 0 saw it; the scheduler and the output processor learn from it."""
+
+    # seq_id -> its accepted tokens, for every sequence that sampled, in the message's row order
+    sampled: dict[int, SampledTokens] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)  # seq_id -> scores
+    # Request ids whose KV transfers a KV connector finished this step (vLLM's names): sending
+    # (their blocks may go) and receiving (their prompt's K/V arrived). Empty without a connector.
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -133,11 +195,11 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots:
     sampling: dict[int, SampleSpec] = {}
     for s in ordered:
         seq = s.seq
-        slot = slot_of(s)
         seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample,
-                            _prompt_logprob_targets(seq, s.start_pos, s.num_tokens), slot))
+                            _prompt_logprob_targets(seq, s.start_pos, s.num_tokens - s.num_draft_tokens), slot_of(s),
+                            tuple(s.draft_token_ids)))
         if s.do_sample:
             p = seq.sampling_params
             history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
-            sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, history_ids)
-    return StepMessage(seqs, sampling, tuple(eos_token_ids))
+            sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, history_ids, seq.bad_words_token_ids)
+    return StepMessage(seqs, sampling, tuple(eos_token_ids), tuple(out.kv_copies))

@@ -105,7 +105,7 @@ def microbench_round(spec: ModelSpec, chain: microbench.ProjectionChain, overhea
     b, c = DECODE_ATTENTION_SHAPE
     samples.add(("decode_attention",), microbench.decode_attention_s(spec, b, c, iters, flush=True))
     samples.add(("decode_attention_fixed",), microbench.decode_attention_s(spec, 1, 1, 3 * iters))
-    bs = overhead_llm.engine.executor.runner.block_size
+    bs = overhead_llm.engine.executor.driver_runner.block_size
     for n in sorted(prompt_lens | {1} if prompt_lens else set()):
         samples.add(("host_inputs", n), step_timing.host_inputs_s(n, bs, iters))
     for n in PREFILL_ATTENTION_LENS:

@@ -36,7 +36,7 @@ def blocks_needed(batch: int, context_len: int, block_size: int = 16) -> int:
 
 def step_seconds(llm: Any, phase: str, batch: int, context_len: int, iters: int, warmup: int = 2) -> float:
     """Median seconds of `runner.execute` for one decode or prefill step shape."""
-    runner = llm.engine.executor.runner
+    runner = llm.engine.executor.driver_runner
     bs = runner.block_size
     if blocks_needed(batch, context_len, bs) > llm.engine.block_manager.num_blocks:
         raise ValueError(f"{batch} x {context_len} tokens need more KV blocks than the engine holds")
@@ -79,7 +79,7 @@ def cold_host_step_seconds(llm: Any, batch: int, context_len: int, iters: int) -
     def pollute(*_: Any) -> None:
         torch.mv(weight, x)
 
-    model = llm.engine.executor.runner.model
+    model = llm.engine.executor.driver_runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     handles = [m.register_forward_pre_hook(pollute) for m in linears]
     try:

@@ -7,14 +7,19 @@ kernels, so the loop keeps accepting, parsing and streaming while the model comp
 
 Threading contract (the engine is not thread-safe):
 - after `start()` only the engine thread touches the LLMEngine;
-- the event loop talks to it through a command deque (add / abort) plus a wake-up event;
+- the event loop talks to it through a deque of typed commands (`AddRequest` carrying a
+  checked `EngineRequest`, `AbortRequest`, `CollectUnloadedLoRAs`) plus a wake-up event;
 - the engine thread answers with one `loop.call_soon_threadsafe` per step carrying all of
   that step's outputs, so the loop is woken once per step, not once per request.
 
-Every torch call of the server (loading, warm-up, steps) should run on that one thread: pass
-the same single-worker executor to the loading code and to `start`. On CPU, OpenMP keeps a
-thread team per calling thread; once two threads have run torch's parallel ops, each step
-was measured 25-30% slower than when a single thread does all of them.
+This is the server's whole view of the engine: it builds requests with `input_processor`, reads
+the engine's fixed facts from `info`, manages LoRA adapters and health through the methods
+here, and never reaches the LLMEngine behind it.
+
+Every torch call of the server (loading, warm-up, steps) runs on one thread, the engine
+thread (`build` loads the model there). On CPU, OpenMP keeps a thread team per calling
+thread; once two threads have run torch's parallel ops, each step was measured 25-30% slower
+than when a single thread does all of them.
 
 Outputs are cumulative (text and token ids so far), so a request's stream keeps only the
 latest one: a consumer that falls behind skips intermediate states and loses nothing.
@@ -28,12 +33,15 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from stoker.config import CacheConfig
 from stoker.core.step import StepShape
+from stoker.engine.input_processor import EngineRequest, InputProcessor
 from stoker.engine.llm_engine import EngineStats, LLMEngine, StepFailed
+from stoker.executor.contract import RunnerInfo
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
 
@@ -70,6 +78,39 @@ class EngineObserver(Protocol):
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_failed(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the served engine is: fixed once it is built, safe to read from any thread."""
+
+    model_path: str
+    hf_config: dict[str, Any]  # the checkpoint's config.json (read, never changed)
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_loras: int | None  # LoRA slots; None: LoRA is off
+    cache_config: CacheConfig
+    tensor_parallel_size: int
+    runner: RunnerInfo  # rank 0's device, dtypes, KV spec
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class CollectUnloadedLoRAs:
+    """An adapter was unloaded: drop it from its slot once no running sequence uses it."""
+
+
+Command = AddRequest | AbortRequest | CollectUnloadedLoRAs
 
 
 @dataclass(frozen=True)
@@ -135,11 +176,15 @@ class AsyncEngine:
         engine: LLMEngine,
         observer: EngineObserver | None = None,
         max_waiting_requests: int | None = None,
+        thread: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
-        self.engine = engine
+        """thread: the single-worker executor the engine was built on (see `build`); a new one
+        when None."""
+        self._engine = engine
         self.observer = observer
         self.max_waiting_requests = max_waiting_requests
-        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._thread = thread or engine_executor()
+        self._commands: collections.deque[Command] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0  # touched on the loop thread only
@@ -147,28 +192,62 @@ class AsyncEngine:
         self._future: concurrent.futures.Future | None = None
         self._stop = False
         self._accepting = False
+        self._closed = False
         self.dead_error: BaseException | None = None
+        cfg = engine.config
+        self.info = EngineInfo(
+            model_path=cfg.model_config.model, hf_config=engine.hf_config, max_model_len=engine.max_model_len,
+            vocab_size=engine.input_limits.vocab_size, max_num_seqs=cfg.scheduler_config.max_num_seqs,
+            max_loras=cfg.lora_config.max_loras if cfg.lora_config is not None else None,
+            cache_config=cfg.cache_config, tensor_parallel_size=cfg.parallel_config.tensor_parallel_size,
+            runner=engine.runner_info,
+        )
         self._snapshot = self._take_snapshot()
 
+    @classmethod
+    async def build(cls, factory: Callable[[], LLMEngine], **kwargs: Any) -> AsyncEngine:
+        """Build the LLMEngine on a new engine thread (every later torch call runs there too)."""
+        thread = engine_executor()
+        try:
+            engine = await asyncio.get_running_loop().run_in_executor(thread, factory)
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        return cls(engine, thread=thread, **kwargs)
+
     # ------------------------------------------------------------------ lifecycle
-    def start(
-        self, loop: asyncio.AbstractEventLoop | None = None, executor: concurrent.futures.ThreadPoolExecutor | None = None
-    ) -> None:
-        """Run the step loop on `executor`'s single worker (the thread that loaded the model),
-        or on a new thread of its own."""
+    async def warm_up(self) -> None:
+        """Before `start`: two greedy tokens through the whole path (prefill, decode, sampler) on
+        the engine thread, then check the KV cache is whole. A server is ready once it has generated."""
+        assert self._future is None, "warm up before the step loop starts"
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._warm_up)
+
+    def _warm_up(self) -> None:
+        engine = self._engine
+        ids = engine.tokenizer.encode("Hello") or [0]
+        request = engine.input_processor.process("stoker-warmup", None, SamplingParams(max_tokens=2, temperature=0.0), ids)
+        engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_integrity()
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Run the step loop on the engine thread."""
         self._loop = loop or asyncio.get_running_loop()
-        executor = executor or engine_executor()
         self._accepting = True
-        self._future = executor.submit(self._run)
+        self._future = self._thread.submit(self._run)
 
     def stop_accepting(self) -> None:
         self._accepting = False
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
-        """Stop taking requests, let those in flight finish (up to the timeout), stop the thread."""
+        """Stop taking requests, let those in flight finish (up to the timeout), stop the loop,
+        then the engine's executor (tensor-parallel workers); safe to call more than once."""
         self._accepting = False
+        if self._closed:
+            return
         deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
-        while self._streams and self.dead_error is None:
+        while self._streams and self.dead_error is None and self._future is not None:
             if deadline is not None and time.monotonic() > deadline:
                 logger.warning("shutdown: aborting %d requests still in flight", len(self._streams))
                 for request_id in list(self._streams):
@@ -179,6 +258,9 @@ class AsyncEngine:
         self._wake.set()
         if self._future is not None:
             await asyncio.to_thread(concurrent.futures.wait, [self._future], 30)
+        self._closed = True
+        await asyncio.to_thread(self._engine.shutdown)
+        self._thread.shutdown(wait=False)
 
     @property
     def is_running(self) -> bool:
@@ -201,50 +283,83 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
+    def collective_summary(self) -> str | None:
+        """A line on the all-reduces since the last call (tensor parallelism; None otherwise)."""
+        return self._engine.executor.collective_summary()
+
+    # ------------------------------------------------------------------ inputs (any thread)
+    def input_processor(self, tokenizer: Any) -> InputProcessor:
+        """A request builder for this engine using `tokenizer`; run it off the event loop, on
+        the thread that owns that tokenizer."""
+        return self._engine.make_input_processor(tokenizer)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def lora_enabled(self) -> bool:
+        return self._engine.lora is not None
+
+    def has_lora(self, name: str) -> bool:
+        lora = self._engine.lora
+        return lora is not None and lora.has(name)
+
+    def lora_names(self) -> list[str]:
+        lora = self._engine.lora
+        return lora.names() if lora is not None else []
+
+    def lora_path(self, name: str) -> str:
+        assert self._engine.lora is not None
+        return self._engine.lora.path_of(name)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read, check and register a PEFT adapter (LoRAError naming what is wrong): on the
+        engine thread before the loop starts (start-up adapters), on a worker thread after
+        (the registry is locked; slots are filled by the engine thread when a step needs one)."""
+        if self._future is None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._engine.load_lora, name, path)
+        else:
+            await asyncio.to_thread(self._engine.load_lora, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """New requests may no longer name it (LoRAError if it is not loaded); the engine thread
+        drops it from its slot once its requests in flight have finished."""
+        lora = self._engine.lora
+        if lora is None:
+            raise ValueError("LoRA is off")
+        lora.remove(name)
+        self._commands.append(CollectUnloadedLoRAs())
+        self._wake.set()
+
     # ------------------------------------------------------------------ requests (event loop)
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-        lora_name: str | None = None,
-    ) -> RequestStream:
-        """Admit a request now (raises at once if refused); iterate the stream for outputs."""
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Admit a checked request now (raises at once if refused); iterate the stream for outputs."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}")
         if not self._accepting:
             raise EngineNotAcceptingError("the server is shutting down")
+        n = request.params.n
         limit = self.max_waiting_requests
-        if limit is not None and params.n > limit:
-            raise ValueError(f"n = {params.n} sequences can never fit the waiting queue of {limit} sequences "
+        if limit is not None and n > limit:
+            raise ValueError(f"n = {n} sequences can never fit the waiting queue of {limit} sequences "
                              f"(--max-waiting-requests); ask for n <= {limit}")
-        if limit is not None and self._num_queued + params.n > limit:
+        if limit is not None and self._num_queued + n > limit:
             raise QueueFullError(f"{self._num_queued} sequences are already waiting (limit {limit}, counted as vLLM "
-                                 f"does: n per prompt); this request adds {params.n}")
+                                 f"does: n per prompt); this request adds {n}")
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id, params.n)
+        stream = RequestStream(self, request_id, n)
         self._streams[request_id] = stream
-        self._num_queued += params.n
-        arrival = time.time() if arrival_time is None else arrival_time
-        self._commands.append(("add", (request_id, prompt, params, prompt_token_ids, arrival, lora_name)))
+        self._num_queued += n
+        self._commands.append(AddRequest(request))
         self._wake.set()
         return stream
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in self.add_request(request_id, prompt_token_ids, params, prompt):
-            yield out
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._dequeue(stream)
         if self.dead_error is None:
-            self._commands.append(("abort", request_id))
+            self._commands.append(AbortRequest(request_id))
             self._wake.set()
 
     def _dequeue(self, stream: RequestStream) -> None:
@@ -275,8 +390,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _take_snapshot(self) -> EngineSnapshot:
-        bm = self.engine.block_manager
-        return EngineSnapshot(self.engine.stats(), bm.num_free_blocks, bm.num_blocks)
+        bm = self._engine.block_manager
+        return EngineSnapshot(self._engine.stats(), bm.num_free_blocks, bm.num_blocks)
 
     def _call_loop(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -287,22 +402,23 @@ class AsyncEngine:
 
     def _drain_commands(self) -> None:
         while self._commands:
-            kind, payload = self._commands.popleft()
-            if kind == "add":
-                request_id, prompt, params, prompt_token_ids, arrival, lora_name = payload
+            command = self._commands.popleft()
+            if isinstance(command, AddRequest):
+                request = command.request
                 try:
-                    self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                            arrival_time=arrival, lora_name=lora_name)
+                    self._engine.add_request(request)
                 except Exception as exc:  # a bad request fails alone
-                    self._notify_failed(request_id)
-                    self._call_loop(self._fail, request_id, exc)
+                    self._notify_failed(request.request_id)
+                    self._call_loop(self._fail, request.request_id, exc)
                 else:
                     # The request's parameters (n, max_tokens) are not in its outputs; metrics need them.
-                    self._observe("on_added", request_id, params)
-            else:
-                out = self.engine.abort_request(payload)
+                    self._observe("on_added", request.request_id, request.params)
+            elif isinstance(command, AbortRequest):
+                out = self._engine.abort_request(command.request_id)
                 if out is not None:
-                    self._notify(([out]))
+                    self._notify([out])
+            else:
+                self._engine.collect_unloaded_loras()
 
     def _notify(self, outputs: list[RequestOutput]) -> None:
         if self.observer is None or not outputs:
@@ -323,7 +439,7 @@ class AsyncEngine:
                 logger.exception("engine observer failed")
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         consecutive_failures = 0
         try:
             while not self._stop:

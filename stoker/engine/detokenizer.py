@@ -25,17 +25,19 @@ def new_state(num_prompt_tokens: int) -> DetokenizerState:
     return DetokenizerState(max(num_prompt_tokens - _CONTEXT_TOKENS, 0), num_prompt_tokens)
 
 
-def decode_increment(tokenizer: Any, all_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
-    """Text added by the tokens after `state.read_offset`; advances the state when complete."""
-    prefix_text = tokenizer.decode(all_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
-    full_text = tokenizer.decode(all_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
+def decode_increment(tokenizer: Any, window: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
+    """Text added by the tokens after `state.read_offset`; advances the state when complete.
+
+    window: the sequence's token ids from `state.prefix_offset` to the end of what is known
+    (prompt and output; a few context tokens, not the whole sequence, are copied per call)."""
+    num_prefix = state.read_offset - state.prefix_offset
+    prefix_text = tokenizer.decode(window[:num_prefix], skip_special_tokens=skip_special_tokens)
+    full_text = tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
     if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-        if full_text.startswith(prefix_text):
-            delta = full_text[len(prefix_text) :]
-        else:  # a tokenizer that rewrites earlier text: fall back to the length difference
-            delta = full_text[len(prefix_text) :]
+        # A tokenizer that rewrites earlier text also gets the length difference.
+        delta = full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset
-        state.read_offset = len(all_ids)
+        state.read_offset = state.prefix_offset + len(window) - num_prefix
         return delta
     return ""
 

@@ -112,8 +112,9 @@ class LLM:
             for prompt, params, lr in zip(prompts, params_list, loras):
                 request_id = str(next(self._counter))
                 text, token_ids = _split_prompt(prompt)
-                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
-                                        lora_name=lr.lora_name if lr is not None else None)
+                request = self.engine.input_processor.process(request_id, text, params, token_ids,
+                                                              lora_name=lr.lora_name if lr is not None else None)
+                self.engine.add_request(request)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:

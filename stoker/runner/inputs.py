@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stoker.core.step import SeqStep, StepMessage
+from stoker.core.step import PromptLogprobChunk, SeqStep, StepMessage
 from stoker.layers.attention import AttentionMetadata
-from stoker.sampling.prompt_logprobs import PromptLogprobChunk
 
 
 @dataclass

@@ -8,15 +8,15 @@ gathers the logits on rank 0, which alone samples (`execute` returns None elsewh
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stoker import cpu_runtime
 from stoker.config import EngineConfig
-from stoker.core.step import SampleSpec, SeqStep, StepMessage
+from stoker.core.step import SampledTokens, SampleSpec, SeqStep, StepMessage, StepResult
 from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.executor.contract import RunnerInfo
 from stoker.layers.attention import set_attention_metadata
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
@@ -26,8 +26,8 @@ from stoker.lora.model_slots import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import ModelInputs, prepare_inputs
-from stoker.sampling.prompt_logprobs import PromptLogprobChunk, score_prompt
-from stoker.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from stoker.sampling.prompt_logprobs import score_prompt
+from stoker.sampling.sampler import Sampler, SamplingRow
 from stoker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,6 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-@dataclass
-class StepResult:
-    seq_ids: list[int]  # sequences that sampled, in row order
-    sampler_output: SamplerOutput
-    prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)  # seq_id -> scores
-
-
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int, tp: TensorParallelGroup | None = None
@@ -105,7 +98,7 @@ class ModelRunner:
         self._apply_kv_scales(cache.fp8_kv)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
-        self.matchers: Any = None  # structured outputs' GrammarMatchers, set by the engine when first needed
+        self.matchers: Any = None  # structured outputs' GrammarMatchers (enable_structured_outputs)
 
     # ------------------------------------------------------------------ KV cache
     def _apply_kv_scales(self, fp8: bool) -> None:
@@ -140,6 +133,20 @@ class ModelRunner:
         by = f"{_size(held)} held by rank {self.tp.rank} of {tp}" if tp > 1 else f"{_size(held)} held"
         return (f"{_size(predicted)} ({projections} projections, embeddings/norms/LM head {rest}; "
                 f"{by}, panel padding included)")
+
+    def describe(self) -> RunnerInfo:
+        """This runner as plain values (the executor contract's `describe`)."""
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        return RunnerInfo(str(self.device), device_name, str(self.dtype).removeprefix("torch."),
+                          self.quant.method if self.quant is not None else None, self.kv_spec, self.bytes_per_block,
+                          self.weights_summary())
+
+    def enable_structured_outputs(self, grammars: Any) -> None:
+        """Mask the rows that carry a grammar with matchers over `grammars` (the engine's cache)."""
+        from stoker.structured.grammar import GrammarMatchers
+
+        if self.matchers is None:
+            self.matchers = GrammarMatchers(grammars)
 
     def weight_bytes_held(self) -> int:
         """Bytes of every parameter the model holds (a tied weight counted once)."""
@@ -192,6 +199,18 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.release(-1)
 
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy block src to block dst in every layer's K and V cache (StepMessage.kv_copies):
+        one indexed copy per cache, (num_pairs, block_size, Hkv, D) each."""
+        num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+        if any(not (0 <= b < num_blocks) for pair in pairs for b in pair):
+            raise ValueError(f"kv_copies {list(pairs)} name blocks outside [0, {num_blocks})")
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
@@ -227,6 +246,12 @@ class ModelRunner:
     def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
         """The forward (every rank, in lockstep: it holds the collectives) -> (S, vocab) float32
         logits of the rows that sample, on rank 0; None on the other ranks or when none samples."""
+        if any(s.draft_token_ids for s in step.seqs):
+            # Verifying drafts needs a rejection sampler over several rows per sequence
+            # (speculative decoding); until one exists a draft is refused, never sampled as one row.
+            raise NotImplementedError("this runner cannot verify draft tokens (speculative decoding is not built)")
+        if step.kv_copies:
+            self.copy_blocks(step.kv_copies)
         inputs = prepare_inputs(step, self.block_size, self.device)
         md = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(len(inputs.ordered), md):
@@ -263,14 +288,14 @@ class ModelRunner:
         if not self.tp.is_first:
             return None
         if logits is None:
-            return StepResult([], SamplerOutput([], [], []), inputs.prompt_logprobs)
+            return StepResult(prompt_logprobs=inputs.prompt_logprobs)
         rows = []
         constrained = []  # (row, seq_id, spec): rows a grammar masks
         for i, s in enumerate(inputs.sampled):
             spec = step.sampling[s.seq_id]
             prompt_ids, output_ids = spec.history_ids or ([], [])
             rows.append(SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
-                                    self._generator(s.seq_id, spec), step.eos_token_ids))
+                                    self._generator(s.seq_id, spec), step.eos_token_ids, spec.bad_words_token_ids))
             if spec.params.structured_outputs is not None:
                 constrained.append((i, s.seq_id, spec.params.structured_outputs))
         if constrained:
@@ -278,7 +303,9 @@ class ModelRunner:
         out = self.sampler(logits, rows)
         for i, seq_id, _ in constrained:
             self.matchers.accept(seq_id, out.token_ids[i])
-        return StepResult([s.seq_id for s in inputs.sampled], out, inputs.prompt_logprobs)
+        sampled = {s.seq_id: SampledTokens([out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]])
+                   for i, s in enumerate(inputs.sampled)}
+        return StepResult(sampled, inputs.prompt_logprobs)
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         seed = spec.params.seed

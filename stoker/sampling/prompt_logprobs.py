@@ -13,24 +13,13 @@ gathers its vocabulary shards to rank 0, a collective); only rank 0 gets logits 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from stoker.core.step import PromptLogprobChunk
+
 # Rows per slice: (rows, vocab) float32 logits plus their log-softmax stay near 2 x 64 MiB.
 _SLICE_ELEMENTS = 1 << 24
-
-
-@dataclass
-class PromptLogprobChunk:
-    """Scores of prompt tokens [first_index, first_index + len(logprobs)) of one sequence."""
-
-    first_index: int  # index into the prompt of the first token scored
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]  # 1 = the model's most likely token at that position
-    top_ids: list[list[int]]  # (len, top n)
-    top_logprobs: list[list[float]]
 
 
 def rows_per_slice(vocab_size: int) -> int:

@@ -25,6 +25,8 @@ class SamplingRow:
     num_output_tokens: int  # min_tokens
     generator: torch.Generator | None  # a seeded request's own stream; None: the shared one
     eos_token_ids: tuple[int, ...]
+    # bad_words as token ids: the last of each is banned where the output ends with the rest
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -151,9 +153,9 @@ class Sampler:
                 keep = torch.full((vocab,), float("-inf"), dtype=logits.dtype, device=logits.device)
                 keep[p.allowed_token_ids] = 0.0
                 logits[i] += keep
-            for word in p._bad_words_token_ids:
+            for word in r.bad_words_token_ids:
                 *prefix, last = word
-                if last < vocab and (not prefix or r.output_ids[len(r.output_ids) - len(prefix):] == prefix):
+                if last < vocab and (not prefix or r.output_ids[len(r.output_ids) - len(prefix):] == list(prefix)):
                     logits[i, last] = float("-inf")
         return logits
 

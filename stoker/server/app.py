@@ -19,9 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stoker.engine.async_engine import AsyncEngine, engine_executor
-from stoker.engine.llm_engine import LLMEngine
-from stoker.sampling_params import SamplingParams
+from stoker.engine.async_engine import AsyncEngine, EngineInfo
 from stoker.server import openapi
 from stoker.server.errors import ApiError, describe_validation_errors, error_body
 from stoker.server.http_limits import install_redaction
@@ -36,25 +34,15 @@ from stoker.server.tokenization import ServerTokenizer
 
 logger = logging.getLogger("stoker.server")
 
-EngineFactory = Callable[[], LLMEngine]
+EngineFactory = Callable[[], Any]  # builds the generative engine (an LLMEngine), on the engine thread
 
 
-def warm_up(engine: LLMEngine) -> None:
-    """Two greedy tokens through the whole path (prefill, decode, sampler), then check the
-    KV cache is whole: a server is ready only once it has generated."""
-    ids = engine.tokenizer.encode("Hello") or [0]
-    engine.add_request("stoker-warmup", None, SamplingParams(max_tokens=2, temperature=0.0), prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.check_integrity()
-
-
-def _wall_model(engine: LLMEngine, profile: str | None) -> Any:
+def _wall_model(info: EngineInfo, profile: str | None) -> Any:
     """The wall verdict's cost model; a failure to build it never stops the server (logged)."""
     from stoker.server.wall import build_wall_model
 
     try:
-        wall = build_wall_model(engine, profile)
+        wall = build_wall_model(info, profile)
     except Exception:  # noqa: BLE001 - a missing table entry or bad profile must not fail start-up
         logger.exception("the wall verdict is off: its cost model could not be built")
         return None
@@ -75,34 +63,34 @@ def create_app(
     state = ServerState(settings)
     state.pooling, state.serves_generation = pooling, engine_factory is not None
 
-    # Loading, warm-up and every step run on this one thread (see AsyncEngine's docstring).
-    executor = engine_executor()
-
-    engines: list[LLMEngine] = []  # the engine once built, for its shutdown (workers) whatever happens next
+    engines: list[AsyncEngine] = []  # the engine once built, for its shutdown (workers) whatever happens next
 
     async def load() -> None:
         try:
-            loop = asyncio.get_running_loop()
-            engine = await loop.run_in_executor(executor, engine_factory)
+            # Loading, warm-up and every step run on the engine thread (see AsyncEngine's docstring).
+            engine = await AsyncEngine.build(engine_factory, observer=state.metrics,
+                                             max_waiting_requests=settings.max_waiting_requests)
             engines.append(engine)
             for name, path in settings.lora_modules:  # a bad adapter stops start-up, naming it
-                await loop.run_in_executor(executor, engine.load_lora, name, path)
+                await engine.load_lora(name, path)
                 logger.info("LoRA adapter %r loaded from %s", name, path)
             from stoker.engine.tokenizer import load_tokenizer
 
+            info = engine.info
             state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
             worker_tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
-            state.tokenization = ServerTokenizer(worker_tokenizer, engine.max_model_len)
+            # Requests are checked on the tokenizer thread, with its tokenizer (bad_words, prompts).
+            state.tokenization = ServerTokenizer(worker_tokenizer, info.max_model_len,
+                                                 engine.input_processor(worker_tokenizer))
             if settings.warmup:
-                await loop.run_in_executor(executor, warm_up, engine)
-            state.max_model_len = engine.max_model_len
-            state.max_num_seqs = engine.config.scheduler_config.max_num_seqs
-            state.vocab_size = int(engine.hf_config["vocab_size"])
-            state.metrics.engine_loaded(engine.max_model_len)
-            state.metrics.wall.set_model(_wall_model(engine, settings.roofline_profile))
-            async_engine = AsyncEngine(engine, observer=state.metrics, max_waiting_requests=settings.max_waiting_requests)
-            async_engine.start(executor=executor)
-            state.engine = async_engine
+                await engine.warm_up()
+            state.max_model_len = info.max_model_len
+            state.max_num_seqs = info.max_num_seqs
+            state.vocab_size = info.vocab_size
+            state.metrics.engine_loaded(info.max_model_len)
+            state.metrics.wall.set_model(_wall_model(info, settings.roofline_profile))
+            engine.start()
+            state.engine = engine
             state.ready = True
             logger.info("ready: serving %s as %s (max_model_len %d)", settings.model_path,
                         ", ".join(settings.served_model_names), state.max_model_len)
@@ -133,11 +121,9 @@ def create_app(
             state.ready = False
             for t in tasks:
                 t.cancel()
-            if state.engine is not None:
-                await state.engine.shutdown(drain_timeout_s)
+            for engine in engines:  # tensor-parallel workers stop here too, also when loading failed
+                await engine.shutdown(drain_timeout_s)
                 logger.info("engine stopped")
-            for engine in engines:  # tensor-parallel workers stop here, also when loading failed
-                await asyncio.to_thread(engine.shutdown)
             if state.tokenization is not None:
                 state.tokenization.close()
             if state.pooling is not None:

@@ -103,7 +103,7 @@ _HEADLESS_FLAGS = {"model_dir", "tensor_parallel_size", "nnodes", "node_rank", "
 
 def _run_headless(args: argparse.Namespace) -> int:
     from stoker.config import ParallelConfig
-    from stoker.distributed.headless import run_node
+    from stoker.executor.headless import run_node
 
     if args.headless:  # under torchrun every rank runs the same command: rank 0 honours the rest
         defaults = vars(args.parser.parse_args([]))

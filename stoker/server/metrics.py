@@ -89,11 +89,11 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Sequences preempted to free KV blocks", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
-        if engine.engine.lora is not None:
+        if engine.info.max_loras is not None:
             # vLLM's: an info gauge whose labels name the adapters in use, valued at the scrape time
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters",
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            g.add_metric([str(engine.engine.config.lora_config.max_loras), ",".join(s.running_loras),
+            g.add_metric([str(engine.info.max_loras), ",".join(s.running_loras),
                           ",".join(s.waiting_loras)], time.time())
             yield g
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
@@ -106,7 +106,7 @@ class _EngineCollector:
         """vLLM's info-style gauge: always 1, the cache configuration in its labels (label names
         and str() values as vLLM writes them, e.g. "True", "None"). The config is fixed once the
         engine is built, so reading it here is safe."""
-        cc = engine.engine.config.cache_config
+        cc = engine.info.cache_config
         info = {
             "block_size": cc.block_size,
             "cache_dtype": cc.kv_cache_dtype,
@@ -296,7 +296,7 @@ class EngineLogLine:
         hit_rate = 100.0 * (s.prefix_cache_hits - last[4]) / queries if queries else 0.0
         # Tensor parallelism: the step's all-reduces, measured vs the fitted collective model
         # (totals of plain floats kept by the engine thread; a racy read is off by a step at most).
-        collectives = engine.engine.executor.collective_summary()
+        collectives = engine.collective_summary()
         wall = self.wall_summary() if self.wall_summary is not None else None
         return (
             f"engine: running {s.num_running}, waiting {s.num_waiting}, KV usage {100 * s.kv_cache_usage:.1f}%, "

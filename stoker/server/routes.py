@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 from typing import Any
 
@@ -57,10 +56,9 @@ async def models(request: Request) -> JSONResponse:
          "parent": None, "max_model_len": st.max_model_len}
         for name in st.settings.served_model_names
     ]
-    lora = st.engine.engine.lora if st.engine is not None else None
-    for name in lora.names() if lora is not None else []:  # adapters: their parent is the base model
+    for name in st.engine.lora_names() if st.engine is not None else []:  # adapters: the base model is their parent
         data.append({"id": name, "object": "model", "created": st.created, "owned_by": "stoker",
-                     "root": lora.path_of(name), "parent": st.settings.model_name, "max_model_len": st.max_model_len})
+                     "root": st.engine.lora_path(name), "parent": st.settings.model_name, "max_model_len": st.max_model_len})
     data += pooling_model_cards(st)
     return JSONResponse({"object": "list", "data": data})
 
@@ -178,8 +176,7 @@ def _runtime_lora(request: Request) -> ServerState:
     if not st.settings.allow_runtime_lora_updates:
         raise ApiError(404, "loading and unloading LoRA adapters while serving is off; start the server with "
                             "--allow-runtime-lora-updates (and --enable-lora)")
-    Serving(st).engine()
-    if st.engine.engine.lora is None:
+    if not Serving(st).engine().lora_enabled:
         raise bad_request("LoRA is off; start the server with --enable-lora", "lora_name")
     return st
 
@@ -193,7 +190,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
     if body.lora_name in st.settings.served_model_names:
         raise bad_request(f"{body.lora_name!r} is the base model's name; give the adapter another", "lora_name")
     try:
-        await asyncio.to_thread(st.engine.engine.load_lora, body.lora_name, body.lora_path)
+        await st.engine.load_lora(body.lora_name, body.lora_path)
     except LoRAError as exc:
         raise bad_request(str(exc), "lora_path" if "already loaded" not in str(exc) else "lora_name") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -206,7 +203,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
 
     st = _runtime_lora(request)
     try:
-        st.engine.engine.unload_lora(body.lora_name)
+        st.engine.unload_lora(body.lora_name)
     except LoRAError as exc:
         raise ApiError(404, str(exc), "lora_name") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

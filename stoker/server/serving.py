@@ -73,13 +73,11 @@ class Serving:
         st = self.state
         if model is None or model in st.settings.served_model_names or st.engine is None:
             return None
-        lora = st.engine.engine.lora
-        return model if lora is not None and lora.has(model) else None
+        return model if st.engine.has_lora(model) else None
 
     def adapter_names(self) -> list[str]:
         st = self.state
-        lora = st.engine.engine.lora if st.engine is not None else None
-        return lora.names() if lora is not None else []
+        return st.engine.lora_names() if st.engine is not None else []
 
     def engine(self) -> AsyncEngine:
         st = self.state
@@ -121,27 +119,16 @@ class Serving:
             param = getattr(exc, "param", None) or param_of_value_error(str(exc), _FIELDS)
             raise bad_request(str(exc), param) from None
 
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile a structured-output grammar in a worker thread, off the step loop (the engine
-        then finds it cached); a constraint xgrammar cannot enforce is a 400 naming the field."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        engine = self.engine().engine
-        try:
-            await asyncio.to_thread(engine.grammars.compile, spec)
-        except ValueError as exc:
-            raise bad_request(str(exc), "response_format" if spec.kind in ("json", "json_object") else "structured_outputs") from None
-
     def check_logprobs(self, value: int | None, param: str) -> None:
         cap = self.state.settings.max_logprobs
         if value is not None and not 0 <= value <= cap:
             raise bad_request(f"{param} must be in [0, {cap}], got {value}", param)
 
     # ------------------------------------------------------------------ engine
-    def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                lora_name: str | None = None) -> list[RequestStream]:
-        """One engine request per prompt; all admitted or none (earlier ones aborted)."""
+    async def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                      lora_name: str | None = None) -> list[RequestStream]:
+        """One engine request per prompt, checked off the event loop by the engine's input
+        processor (ids, lengths, grammar, bad_words); all admitted or none (earlier ones aborted)."""
         engine = self.engine()
         num_seqs = sum(p.n for p in params)
         limit = self.state.max_num_seqs
@@ -149,11 +136,13 @@ class Serving:
             raise bad_request(
                 f"this request asks for {num_seqs} sequences ({len(prompts)} prompt(s) x n); the server runs at most "
                 f"{limit} at once (--max-num-seqs): send fewer prompts or a smaller n", "n")
+        ids_of = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        requests = await self.state.tokenization.engine_requests(
+            [(rid, text, ids, p) for rid, (text, ids), p in zip(ids_of, prompts, params)], lora_name)
         streams: list[RequestStream] = []
         try:
-            for i, ((text, ids), p) in enumerate(zip(prompts, params)):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(engine.add_request(rid, ids, p, text, lora_name=lora_name))
+            for request in requests:
+                streams.append(engine.add_request(request))
         except QueueFullError as exc:
             for s in streams:
                 s.abort()

@@ -44,14 +44,13 @@ class OpenAIServingChat(Serving):
             # vLLM's hermes parser does the same: tokenizers that mark <tool_call> special would
             # otherwise drop the markers the parser looks for (the EOS adds no text either way).
             params.skip_special_tokens = False
-        try:
-            await self.compile_grammar(params)
-        except ApiError as exc:
-            if plan.mode in ("named", "required"):  # the grammar came from the tools' parameters
-                raise bad_request(f"tools: {exc.message}", "tools") from None
-            raise
         request_id = new_id("chatcmpl")
-        streams = self.add_all(request_id, [(None, ids)], [params], lora_name=self.lora_name(req.model))
+        try:
+            streams = await self.add_all(request_id, [(None, ids)], [params], lora_name=self.lora_name(req.model))
+        except ApiError as exc:
+            if plan.mode in ("named", "required") and exc.param in ("response_format", "structured_outputs"):
+                raise bad_request(f"tools: {exc.message}", "tools") from None  # the grammar came from the tools
+            raise
         created = now_s()
         if req.stream:
             body = self._stream(request_id, model, created, streams, params, len(ids), req, plan)

@@ -32,14 +32,10 @@ class OpenAIServingCompletion(Serving):
             raise bad_request("prompt must not be empty", "prompt")
         if all(isinstance(p, str) for p in prompt):
             return list(zip(prompt, await tok.encode_all(prompt)))
+        # Token ids are checked against the vocabulary by the engine's input processor (add_all).
         if all(isinstance(p, int) for p in prompt):
-            self.check_token_ids(prompt, "prompt")
             return [(None, list(prompt))]
-        out: list[tuple[str | None, list[int]]] = []
-        for ids in prompt:
-            self.check_token_ids(ids, "prompt")
-            out.append((None, list(ids)))
-        return out
+        return [(None, list(ids)) for ids in prompt]
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
@@ -60,10 +56,9 @@ class OpenAIServingCompletion(Serving):
                                          req.logprobs), prompt_logprobs=num_prompt_logprobs)
             for _, ids in prompts
         ]
-        await self.compile_grammar(params[0])
         echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
         request_id = new_id("cmpl")
-        streams = self.add_all(request_id, prompts, params, lora_name=self.lora_name(req.model))
+        streams = await self.add_all(request_id, prompts, params, lora_name=self.lora_name(req.model))
         created = now_s()
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:

@@ -21,17 +21,22 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from stoker.engine.input_processor import EngineRequest, InputError, InputProcessor
 from stoker.engine.llm import render_chat_text
 from stoker.server.errors import bad_request
+from stoker.sampling_params import SamplingParams
 from stoker.server.protocol import ChatMessage, message_dicts
 
 T = TypeVar("T")
 
 
 class ServerTokenizer:
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, input_processor: InputProcessor | None = None) -> None:
+        """input_processor: the engine's request checks, built with this same tokenizer (it
+        runs on this thread)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.input_processor = input_processor
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_chars_per_token = max((len(t) for t in vocab), default=64) or 1
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stoker-tokenizer")
@@ -78,3 +83,18 @@ class ServerTokenizer:
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids)
+
+    async def engine_requests(self, items: list[tuple[str, str | None, list[int], SamplingParams]],
+                              lora_name: str | None) -> list[EngineRequest]:
+        """(request id, prompt text, prompt ids, params) -> checked engine requests (the grammar
+        compiled, bad_words tokenized); a request the engine cannot run is a 400 naming its field."""
+        assert self.input_processor is not None, "this server has no generative engine"
+        process = self.input_processor.process
+
+        def build() -> list[EngineRequest]:
+            return [process(rid, text, params, ids, lora_name=lora_name) for rid, text, ids, params in items]
+
+        try:
+            return await self._run(build)
+        except InputError as exc:
+            raise bad_request(str(exc), exc.param) from None

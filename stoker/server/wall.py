@@ -15,10 +15,13 @@ decided once when the engine is loaded (roofline/live.py prices every step with 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.live import WallModel
+
+if TYPE_CHECKING:
+    from stoker.engine.async_engine import EngineInfo
 
 logger = logging.getLogger("stoker.server")
 
@@ -29,21 +32,19 @@ def _dtype_name(dtype: Any) -> str:
     return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[str(dtype).removeprefix("torch.")]
 
 
-def build_wall_model(engine: Any, profile: str | None = None) -> WallModel | None:
-    """The wall model of a loaded LLMEngine, or None (with the reason logged once)."""
+def build_wall_model(info: EngineInfo, profile: str | None = None) -> WallModel | None:
+    """The wall model of a loaded engine, or None (with the reason logged once)."""
     from stoker.roofline import device_file
     from stoker.roofline.hardware import gpu_from_device_name
     from stoker.roofline.modelspec import spec_from_config
     from stoker.roofline.profiles import get_profile
 
-    runner = engine.runner
-    if runner.device.type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(runner.device)
-        device = gpu_from_device_name(name)
+    runner = info.runner
+    if runner.device_type == "cuda":
+        device = gpu_from_device_name(runner.device_name)
         if device is None:
-            logger.info("the wall: no roofline entry for %r; add it with a YAML device file (docs/roofline.md)", name)
+            logger.info("the wall: no roofline entry for %r; add it with a YAML device file (docs/roofline.md)",
+                        runner.device_name)
             return None
         eff, profile_name = get_profile(profile or DEFAULT_PROFILE), profile or DEFAULT_PROFILE
     else:
@@ -57,9 +58,8 @@ def build_wall_model(engine: Any, profile: str | None = None) -> WallModel | Non
         else:
             eff, profile_name = Efficiencies.ideal(), "measured"
     act = _dtype_name(runner.dtype)
-    quant = runner.quant.method if runner.quant is not None else None
-    weight = {"fp8": "fp8", "int8": "int8"}.get(quant or "", act)
-    kv = "fp8" if engine.config.cache_config.fp8_kv else act
-    spec = spec_from_config(engine.hf_config, name=str(engine.config.model_config.model))
+    weight = {"fp8": "fp8", "int8": "int8"}.get(runner.quantization or "", act)
+    kv = "fp8" if info.cache_config.fp8_kv else act
+    spec = spec_from_config(info.hf_config, name=info.model_path)
     return WallModel(spec, device, eff, weight_dtype=weight, kv_dtype=kv, act_dtype=act,
-                     tp=engine.config.parallel_config.tensor_parallel_size, profile=profile_name)
+                     tp=info.tensor_parallel_size, profile=profile_name)

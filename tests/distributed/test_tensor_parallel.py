@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from stoker.engine.executor import WorkerFailedError
+from stoker.executor.contract import WorkerFailedError
 
 PROMPTS = [[1, 17, 300, 42, 7, 99], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 2, 3]]
 KV = 1 << 22
@@ -58,7 +58,7 @@ def test_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> 
         want = run(llm, GREEDY)
     with engine(path, tensor_parallel_size=2) as llm:
         assert run(llm, GREEDY) == want
-        rank0 = llm.engine.runner
+        rank0 = llm.engine.executor.driver_runner
         assert rank0.tp.world_size == 2 and rank0.kv_spec.num_kv_heads == max(1, overrides.get("num_key_value_heads", 2) // 2)
 
 
@@ -73,10 +73,10 @@ def test_tp4_greedy_equals_tp1(tiny_checkpoints) -> None:
 def test_each_rank_holds_its_shard(tiny_checkpoints) -> None:
     path = tiny_checkpoints("llama")
     with engine(path) as llm:
-        whole = llm.engine.runner.weight_bytes_held()
+        whole = llm.engine.executor.driver_runner.weight_bytes_held()
     with engine(path, tensor_parallel_size=2) as llm:
-        held = llm.engine.runner.weight_bytes_held()
-        norms = sum(p.numel() * 4 for n, p in llm.engine.runner.model.named_parameters() if "norm" in n)
+        held = llm.engine.executor.driver_runner.weight_bytes_held()
+        norms = sum(p.numel() * 4 for n, p in llm.engine.executor.driver_runner.model.named_parameters() if "norm" in n)
         assert held - norms == pytest.approx((whole - norms) / 2, rel=0.02)
         # the collective log: per step one all-reduce after the embedding, two per layer
         monitor = llm.engine.executor.collectives
@@ -159,7 +159,7 @@ def test_a_killed_worker_kills_the_engine_and_leaves_no_process(tiny_checkpoints
     executor = llm.engine.executor
     worker = executor.procs[0]
     try:
-        llm.engine.add_request("r1", None, SamplingParams(max_tokens=200, ignore_eos=True), prompt_token_ids=[1, 2, 3])
+        llm.engine.add_request(llm.engine.input_processor.process("r1", None, SamplingParams(max_tokens=200, ignore_eos=True), [1, 2, 3]))
         llm.engine.step()
         worker.kill()
         start = time.monotonic()
@@ -188,7 +188,7 @@ def test_a_hung_worker_times_out(tiny_checkpoints) -> None:
     try:
         os.kill(worker.pid, signal.SIGSTOP)
         start = time.monotonic()
-        llm.engine.add_request("r1", None, SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3])
+        llm.engine.add_request(llm.engine.input_processor.process("r1", None, SamplingParams(max_tokens=4), [1, 2, 3]))
         with pytest.raises(WorkerFailedError):
             llm.engine.step()
         assert time.monotonic() - start < 15

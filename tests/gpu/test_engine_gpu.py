@@ -77,7 +77,7 @@ def _hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 def _engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """All-position logits of one fresh prompt through the engine's model and paged cache."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_runner
     n, bs = len(ids), runner.block_size
 
     def cuda(values, dtype=torch.int64) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def _count_replays(llm: LLM) -> list[int]:
     """Wrap the graph runner's `run` to record each replayed step's batch size."""
-    graph_runner = llm.engine.runner.graph_runner
+    graph_runner = llm.engine.executor.driver_runner.graph_runner
     assert graph_runner is not None, "graphs were not captured"
     sizes: list[int] = []
     run = graph_runner.run
@@ -120,16 +120,16 @@ def _count_replays(llm: LLM) -> list[int]:
 def test_dtype_auto_is_bfloat16_and_graphs_follow_enforce_eager(tiny_llama, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="stoker.runner.cuda_graph"):
         llm = LLM(str(tiny_llama), device="cuda", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=40)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_runner
     assert runner.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     assert runner.kv_caches[0][0].dtype == runner.dtype
     assert runner.graph_runner is not None
     assert sorted(runner.graph_runner.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert "captured 8 CUDA graphs in" in caplog.text
     assert LLM(str(tiny_llama), dtype="float16", device="cuda", max_model_len=256, kv_cache_memory_bytes=KV_BYTES,
-               enforce_eager=True).engine.runner.dtype == torch.float16
+               enforce_eager=True).engine.executor.driver_runner.dtype == torch.float16
     eager = LLM(str(tiny_llama), device="cuda", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, enforce_eager=True)
-    assert eager.engine.runner.graph_runner is None
+    assert eager.engine.executor.driver_runner.graph_runner is None
 
 
 @compiled_only
@@ -209,7 +209,7 @@ def test_graph_replay_decode_logits_equal_eager_bf16(name, tiny_checkpoints) -> 
     def decode_logits(enforce_eager: bool) -> torch.Tensor:
         llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
                   enforce_eager=enforce_eager)
-        model = llm.engine.runner.model
+        model = llm.engine.executor.driver_runner.model
         recorded: list[torch.Tensor] = []
         compute = model.compute_logits
 

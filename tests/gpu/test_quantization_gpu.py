@@ -91,7 +91,7 @@ def test_scaled_mm_backend_is_chosen_on_fp8_gpus(tiny_checkpoints) -> None:
     from stoker.quantization.methods import QuantizedLinearMethod
 
     llm = LLM(str(tiny_checkpoints("llama")), quantization="fp8", kv_cache_memory_bytes=32 << 20)
-    backends = {m.method.backend for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and isinstance(m.method, QuantizedLinearMethod)}
+    backends = {m.method.backend for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, Linear) and isinstance(m.method, QuantizedLinearMethod)}
     assert backends == ({"scaled_mm"} if fp8_matmul_supported(torch.device("cuda")) else {"triton_w8"})
 
 

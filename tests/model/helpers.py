@@ -34,7 +34,7 @@ def engine_logits(llm, ids: list[int]) -> torch.Tensor:
     """All-position logits of one prompt through the engine's own model and paged cache."""
     from stoker.layers.attention import AttentionMetadata, set_attention_metadata
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_runner
     n = len(ids)
     bs = runner.block_size
     metadata = AttentionMetadata(

@@ -29,7 +29,7 @@ def _generate(llm: LLM):
 @needs_compiler
 def test_projection_weights_are_packed_when_the_kernels_are_built(tiny_checkpoints) -> None:
     llm = LLM(str(tiny_checkpoints("llama", tie_word_embeddings=True)), kv_cache_memory_bytes=4 << 20, device="cpu")
-    model = llm.engine.runner.model
+    model = llm.engine.executor.driver_runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
     assert linears
     for m in linears:
@@ -50,7 +50,7 @@ def test_projection_weights_are_packed_when_the_kernels_are_built(tiny_checkpoin
 def test_projection_weights_are_column_major_without_the_kernels(tiny_checkpoints, monkeypatch) -> None:
     monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
     llm = LLM(str(tiny_checkpoints("llama", tie_word_embeddings=False)), kv_cache_memory_bytes=4 << 20, device="cpu")
-    model = llm.engine.runner.model
+    model = llm.engine.executor.driver_runner.model
     for m in model.modules():
         if isinstance(m, Linear):
             assert isinstance(m.method, ColumnMajorMethod)
@@ -67,7 +67,7 @@ def test_the_backend_is_not_re_read_per_call(tiny_checkpoints, monkeypatch) -> N
     before = _generate(llm)
     monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
     llm.reset_prefix_cache()
-    methods = {type(m.method) for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)}
+    methods = {type(m.method) for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)}
     assert methods == {PackedCpuMethod}
     after = _generate(llm)
     assert [a.token_ids for a in after] == [b.token_ids for b in before]
@@ -80,7 +80,7 @@ def test_layouts_do_not_change_outputs(tiny_checkpoints, monkeypatch, intermedia
     give the same tokens and logprobs."""
     path = str(tiny_checkpoints("qwen2", tie_word_embeddings=False, intermediate_size=intermediate_size))
     packed_llm = LLM(path, kv_cache_memory_bytes=4 << 20, device="cpu")
-    model = packed_llm.engine.runner.model
+    model = packed_llm.engine.executor.driver_runner.model
     assert isinstance(next(m for m in model.modules() if isinstance(m, LMHead)).method, PackedCpuMethod)
     fused = [m.gate_up_proj.fused_silu_and_mul for m in model.modules() if hasattr(m, "gate_up_proj")]
     assert fused and all(fused) == (intermediate_size == 128)

@@ -93,7 +93,7 @@ def test_graphs_not_supported_on_cpu() -> None:
 
 def test_cpu_engine_never_captures(tiny_llama) -> None:
     llm = LLM(str(tiny_llama), device="cpu", max_model_len=128, kv_cache_memory_bytes=1 << 20)
-    assert llm.engine.runner.graph_runner is None
+    assert llm.engine.executor.driver_runner.graph_runner is None
 
 
 def test_replay_path_equals_eager_on_cpu(tiny_llama) -> None:
@@ -105,7 +105,7 @@ def test_replay_path_equals_eager_on_cpu(tiny_llama) -> None:
     eager = LLM(str(tiny_llama), **kwargs).generate(prompts, params, use_tqdm=False)
 
     llm = LLM(str(tiny_llama), **kwargs)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_runner
     with torch.inference_mode():
         graph_runner = CudaGraphRunner(
             runner.model, 16, runner.max_model_len, runner.block_size, runner.hf_config["hidden_size"], runner.dtype, runner.device

@@ -66,11 +66,11 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     )[0].outputs[0]
     assert len(later.token_ids) >= first + 2
     # Treating that token as EOS (and not ignoring it) stops there too.
-    llm.engine.eos_token_ids = (target,)
+    llm.engine.output_processor.eos_token_ids = (target,)
     try:
         eos = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     finally:
-        llm.engine.eos_token_ids = (4,)
+        llm.engine.output_processor.eos_token_ids = (4,)
     assert eos.token_ids == base.token_ids[: first + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
 
 
@@ -127,7 +127,7 @@ def test_logprobs_match_hf(llm: LLM, tiny_llama) -> None:
 
 
 def test_prompt_too_long_gives_both_numbers(llm: LLM) -> None:
-    with pytest.raises(ValueError, match=r"maximum context length is 256 tokens, but the prompt has 300"):
+    with pytest.raises(ValueError, match=r"maximum context length is 256 tokens. However, your prompt has 300 tokens"):
         llm.generate({"prompt_token_ids": [5] * 300}, GREEDY, use_tqdm=False)
 
 
@@ -168,7 +168,7 @@ def test_incremental_detokenization_never_splits_utf8(tiny_llama) -> None:
     deltas = []
     for t in ids:
         all_ids.append(t)
-        deltas.append(decode_increment(tok, all_ids, state, skip_special_tokens=True))
+        deltas.append(decode_increment(tok, all_ids[state.prefix_offset:], state, skip_special_tokens=True))
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
 
@@ -193,7 +193,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(llm: LLM, monkeypatch:
 
     engine = llm.engine
     base = llm.generate("Hello there", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    real = engine.runner.execute
+    real = engine.executor.driver_runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -202,7 +202,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(llm: LLM, monkeypatch:
             raise RuntimeError("planted fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.executor.driver_runner, "execute", flaky)
     with pytest.raises(StepFailed, match="planted fault") as info:
         llm.generate(["Hello there", "Another prompt"], GREEDY, use_tqdm=False)
     assert len(info.value.request_ids) == 2
@@ -216,16 +216,17 @@ def test_a_request_whose_output_processing_fails_fails_alone(llm: LLM, monkeypat
     from stoker.engine.llm_engine import StepFailed
 
     engine = llm.engine
-    real = engine._append_text_and_check_stop
+    processor = engine.output_processor
+    real = processor._append_text_and_check_stop
 
-    def picky(req, seq, token):
-        if req.prompt == "bad one":
+    def picky(state, seq, token, num_output):
+        if state.request.prompt == "bad one":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
-        return real(req, seq, token)
+        return real(state, seq, token, num_output)
 
-    monkeypatch.setattr(engine, "_append_text_and_check_stop", picky)
-    engine.add_request("good", "good one", GREEDY)
-    engine.add_request("bad", "bad one", GREEDY)
+    monkeypatch.setattr(processor, "_append_text_and_check_stop", picky)
+    engine.add_request(engine.input_processor.process("good", "good one", GREEDY))
+    engine.add_request(engine.input_processor.process("bad", "bad one", GREEDY))
     finished, failed = {}, []
     while engine.has_unfinished_requests():
         try:

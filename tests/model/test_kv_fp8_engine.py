@@ -22,10 +22,10 @@ def test_fp8_quadruples_the_blocks_of_a_float32_cache(tiny_llama) -> None:
     auto = LLM(str(tiny_llama), kv_cache_memory_bytes=budget, device="cpu")
     fp8 = LLM(str(tiny_llama), kv_cache_memory_bytes=budget, device="cpu", kv_cache_dtype="fp8")
     assert fp8.engine.block_manager.num_blocks == 4 * auto.engine.block_manager.num_blocks
-    assert fp8.engine.runner.kv_spec.bytes_per_token * 4 == auto.engine.runner.kv_spec.bytes_per_token
-    k, v = fp8.engine.runner.kv_caches[0]
+    assert fp8.engine.executor.driver_runner.kv_spec.bytes_per_token * 4 == auto.engine.executor.driver_runner.kv_spec.bytes_per_token
+    k, v = fp8.engine.executor.driver_runner.kv_caches[0]
     assert k.dtype == v.dtype == torch.float8_e4m3fn
-    assert k.numel() * k.element_size() * 2 * len(fp8.engine.runner.kv_caches) <= budget
+    assert k.numel() * k.element_size() * 2 * len(fp8.engine.executor.driver_runner.kv_caches) <= budget
 
 
 def test_fp8_e5m2_and_unknown_cache_dtypes_are_refused(tiny_llama) -> None:
@@ -78,7 +78,7 @@ def test_weight_bytes_held_are_the_roofline_s(tiny_llama, quantization) -> None:
 
     llm = LLM(str(tiny_llama), device="cpu", quantization=quantization, kv_cache_memory_bytes=4 << 20)
     predicted = spec_from_config(llm.engine.hf_config).weight_bytes(quantization or "float32", rest_dtype="float32")
-    held = llm.engine.runner.weight_bytes_held()
+    held = llm.engine.executor.driver_runner.weight_bytes_held()
     assert abs(held - predicted) / predicted < 0.005, (held, predicted)
     if quantization:
         float_bytes = spec_from_config(llm.engine.hf_config).weight_bytes("float32", rest_dtype="float32")

@@ -88,7 +88,7 @@ def test_unsupported_hidden_act_is_named(tiny_llama, tmp_path) -> None:
 
 def test_dtype_auto_is_float32_on_cpu(tiny_llama) -> None:
     llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 20, device="cpu")
-    assert llm.engine.runner.dtype == torch.float32
+    assert llm.engine.executor.driver_runner.dtype == torch.float32
     assert llm.engine.max_model_len == 1024  # max_position_embeddings
 
 

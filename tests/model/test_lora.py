@@ -94,7 +94,7 @@ def test_bad_adapters_are_refused_by_name(tiny_checkpoints, tmp_path: Path) -> N
     with pytest.raises(LoRAError, match="already loaded"):
         llm.engine.load_lora("ok", str(ok))
     with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
-        llm.engine.add_request("r", None, GREEDY, prompt_token_ids=[1, 2], lora_name="nope")
+        llm.engine.input_processor.process("r", None, GREEDY, [1, 2], lora_name="nope")
     llm.engine.unload_lora("ok")
     assert not llm.engine.lora.has("ok") and llm.engine.lora.slotted() == []
     llm.engine.load_lora("ok", str(ok))  # the name is free again
@@ -107,12 +107,12 @@ def test_unloading_with_requests_in_flight_lets_them_finish(tiny_checkpoints, tm
     want = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("a", 1, str(path)))[0].outputs[0].token_ids
     engine = llm.engine
-    engine.add_request("r", None, GREEDY, prompt_token_ids=PROMPTS[0], lora_name="a")
+    engine.add_request(engine.input_processor.process("r", None, GREEDY, PROMPTS[0], lora_name="a"))
     engine.step()  # prefilled, running
     engine.unload_lora("a")
     assert not engine.lora.has("a") and engine.lora.slotted() == ["a"]  # gone for new requests, kept for "r"
     with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
-        engine.add_request("r2", None, GREEDY, prompt_token_ids=PROMPTS[1], lora_name="a")
+        engine.input_processor.process("r2", None, GREEDY, PROMPTS[1], lora_name="a")
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

@@ -69,7 +69,7 @@ def test_a_wrong_weight_scale_is_caught(tiny_llama, positions) -> None:
     """The bounds above are tight enough to see a scale off by 2x in one layer."""
     ref = engine_logits(_llm(tiny_llama), positions)
     llm = _llm(tiny_llama, quantization="int8")
-    layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    layer = llm.engine.executor.driver_runner.model.model.layers[0].mlp.down_proj
     layer.weight_scale.data *= 2
     kl, _ = kl_and_top1(ref, engine_logits(llm, positions))
     assert kl > BOUNDS["int8", "auto"][0] * 10
@@ -78,9 +78,9 @@ def test_a_wrong_weight_scale_is_caught(tiny_llama, positions) -> None:
 def test_a_kv_cache_read_without_its_scale_is_caught(tiny_llama, positions) -> None:
     ref = engine_logits(_llm(tiny_llama), positions)
     llm = _llm(tiny_llama, kv_cache_dtype="fp8")
-    for attn in llm.engine.runner.model.attention_layers():
+    for attn in llm.engine.executor.driver_runner.model.attention_layers():
         attn.k_scale = attn.v_scale = 0.05  # stored with 0.05 ...
-    broken = llm.engine.runner.model.attention_layers()[1]
+    broken = llm.engine.executor.driver_runner.model.attention_layers()[1]
 
     def forward_reading_with_scale_one(self, q, k, v):
         # store with the layer's scale, then read as if the scale were 1.0
@@ -101,7 +101,7 @@ def test_fp8_kv_scales_other_than_one_stay_close(tiny_llama, positions) -> None:
     """A per-layer scale (as calibrated checkpoints carry) is applied on store and undone on read."""
     ref = engine_logits(_llm(tiny_llama), positions)
     llm = _llm(tiny_llama, kv_cache_dtype="fp8")
-    for attn in llm.engine.runner.model.attention_layers():
+    for attn in llm.engine.executor.driver_runner.model.attention_layers():
         attn.k_scale, attn.v_scale = 0.011, 0.007
     kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
     max_kl, min_top1 = BOUNDS["none", "fp8"]

@@ -63,7 +63,7 @@ CASES = [
 def test_quantized_checkpoint_matches_hf_on_dequantized_weights(arch: str, fmt: str, quantized) -> None:
     qpath, deq = quantized(arch, fmt)
     llm = LLM(str(qpath), max_model_len=256, kv_cache_memory_bytes=8 << 20, device="cpu")
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and isinstance(m.method, QuantizedLinearMethod)]
+    layers = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, Linear) and isinstance(m.method, QuantizedLinearMethod)]
     assert len(layers) == 4 * llm.engine.hf_config["num_hidden_layers"], "every decoder projection is quantized"
     expected_kind = "int8" if "int8" in fmt else "fp8"
     assert all(m.method.kind == expected_kind for m in layers)
@@ -81,7 +81,7 @@ def test_ignored_modules_stay_float(tiny_checkpoints, tmp_path) -> None:
     q = quantize_checkpoint(src, tmp_path / "q", "ct-fp8-channel", dequantized_dst=tmp_path / "deq",
                             ignore=("lm_head", "re:.*mlp.down_proj"))
     llm = LLM(str(q), kv_cache_memory_bytes=4 << 20, device="cpu")
-    model = llm.engine.runner.model
+    model = llm.engine.executor.driver_runner.model
     for name, m in model.named_modules():
         if isinstance(m, Linear) and "layers" in name:
             assert isinstance(m.method, QuantizedLinearMethod) == (not name.endswith("down_proj")), name
@@ -95,12 +95,12 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tiny_checkpoints, tmp_path
     q = quantize_checkpoint(src, tmp_path / "q", "ct-fp8-channel", kv_scales=scales)
     assert json.loads((q / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["type"] == "float"
     llm = LLM(str(q), kv_cache_memory_bytes=4 << 20, device="cpu", kv_cache_dtype="fp8")
-    attn = llm.engine.runner.model.attention_layers()
+    attn = llm.engine.executor.driver_runner.model.attention_layers()
     assert [s for a in attn for s in (a.k_scale, a.v_scale)] == pytest.approx([s for pair in scales for s in pair])
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert llm.engine.executor.driver_runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     # the same checkpoint with a float cache: the scales mean nothing there
     llm = LLM(str(q), kv_cache_memory_bytes=4 << 20, device="cpu")
-    assert all((a.k_scale, a.v_scale) == (1.0, 1.0) for a in llm.engine.runner.model.attention_layers())
+    assert all((a.k_scale, a.v_scale) == (1.0, 1.0) for a in llm.engine.executor.driver_runner.model.attention_layers())
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -123,10 +123,10 @@ def test_top_k_minus_one_means_off() -> None:
 def test_bad_words_ban_a_words_last_token_after_the_rest() -> None:
     def sample(output_ids: list[int]) -> int:
         p = SamplingParams(temperature=0.0, bad_words=["x"])
-        p._bad_words_token_ids = [[7, 8], [9]]
         logits = torch.zeros(1, 16)
         logits[0, 8], logits[0, 9], logits[0, 3] = 3.0, 2.0, 1.0
-        return Sampler(0, torch.device("cpu"))(logits, [SamplingRow(p, [], output_ids, len(output_ids), None, ())]).token_ids[0]
+        row = SamplingRow(p, [], output_ids, len(output_ids), None, (), ((7, 8), (9,)))
+        return Sampler(0, torch.device("cpu"))(logits, [row]).token_ids[0]
 
     assert sample([1, 7]) == 3  # 8 completes [7, 8]; 9 is a one-token bad word: both banned
     assert sample([7, 1]) == 8  # the output does not end with 7: 8 is fine

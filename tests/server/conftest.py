@@ -39,8 +39,9 @@ class LiveServer:
 
     @property
     def engine(self) -> Any:
-        """The LLMEngine (read it only while no request is in flight)."""
-        return self.state.engine.engine
+        """The LLMEngine behind the server's AsyncEngine, which the server itself never reaches:
+        tests read it (only while no request is in flight) to check the KV cache."""
+        return self.state.engine._engine
 
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, from GET /metrics."""

@@ -229,7 +229,7 @@ def test_engine_death_is_503(server_factory) -> None:
     real_step = engine.step
 
     def dying_step():
-        if any(r.prompt_token_ids[-1:] == [13] for r in engine.requests.values()):
+        if any(r.request.prompt_token_ids[-1:] == [13] for r in engine.requests.values()):
             raise RuntimeError("simulated CUDA error")
         return real_step()
 

@@ -117,7 +117,7 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it_all(live_server: LiveSer
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(live_server: LiveServer,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = live_server.engine.runner
+    runner = live_server.engine.executor.driver_runner
     real = runner.execute
     calls = {"n": 0}
 
@@ -138,7 +138,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(live_server: L
 
 def test_an_engine_that_fails_every_step_is_reported_dead(server_factory) -> None:
     live = server_factory()
-    runner = live.engine.runner
+    runner = live.engine.executor.driver_runner
 
     def broken(*args, **kwargs):
         raise RuntimeError("the device is gone")

@@ -18,7 +18,7 @@ globals().update({name: fn for name, fn in vars(test_server_openai).items() if n
 @pytest.fixture(scope="module")
 def live_server(tiny_llama: Path) -> Iterator[LiveServer]:
     live = start_server(tiny_llama, {"tensor_parallel_size": 2, "device": "cpu"})
-    assert live.engine.runner.tp.world_size == 2
+    assert live.engine.executor.driver_runner.tp.world_size == 2
     yield live
     live.stop()
     import torch.distributed

@@ -14,6 +14,7 @@ PURE_MODULES = [
     "stoker.core.scheduler",
     "stoker.quantization.config",
     "stoker.core.step",
+    "stoker.engine.input_processor",
     "stoker.distributed.partition",
     "stoker.structured.spec",
     "stoker.server.tool_parsers",

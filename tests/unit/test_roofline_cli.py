@@ -130,4 +130,4 @@ def test_plan_prints_the_serve_command_and_the_engine_takes_it(capsys, tiny_llam
     argv = shlex.split(command)[1:]  # drop "stoker"
     kwargs = _llm_kwargs(build_parser().parse_args(argv + ["--kv-cache-memory-bytes", str(4 << 20), "--device", "cpu"]))
     llm = LLM(argv[1], **kwargs)
-    assert llm.engine.runner.quant.method == "fp8" and llm.engine.runner.kv_spec.dtype == "fp8_e4m3"
+    assert llm.engine.executor.driver_runner.quant.method == "fp8" and llm.engine.executor.driver_runner.kv_spec.dtype == "fp8_e4m3"

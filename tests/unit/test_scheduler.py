@@ -3,6 +3,7 @@ import pytest
 from stoker.core.block_manager import BlockManager
 from stoker.core.scheduler import Scheduler
 from stoker.core.sequence import Sequence, SequenceStatus
+from stoker.core.step import SampledTokens, StepResult
 from stoker.sampling_params import SamplingParams
 
 
@@ -15,13 +16,15 @@ def seq(n: int, start: int = 0, rid: str = "r") -> Sequence:
     return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=100))
 
 
+def accepted(plan, tokens: dict[int, list[int]]) -> StepResult:
+    """A step's result: `tokens[seq_id]` accepted for each listed sequence."""
+    return StepResult({seq_id: SampledTokens(ids, [0.0] * len(ids), [None] * len(ids)) for seq_id, ids in tokens.items()})
+
+
 def run_step(sched: Scheduler, sampled_token: int = 7):
-    """Plan a step, pretend the runner ran it, append a token to every sampling sequence."""
+    """Plan a step, pretend the runner ran it: every sampling sequence accepts one token."""
     out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.do_sample:
-            s.seq.append_token(sampled_token)
+    sched.update_after_step(out, accepted(out, {s.seq.seq_id: [sampled_token] for s in out.scheduled if s.do_sample}))
     return out
 
 
@@ -72,14 +75,6 @@ def test_chunked_prefill_off_waits_for_room() -> None:
     sched.add(seq(6, 100, rid="b"))
     out = run_step(sched)
     assert [s.seq.request_id for s in out.scheduled] == ["a"]
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        sched.add(seq(9, rid="too-long"))
-
-
-def test_prompt_longer_than_max_model_len_is_rejected_with_both_numbers() -> None:
-    sched = make(max_model_len=16)
-    with pytest.raises(ValueError, match=r"17 tokens.*max_model_len \(16\)"):
-        sched.add(seq(17))
 
 
 def test_preemption_newest_first_and_recompute() -> None:
@@ -131,3 +126,95 @@ def test_n_siblings_wait_for_leader_then_hit_prefix_cache() -> None:
     assert sib.num_tokens == 1
     bm = sched.block_manager
     assert bm.get_block_table(sibling)[:2] == bm.get_block_table(leader)[:2]
+
+
+# ---------------------------------------------------------------- the step round trip: drafts roll back
+def prefilled(block_size: int = 4, prompt_len: int = 6):
+    """A sequence whose prompt is in the cache and whose first token (7) is sampled."""
+    sched = make(block_size=block_size)
+    a = seq(prompt_len, rid="a")
+    sched.add(a)
+    run_step(sched)
+    return sched, a
+
+
+def block_hashes(sched: Scheduler, a: Sequence) -> list[int | None]:
+    bm = sched.block_manager
+    return [bm.blocks[b].block_hash for b in bm.get_block_table(a)]
+
+
+def test_drafts_are_planned_after_the_known_tokens() -> None:
+    sched, a = prefilled()
+    a.draft_token_ids = [10, 11, 12]
+    plan = sched.schedule()
+    (s,) = plan.scheduled
+    # positions 6..9: the sampled token 7 and three drafts, each position sampled
+    assert (s.start_pos, s.num_tokens, s.num_draft_tokens, s.do_sample) == (6, 4, 3, True)
+    assert s.token_ids == [7, 10, 11, 12] and len(s.block_table) == 3  # 10 tokens: three blocks of 4
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [10, 11, 12, 13]}))  # all accepted + one more
+    assert a.output_token_ids == [7, 10, 11, 12, 13] and a.num_computed_tokens == 10
+    assert a.draft_token_ids == [] and len(sched.block_manager.get_block_table(a)) == 3
+    sched.block_manager.check_integrity()
+
+
+def test_a_rejected_draft_rolls_back_computed_tokens_blocks_and_hashes() -> None:
+    """Plan a step with three drafts; the result accepts fewer. The sequence must roll back to
+    what was computed and accepted, free the block that held only rejected drafts, and never
+    hash a block holding a rejected draft's K/V into the prefix cache."""
+    sched, a = prefilled()
+    bm = sched.block_manager
+    hashed_before = block_hashes(sched, a)
+    assert hashed_before[0] is not None and hashed_before[1] is None  # positions 0-3 full, 4-5 not
+    a.draft_token_ids = [10, 11, 12]
+    plan = sched.schedule()
+    assert len(bm.get_block_table(a)) == 3  # reserved for positions up to 9
+    free_during = bm.num_free_blocks
+    # The first draft is rejected: the runner's token at position 6's logits was 55, not 10.
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [55]}))
+    assert a.output_token_ids == [7, 55]
+    assert a.num_computed_tokens == 7  # the prompt and the token 7; position 7 (draft 10) not kept
+    table = bm.get_block_table(a)
+    assert len(table) == 2 and bm.num_free_blocks == free_during + 1  # the drafts-only block is back
+    # Block 1 (positions 4-7) is not full of computed tokens: nothing was hashed for it, so a
+    # prompt [0..5, 7, 10] cannot hit the rejected draft's K/V.
+    assert block_hashes(sched, a) == hashed_before[:2]
+    probe = Sequence("probe", [0, 1, 2, 3, 4, 5, 7, 10, 99], SamplingParams())
+    assert bm.find_cached_prefix(probe) == table[:1]
+    bm.check_integrity()
+    # The next step computes from there: the sampled token 55 at position 7 fills block 1.
+    plan = sched.schedule()
+    (s,) = plan.scheduled
+    assert (s.start_pos, s.token_ids) == (7, [55])
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [8]}))
+    assert a.num_computed_tokens == 8 and block_hashes(sched, a)[1] is not None
+    probe = Sequence("probe", [0, 1, 2, 3, 4, 5, 7, 55, 99], SamplingParams())
+    assert bm.find_cached_prefix(probe) == table[:2]
+    bm.check_integrity()
+
+
+def test_partly_accepted_drafts_keep_their_blocks() -> None:
+    sched, a = prefilled()
+    a.draft_token_ids = [10, 11, 12]
+    plan = sched.schedule()
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [10, 56]}))  # one draft accepted, then 56
+    assert a.output_token_ids == [7, 10, 56] and a.num_computed_tokens == 8
+    assert len(sched.block_manager.get_block_table(a)) == 2
+    assert block_hashes(sched, a)[1] is not None  # positions 4-7 = [4, 5, 7, 10]: all computed and accepted
+    sched.block_manager.check_integrity()
+
+
+def test_the_budget_cuts_drafts_first() -> None:
+    sched, a = prefilled()
+    sched.max_num_batched_tokens = 2
+    a.draft_token_ids = [10, 11, 12]
+    (s,) = sched.schedule().scheduled
+    assert (s.num_tokens, s.num_draft_tokens, s.token_ids) == (2, 1, [7, 10])
+
+
+def test_a_result_that_does_not_match_the_plan_is_refused() -> None:
+    sched, a = prefilled()
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError, match="accepted 2 token"):
+        sched.update_after_step(plan, accepted(plan, {a.seq_id: [1, 2]}))  # one row sampled, two tokens back
+    with pytest.raises(RuntimeError, match="accepted none"):
+        sched.update_after_step(plan, accepted(plan, {}))

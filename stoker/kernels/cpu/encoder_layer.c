@@ -33,7 +33,7 @@ int stoker_encoder_attention_f32(const float *qkv, int64_t num_tokens, const int
 
 enum { ACT_GELU = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
-/* Below this many elements a row pass runs on one thread (native.py's _PARALLEL_MIN_ELEMENTS). */
+/* Below this many elements a row pass runs on one thread (common.py's _PARALLEL_MIN_ELEMENTS). */
 #define PARALLEL_MIN_ELEMENTS 32768
 
 static int row_threads(int64_t numel, int num_threads) { return numel >= PARALLEL_MIN_ELEMENTS ? num_threads : 1; }

@@ -8,7 +8,7 @@
  * the whole K loop (no packing of x, no K blocking), so it runs near the FMA units' rate for
  * decode shapes, and at MKL's rate for prefill shapes (benchmarks/cpu_kernels.py).
  *
- * Weight layout: packed panels (kernels/cpu/native.py, pack_linear_weight): panel p holds
+ * Weight layout: packed panels (kernels/cpu/linear.py, pack_linear_weight): panel p holds
  * columns [p*NR, (p+1)*NR) of W^T, K rows of NR floats, contiguous; the last one zero-padded.
  * Threads split the panels, so each weight is read once per row chunk; while a panel's tiles
  * run, the next panel is prefetched.

@@ -24,9 +24,9 @@ import os
 import sys
 from typing import Any
 
-from stoker.distributed.launch import Rendezvous
+from stoker.executor.launch import Rendezvous
 
-logger = logging.getLogger("stoker.distributed.worker")  # also when run as __main__
+logger = logging.getLogger("stoker.executor.worker")  # also when run as __main__
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -64,7 +64,7 @@ def worker_main(
 def run_worker(rdzv: Rendezvous, device: str, timeout_s: float, model_dir: str | None = None) -> None:
     import torch.distributed as dist
 
-    from stoker.distributed.launch import init_group
+    from stoker.executor.launch import init_group
 
     tp = init_group(rdzv, device, timeout_s)
     try:
@@ -101,7 +101,7 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
             runner.allocate_kv_cache(payload)
             runner.capture_cuda_graphs()
         elif kind == "calibrate":
-            from stoker.distributed.collective_stats import calibrate
+            from stoker.executor.collective_stats import calibrate
 
             calibrate(tp, runner.device)
         elif kind == "load_lora":
@@ -119,7 +119,7 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stoker.distributed.worker ...`: how rank 0 and headless nodes start a rank."""
+    """`python -m stoker.executor.worker ...`: how rank 0 and headless nodes start a rank."""
     import argparse
 
     p = argparse.ArgumentParser(description="one tensor-parallel rank of a Stoker engine (started by Stoker)")

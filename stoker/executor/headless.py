@@ -16,7 +16,7 @@ import subprocess
 from typing import Any
 
 from stoker.config import ParallelConfig
-from stoker.distributed import launch
+from stoker.executor import launch
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def run_node(pc: ParallelConfig, device: str, model_dir: str | None = None) -> int:
     """Run this node's ranks until the group ends; the exit status of the worst of them.
     `model_dir`: this node's copy of the checkpoint (default: the path rank 0 loads)."""
-    from stoker.distributed.worker import worker_main
+    from stoker.executor.worker import worker_main
 
     env = launch.Rendezvous.from_env()
     if env is not None:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from stoker.config import EngineConfig
-from stoker.core.step import StepMessage
-from stoker.distributed import launch
-from stoker.distributed.collective_stats import CollectiveMonitor, calibrate
-from stoker.engine.executor import Executor, WorkerFailedError
-from stoker.runner.model_runner import ModelRunner, StepResult
+from stoker.core.step import StepMessage, StepResult
+from stoker.executor import launch
+from stoker.executor.collective_stats import CollectiveMonitor, calibrate
+from stoker.executor.contract import Executor, RunnerInfo, WorkerFailedError
+from stoker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class DistributedExecutor(Executor):
         try:
             self.tp = launch.init_group(rdzv, config.device, pc.distributed_timeout_s, waiting=self._raise_if_failed)
             self.tp.broadcast_object(("init", (config, hf_config, max_model_len)))
-            self.runner = ModelRunner(config, hf_config, max_model_len, self.tp)
+            self.driver_runner = ModelRunner(config, hf_config, max_model_len, self.tp)  # rank 0's shard
             self.tp.broadcast_object(("calibrate", None))
-            self.collectives = CollectiveMonitor(self.tp, calibrate(self.tp, self.runner.device))
+            self.collectives = CollectiveMonitor(self.tp, calibrate(self.tp, self.driver_runner.device))
         except BaseException:
             self.shutdown()
             raise
@@ -112,45 +112,55 @@ class DistributedExecutor(Executor):
             raise WorkerFailedError(self._failure) from exc
 
     # ------------------------------------------------------------------ executor contract
+    def describe(self) -> RunnerInfo:
+        return self.driver_runner.describe()
+
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         def agree() -> int:
             self.tp.broadcast_object(("num_blocks", max_num_batched_tokens))
-            return self.tp.min_int(self.runner.determine_num_blocks(max_num_batched_tokens))
+            return self.tp.min_int(self.driver_runner.determine_num_blocks(max_num_batched_tokens))
 
         return self._collective("sizing the KV cache", agree)
 
     def initialize_cache(self, num_blocks: int) -> None:
         def allocate() -> None:
             self.tp.broadcast_object(("init_cache", num_blocks))
-            super(DistributedExecutor, self).initialize_cache(num_blocks)
+            self.driver_runner.allocate_kv_cache(num_blocks)
+            self.driver_runner.capture_cuda_graphs()
 
         self._collective("allocating the KV cache", allocate)
 
     def execute(self, step: StepMessage) -> StepResult:
         def forward() -> Any:
             self.tp.broadcast_object(("step", step.for_workers()))
-            return self.runner.forward(step)
+            return self.driver_runner.forward(step)
 
         start = time.perf_counter()
         inputs, logits = self._collective("a tensor-parallel step", forward)
         self.collectives.after_step(time.perf_counter() - start)
-        result = self.runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
+        result = self.driver_runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
         assert result is not None
         return result
+
+    def release(self, seq_id: int) -> None:
+        self.driver_runner.release(seq_id)  # sampling state lives on rank 0 only
+
+    def enable_structured_outputs(self, grammars: Any) -> None:
+        self.driver_runner.enable_structured_outputs(grammars)  # rank 0 alone samples
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Every rank copies its part of the adapter into the slot (the whole adapter travels:
         each rank cuts it as its base weights are cut, lora/model_slots.py)."""
         def load() -> None:
             self.tp.broadcast_object(("load_lora", (slot, adapter)))
-            self.runner.load_lora(slot, adapter)
+            self.driver_runner.load_lora(slot, adapter)
 
         self._collective("loading a LoRA adapter", load)
 
     def clear_lora(self, slot: int) -> None:
         def clear() -> None:
             self.tp.broadcast_object(("clear_lora", slot))
-            self.runner.clear_lora(slot)
+            self.driver_runner.clear_lora(slot)
 
         self._collective("clearing a LoRA slot", clear)
 

@@ -134,7 +134,7 @@ def spawn_workers(
     rdzv: Rendezvous, ranks: list[int], first_local_rank: int, device: str, timeout_s: float, num_threads: int,
     model_dir: str | None = None,
 ) -> list[subprocess.Popen]:
-    """Start one worker process per rank: `python -m stoker.distributed.worker`, a fresh
+    """Start one worker process per rank: `python -m stoker.executor.worker`, a fresh
     interpreter (no `fork` of a process holding threads or a CUDA context, and unlike
     multiprocessing's spawn, no re-import of the caller's script, which may have no
     `if __name__ == "__main__"` guard). Each dies with its parent (PR_SET_PDEATHSIG)."""
@@ -144,7 +144,7 @@ def spawn_workers(
     procs = []
     for i, rank in enumerate(ranks):
         r = rdzv.for_rank(rank, first_local_rank + i)
-        argv = [sys.executable, "-m", "stoker.distributed.worker", "--master-addr", r.master_addr, "--master-port",
+        argv = [sys.executable, "-m", "stoker.executor.worker", "--master-addr", r.master_addr, "--master-port",
                 str(r.master_port), "--world-size", str(r.world_size), "--rank", str(r.rank), "--local-rank",
                 str(r.local_rank), "--device", device, "--timeout", str(timeout_s), "--parent-pid", str(os.getpid())]
         if model_dir is not None:
