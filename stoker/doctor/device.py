@@ -96,6 +96,6 @@ def quick_cpu_device() -> DeviceFile:
     partly in these VMs' shared L3 and reads faster than memory). 20 repetitions: with 5, the
     first GEMMs of a fresh process put the peak at 201-291 GFLOP/s in three server starts on a
     2-core Xeon VM, with 20 at 285-294 in 0.7-0.8 s, where the doctor measured 320
-    (docs/benchmarks.md, "Thirteenth session"). `stoker doctor --write-device-file` measures
+    (docs/benchmarks.md, "The batcher's preferred batch on a CPU"). `stoker doctor --write-device-file` measures
     more shapes and larger buffers."""
     return measure_device(gemm_sizes=(512,), iters=20, read_sizes_mib=(256,))

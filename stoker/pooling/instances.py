@@ -4,7 +4,7 @@ whole batches, with the CPU's threads split between them.
 Why more than one on a CPU: one instance runs its forward on an OpenMP team of every core, and
 each of the ~60 ops of a BERT forward is a parallel region that ends with its slowest thread.
 On a small machine shared with the HTTP event loop (about 1 ms of CPU per request when this was
-measured; 0.27 ms since the twelfth session), the loop
+measured; 0.27 ms with the pure-ASGI endpoints), the loop
 preempting one team member stalls the whole team, and between regions the workers sleep
 (OMP_WAIT_POLICY=PASSIVE, cpu_runtime.py) and must be woken. Two instances of one thread each
 have no team to wait for: on 2 cores the same MiniLM-shaped encoder ran 446 passages/s as two

@@ -131,7 +131,7 @@ def create_app(
 
     # The routes go to the app's own router, not through include_router: FastAPI 0.165 resolves
     # an included router's routes again on every request (_IncludedRouter); the event loop's CPU
-    # per embeddings request fell from 308-322 to 271 us without it (docs/benchmarks.md, "Twelfth session").
+    # per embeddings request fell from 308-322 to 271 us without it (docs/benchmarks.md, "Event-loop CPU per request").
     app = FastAPI(title="Stoker OpenAI-compatible server", version="0.1.0", lifespan=lifespan, routes=router.routes)
     app.state.stoker = state
     openapi.install(app)  # 400 in OpenAI's shape, not FastAPI's 422; each route's real responses

@@ -10,7 +10,7 @@ gets a 408 and is closed. (The body's deadline is Gatekeeper's, middleware.py.)
 Which protocol: httptools (uvicorn's C parser, what `uvicorn[standard]` runs) when installed,
 else h11 (pure Python), chosen once when the server is built. httptools costs the event loop
 less per request: a bare FastAPI POST took 145 us of server CPU against 272 us with h11
-(benchmarks/http_protocol_cpu.py; docs/benchmarks.md, "Embeddings on CPU"), which on a small machine is CPU the model's forward
+(benchmarks/http_protocol_cpu.py; docs/benchmarks.md, "The HTTP protocol"), which on a small machine is CPU the model's forward
 gets back.
 
 Secrets: uvicorn's access log writes the full path with its query string, so a client that

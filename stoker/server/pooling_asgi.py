@@ -4,7 +4,7 @@ Why: FastAPI 0.165's per-request machinery (route matching, dependency solving, 
 and body handling) was most of the event loop's CPU per embeddings request, and on a small
 machine that CPU is taken from the model's forward while requests wait in a closed loop; with
 this path the loop's CPU per request fell from 271-290 to 181-199 us in process
-(benchmarks/embeddings_loop_cpu.py; docs/benchmarks.md, "Twelfth session"). The endpoints are the same: the same request models validate the same
+(benchmarks/embeddings_loop_cpu.py; docs/benchmarks.md, "Event-loop CPU per request"). The endpoints are the same: the same request models validate the same
 JSON, the same serving class answers, errors take the same shape (errors.py) and are counted
 the same way.
 

@@ -24,7 +24,7 @@ logger = logging.getLogger("stoker.server")
 # handed to the tokenizer thread: the hand-off cost the loop more than the Rust encode does (the
 # loop's CPU per query at c = 32 fell from 570-612 to 502-512 us with it), and the request no
 # longer queues behind the others' (a query had waited 5.6 ms there for ~0.1 ms of work;
-# docs/benchmarks.md, "Eleventh session"). Longer requests keep the thread, so a 2048-passage
+# docs/benchmarks.md, "Event-loop CPU per request"). Longer requests keep the thread, so a 2048-passage
 # request never stalls the loop.
 INLINE_TOKENIZE_CHARS = 2048
 # Texts on which a tokenizer's inline encoder must give what its transformers call gives.
