@@ -1,8 +1,8 @@
 """Quantization on a CUDA device (issue 13), compiled Triton, bf16: the FP8 KV cache kernels,
 the weight-only Triton GEMM and W8A8 through torch._scaled_mm against their twins, and the
 engine with --quantization fp8 / int8 and --kv-cache-dtype fp8 against the bf16 model (KL
-bounds as tests/model/test_online_quantization.py, CUDA graphs on). Not yet run on a GPU:
-no device was lent to the session that wrote it (docs/benchmarks.md)."""
+bounds as tests/model/test_online_quantization.py, CUDA graphs on). Not yet run on a GPU
+(docs/benchmarks.md, "GPU (Triton) kernels: not yet measured")."""
 
 from __future__ import annotations
 
