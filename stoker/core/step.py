@@ -182,7 +182,7 @@ def _prompt_logprob_targets(seq: Sequence, start_pos: int, num_tokens: int) -> t
 
 def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots: dict[str, int] | None = None) -> StepMessage:
     """The message for one planned step: decodes first, then prefills, each grouped by LoRA slot
-    (so an adapter's tokens are contiguous: lora/layers.py multiplies each run once); stable
+    (so an adapter's tokens are contiguous: layers/lora.py multiplies each run once); stable
     otherwise. lora_slots: adapter name -> the slot it is loaded in, for every adapter of the
     step's sequences."""
 

@@ -150,7 +150,7 @@ class DistributedExecutor(Executor):
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Every rank copies its part of the adapter into the slot (the whole adapter travels:
-        each rank cuts it as its base weights are cut, lora/model_slots.py)."""
+        each rank cuts it as its base weights are cut, runner/lora.py)."""
         def load() -> None:
             self.tp.broadcast_object(("load_lora", (slot, adapter)))
             self.driver_runner.load_lora(slot, adapter)

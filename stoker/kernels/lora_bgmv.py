@@ -4,7 +4,7 @@ the slot s = slot_ids[t] of each token (-1: the base model, nothing added).
 One program per (token, block of output columns): it reads its token's row of x, computes the
 R-wide shrink x @ A[s].T in registers (recomputed per column block: K x R, small beside the
 block's B read) and adds the expand into its block of out. Only the token's own slot is read,
-where the CPU path (lora/layers.py) multiplies every slot and masks: on a GPU the step is
+where the CPU path (layers/lora.py) multiplies every slot and masks: on a GPU the step is
 memory-bound and each token's A/B come from L2 after the first token of that adapter.
 
 Twin: `reference.lora_bgmv`. Shapes: x (T, K); A (S, R, K); B (S, N, R) with any strides (the

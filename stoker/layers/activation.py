@@ -26,8 +26,12 @@ _SUPPORTED = ("silu", "swish", *_GATE_FNS)
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: ops.Kernels = ops.TORCH  # the builder binds the device's set (kernels/ops.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2 * d) -> (T, d)
-        return ops.silu_and_mul(x)
+        return self.kernels.silu_and_mul(x)
 
 
 class GateAndMul(nn.Module):

@@ -1,7 +1,9 @@
-"""Paged attention behind one interface; the backend is chosen once, at start.
+"""Paged attention behind one interface; the backend is chosen once, when the model is built.
 
-The runner sets an `AttentionMetadata` for each forward (`set_attention_metadata`) and binds
-each layer's slice of the KV cache (`Attention.k_cache`/`v_cache`). Every layer then:
+The runner sets an `AttentionMetadata` in each forward's context (layers/forward_context.py)
+and binds each layer's slice of the KV cache (`Attention.k_cache`/`v_cache`); the model's
+builder gives every layer its kernel set (`kernels`: Triton, the C kernels or the torch twins,
+kernels/ops.py). Every layer then:
 stores the step's new K/V through `slot_mapping`, and attends over each sequence's whole
 context through its `block_table`. Sequences are ordered decodes first (one query token
 each), so the decodes run as one batched paged-decode call and the rest (prefills, chunks,
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from stoker.kernels import ops
+from stoker.layers.forward_context import get_forward_context
 
 
 @dataclass
@@ -41,20 +44,6 @@ class AttentionMetadata:
         return self._decode_views
 
 
-_metadata: AttentionMetadata | None = None
-
-
-def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
-    global _metadata
-    _metadata = metadata
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    if _metadata is None:
-        raise RuntimeError("attention called outside a runner step (no AttentionMetadata set)")
-    return _metadata
-
-
 class Attention(nn.Module):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
@@ -74,6 +63,7 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.checkpoint_kv_scales: dict[str, float] = {}
+        self.kernels: ops.Kernels = ops.TORCH  # the builder binds the device's set (models/method_chooser.py)
 
     def set_checkpoint_kv_scale(self, which: str, value: float) -> None:
         """Record the checkpoint's k_scale / v_scale (models/loader.py); applied by the runner."""
@@ -83,20 +73,23 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) for this step's tokens -> (T, H, D)."""
-        md = get_attention_metadata()
+        md = get_forward_context().attn_metadata
+        if md is None:
+            raise RuntimeError("paged attention ran in a forward without AttentionMetadata")
+        kernels = self.kernels
         kv_scales = (self.k_scale, self.v_scale)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
+        kernels.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
         nd = md.num_decodes
         if nd == len(md.context_lens_list):  # pure decode step
-            return ops.paged_decode_attention(
+            return kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window, *kv_scales
             )
-        if q.is_cuda and md.prefill_cu_seqlens_q is not None:
+        if kernels.takes_device_lists and md.prefill_cu_seqlens_q is not None:
             cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
-        else:  # the torch twin loops over sequences on the host: plain lists cost no syncs
+        else:  # the C kernel and the torch twin loop over sequences on the host: plain lists cost no syncs
             cu = md.cu_seqlens_q
             cu_seqlens, context_lens = [x - cu[nd] for x in cu[nd:]], md.context_lens_list[nd:]
-        prefill = ops.paged_attention(
+        prefill = kernels.paged_attention(
             q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale,
             self.sliding_window, *kv_scales,
         )  # fmt: skip
@@ -104,7 +97,7 @@ class Attention(nn.Module):
             return prefill
         out = torch.empty_like(q)
         block_tables, decode_lens = md.decode_views()
-        out[:nd] = ops.paged_decode_attention(
+        out[:nd] = kernels.paged_decode_attention(
             q[:nd], self.k_cache, self.v_cache, block_tables, decode_lens, self.scale, self.sliding_window, *kv_scales
         )
         out[nd:] = prefill

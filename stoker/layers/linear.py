@@ -22,19 +22,13 @@ other tensors (scales) need of the checkpoint, the method says (`checkpoint_slic
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
+from stoker.layers.activation import SiluAndMul, get_gated_activation
 from stoker.layers.weight_method import LinearMethod
-from stoker.lora.layers import lora_active
-
-
-if TYPE_CHECKING:
-    from stoker.lora.layers import LoRASlots
 
 
 class Linear(nn.Module):
@@ -60,7 +54,6 @@ class Linear(nn.Module):
         self.shard_offsets: dict[str, tuple[int, int]] = {}  # MergedLinear: shard -> (first local row, local rows)
         self.reduce = tp if not in_split.is_whole else None
         self.method: LinearMethod | None = None
-        self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' slots (lora/layers.py)
 
     def attach(self, method: LinearMethod) -> None:
         """Give this layer its weight method; the method creates the parameters (build time)."""
@@ -70,6 +63,12 @@ class Linear(nn.Module):
         method.create_weights(self)
         bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if self.has_bias else None
         self.register_parameter("bias", bias)
+
+    def wrap_method(self, wrapper: LinearMethod) -> None:
+        """Put a wrapper around the method after loading (LoRA: runner/lora.py); the wrapper
+        keeps the base method's weights and representation (`wrapper.base`)."""
+        assert getattr(wrapper, "base", None) is self.method, "a wrapper wraps the layer's own method"
+        self.method = wrapper
 
     def shard_rows(self, shard: str | None) -> slice:
         """This rank's rows of `shard` in the layer's parameters (all of them for None)."""
@@ -101,29 +100,11 @@ class Linear(nn.Module):
         """A vocabulary-parallel layer whose last part has fewer checkpoint rows than it holds."""
         return any(part.padded for _, part in self.checkpoint_shards.values())
 
-    @property
-    def fused_silu_and_mul(self) -> bool:
-        """True when the method applies SiLU-and-mul itself (a [gate; up] layer's output is then
-        silu(gate) * up, half as wide): the MLP skips its activation."""
-        return bool(getattr(self.method, "fuse_silu_and_mul", False))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.method is None:
             raise RuntimeError("this projection has no weight method: build models with models.loader.build_model")
-        if self.lora is not None and lora_active():
-            out = self._forward_with_lora(x)
-        else:
-            out = self.method.apply(self, x)
+        out = self.method.apply(self, x)
         return out if self.reduce is None else self.reduce.all_reduce(out)
-
-    def _forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """The base GEMM once for the whole batch, then each adapter's low-rank update on its tokens."""
-        if not self.fused_silu_and_mul:
-            return self.lora.apply(x, self.method.apply(self, x))
-        # The update goes in before SiLU: the fused kernel's pre-activation (panel order), the
-        # update in that order, then SiLU-and-mul as the fused kernel would have applied it.
-        pre = self.method.apply_pre_activation(self, x)  # (T, 2I)
-        return self.method.activate(self.lora.apply(x, pre))  # (T, I)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, method={self.method.describe() if self.method else None}"
@@ -146,3 +127,32 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (offset, local)
             offset += local
         self.out_features = offset
+
+
+class GateUpLinear(MergedLinear):
+    """An MLP's [gate; up] projection with its gated activation as the epilogue:
+    (T, hidden) -> (T, intermediate) = act(x W_gate^T) * (x W_up^T).
+
+    Gate and up run as one GEMM. A method that fuses SiLU-and-mul into that GEMM (the CPU
+    panel kernels: `fuse_silu_and_mul`) writes the activated output itself, so the epilogue is
+    then nothing; which one runs is decided when the method is attached, not per call."""
+
+    def __init__(self, in_features: int, intermediate_size: int, hidden_act: str, bias: bool = False, *,
+                 split: Partition = WHOLE) -> None:
+        super().__init__(in_features, {"gate": intermediate_size, "up": intermediate_size}, bias,
+                         out_splits={"gate": split, "up": split})
+        self.act = get_gated_activation(hidden_act)  # (T, 2 * I) [gate | up] -> (T, I)
+        self._epilogue: nn.Module | None = self.act
+
+    @property
+    def is_silu(self) -> bool:
+        """SiLU-gated (what the fused CPU kernels can apply in the GEMM)."""
+        return isinstance(self.act, SiluAndMul)
+
+    def attach(self, method: LinearMethod) -> None:
+        super().attach(method)
+        self._epilogue = None if method.fuse_silu_and_mul else self.act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., intermediate)
+        out = super().forward(x)
+        return out if self._epilogue is None else self._epilogue(out)

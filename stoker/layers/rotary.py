@@ -100,7 +100,8 @@ class RotaryEmbedding(nn.Module):
         # (max_position, rot_dim): [cos | sin], float32 whatever the model dtype.
         cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.kernels: ops.Kernels = ops.TORCH  # the builder binds the device's set (kernels/ops.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,), q (T, H, D), k (T, Hkv, D) -> rotated (q, k)."""
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)

@@ -18,9 +18,10 @@ rank's rows or columns (layers/linear.py), every method creates its parameters f
 shape, and `checkpoint_slice` says which part of each checkpoint tensor the rank reads (a
 method knows its own scales' layout: per channel they follow the rows, per group or block
 also the columns). The row-parallel all-reduce is the layer's, after any method.
-LoRA plugs in as a wrapper method whose `apply` is the base method's plus x A^T B^T for the
-adapters of the rows in the batch; the base weight (float or quantized) is untouched.
-The methods here are the float ones; quantized ones live in `stoker/quantization/methods.py`.
+LoRA plugs in as a wrapper method (layers/lora.LoRAMethod) whose `apply` is the base method's
+plus x A^T B^T for the adapters of the rows in the batch; the base weight (float or quantized)
+is untouched. The methods here are the float ones; the quantized ones are in
+layers/quantized_method.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class LinearMethod:
 
     #: the representation, for logs and byte accounting ("float", "fp8", "int8")
     kind = "float"
+    #: the method writes act(gate) * up itself for a [gate; up] layer (layers/linear.GateUpLinear)
+    fuse_silu_and_mul = False
 
     def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
         """Names the checkpoint must hold for each shard (bias added by the layer when it has one)."""

@@ -24,10 +24,9 @@ from torch import nn
 from stoker.config import KVCacheSpec
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import Partition, kv_head_partition
-from stoker.layers.activation import get_gated_activation
 from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead, VocabEmbedding
-from stoker.layers.linear import Linear, MergedLinear
+from stoker.layers.linear import GateUpLinear, Linear, MergedLinear
 from stoker.layers.norm import RMSNorm
 from stoker.layers.rotary import RotaryEmbedding
 
@@ -89,13 +88,11 @@ class LlamaMLP(nn.Module):
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         bias = bool(cfg.get("mlp_bias", False))
         part = split_evenly(inter, "intermediate_size", tp)
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias, out_splits={"gate": part, "up": part})
+        self.gate_up_proj = GateUpLinear(hidden, inter, cfg.get("hidden_act", "silu"), bias=bias, split=part)
         self.down_proj = Linear(inter, hidden, bias=bias, in_split=part, tp=tp)
-        self.act = get_gated_activation(cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * inter); (T, inter) when the CPU kernel fused the activation
-        return self.down_proj(gate_up if self.gate_up_proj.fused_silu_and_mul else self.act(gate_up))
+        return self.down_proj(self.gate_up_proj(x))  # (T, hidden) -> (T, inter) activated -> (T, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -74,7 +74,7 @@ def build_model(
     tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
     """The model (this rank's shard of it under tensor parallelism) with every projection's
-    weight method chosen (layers/backends.py) and its parameters created, uninitialised, on
+    weight method chosen (models/method_chooser.py) and its parameters created, uninitialised, on
     `device`."""
     model_cls = get_model_class(hf_config.get("architectures"))
     return build_with_methods(lambda: model_cls(hf_config, max_position, tp), dtype, device, quant)
@@ -84,7 +84,7 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
                        quant: QuantConfig | None = None, what: str = "projections") -> nn.Module:
     """`make()` run with `dtype` and `device` as torch's defaults, then every Linear given its
     weight method (which creates its parameters); logs the methods chosen as "`what`: ..."."""
-    from stoker.layers.backends import LinearMethodChooser
+    from stoker.models.method_chooser import LinearMethodChooser, bind_kernels
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -97,7 +97,8 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
                     module.attach(chooser(name, module))
     finally:
         torch.set_default_dtype(previous)
-    logger.info("%s: %s", what, chooser.summary())
+    kernels = bind_kernels(model, device, dtype)
+    logger.info("%s: %s; attention, norms and rotary: %s kernels", what, chooser.summary(), kernels)
     return model.eval().requires_grad_(False)
 
 

@@ -15,8 +15,9 @@ float tensor built once per forward, not a bool mask SDPA converts in every laye
 A lone sequence needs no copy at all: its (1, H, L, D) views go to SDPA's fused kernel as they
 are (the transposed views used before fell to the unfused math path: 2-2.5x slower at B = 1).
 
-The batch's layout is set once per forward on the running thread (`varlen_batch`), as the
-paged path sets its AttentionMetadata: one runner thread per model, so thread-local.
+The batch's layout is set once per forward in the forward's context (layers/forward_context.py,
+`varlen`), as the paged path sets its AttentionMetadata: one runner thread per model, so the
+context is thread-local.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from stoker.layers.forward_context import ForwardContext, get_forward_context, set_forward_context
 
 
 @dataclass
@@ -98,20 +100,15 @@ class VarlenBatch:
         return torch.tensor(self.seq_lens, dtype=torch.int64)
 
 
-_local = threading.local()
-
-
 @contextlib.contextmanager
 def varlen_batch(batch: VarlenBatch) -> Iterator[None]:
-    _local.batch = batch
-    try:
+    """A forward over `batch`: its layout in this thread's forward context for the block."""
+    with set_forward_context(ForwardContext(varlen=batch)):
         yield
-    finally:
-        _local.batch = None
 
 
 def current_batch() -> VarlenBatch:
-    batch = getattr(_local, "batch", None)
+    batch = get_forward_context().varlen
     if batch is None:
         raise RuntimeError("pooling attention called outside a runner forward (no VarlenBatch set)")
     return batch

@@ -18,7 +18,7 @@ expand reads them back and adds into the output; in a long prefill this, not the
 adapters' cost. costmodel.step_cost(..., lora=LoRASpec(...)) adds all of it as one op, `lora`.
 
 Tensor parallelism cuts an adapter as the base weight is cut (vLLM's *WithLoRA layers; Stoker's
-lora/model_slots.py): a column-parallel projection (q, k, v, gate, up: output rows split) keeps
+runner/lora.py): a column-parallel projection (q, k, v, gate, up: output rows split) keeps
 A whole and splits B's rows, r x (in + out / tp) per rank; a row-parallel one (o, down: input
 columns split) splits A's columns and keeps B whole, r x (in / tp + out) per rank. FLOPs per
 rank follow the same shapes (the whole-A shrink of a column-parallel target runs on every rank).

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stoker.layers.attention import AttentionMetadata, set_attention_metadata
+from stoker.layers.attention import AttentionMetadata
+from stoker.layers.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +179,9 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> None:
         """The body that gets captured: static buffers in, static output out."""
-        set_attention_metadata(self.static.metadata(bs))
-        try:
+        with set_forward_context(ForwardContext(self.static.metadata(bs))):
             hidden = self.model(self.static.input_ids[:bs], self.static.positions[:bs])  # (bs, hidden)
             self.output[:bs].copy_(hidden)
-        finally:
-            set_attention_metadata(None)
 
     @torch.inference_mode()
     def capture(self) -> None:

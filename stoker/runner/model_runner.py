@@ -17,12 +17,11 @@ from stoker.config import EngineConfig
 from stoker.core.step import SampledTokens, SampleSpec, SeqStep, StepMessage, StepResult
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.executor.contract import RunnerInfo
-from stoker.layers.attention import set_attention_metadata
+from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
 from stoker.quantization import config as quant_config
-from stoker.lora.layers import lora_mapping
-from stoker.lora.model_slots import ModelLoRASlots
+from stoker.runner.lora import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.inputs import ModelInputs, prepare_inputs
@@ -257,13 +256,9 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(len(inputs.ordered), md):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
         else:
-            set_attention_metadata(md)
             mapping = self.lora.mapping(inputs.ordered, md.cu_seqlens_q) if self.lora is not None else None
-            try:
-                with lora_mapping(mapping):
-                    hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
-            finally:
-                set_attention_metadata(None)
+            with set_forward_context(ForwardContext(md, mapping, kv_connector_meta=step.kv_connector_meta)):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
         self._score_prompts(inputs, hidden)
         if not inputs.sampled:
             return inputs, None

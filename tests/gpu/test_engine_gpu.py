@@ -26,7 +26,8 @@ import torch
 
 from stoker import LLM, SamplingParams
 from tests.gpu.compiled import COMPILED, compiled_only, rerun_compiled
-from stoker.layers.attention import AttentionMetadata, set_attention_metadata
+from stoker.layers.attention import AttentionMetadata
+from stoker.layers.forward_context import ForwardContext, set_forward_context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -92,13 +93,9 @@ def _engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         num_decodes=0,
         prefill_cu_seqlens_q=cuda([0, n], torch.int32),
     )
-    set_attention_metadata(metadata)
-    try:
-        with torch.inference_mode():
-            hidden = runner.model(cuda(ids), torch.arange(n, device="cuda"))
-            return runner.model.compute_logits(hidden).float()
-    finally:
-        set_attention_metadata(None)
+    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+        hidden = runner.model(cuda(ids), torch.arange(n, device="cuda"))
+        return runner.model.compute_logits(hidden).float()
 
 
 def _count_replays(llm: LLM) -> list[int]:

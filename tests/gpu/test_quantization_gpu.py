@@ -86,9 +86,9 @@ def test_w8_linear(dtype: str, group_k: int, rows: int) -> None:
 @compiled_only
 def test_scaled_mm_backend_is_chosen_on_fp8_gpus(tiny_checkpoints) -> None:
     from stoker import LLM
-    from stoker.layers.backends import fp8_matmul_supported
+    from stoker.models.method_chooser import fp8_matmul_supported
     from stoker.layers.linear import Linear
-    from stoker.quantization.methods import QuantizedLinearMethod
+    from stoker.layers.quantized_method import QuantizedLinearMethod
 
     llm = LLM(str(tiny_checkpoints("llama")), quantization="fp8", kv_cache_memory_bytes=32 << 20)
     backends = {m.method.backend for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, Linear) and isinstance(m.method, QuantizedLinearMethod)}

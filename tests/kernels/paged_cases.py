@@ -92,3 +92,17 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str = "
     err = (out_f - ref_f).abs().max().item() if out.numel() else 0.0
     bound = rel * max(1.0, ref_f.abs().max().item() if ref.numel() else 0.0)
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def spy_cpu_kernels(monkeypatch, names: tuple[str, ...], calls: list[str]) -> None:
+    """Record each call of the C kernel set's `names` (in `calls`) while still running them: the
+    set ops dispatches CPU float32 tensors to is replaced by one whose entries log first."""
+    import dataclasses
+
+    from stoker.kernels import ops
+
+    def logged(name: str):
+        real = getattr(ops.CPU, name)
+        return lambda *args: (calls.append(name), real(*args))[1]
+
+    monkeypatch.setattr(ops, "CPU", dataclasses.replace(ops.CPU, **{n: logged(n) for n in names}))

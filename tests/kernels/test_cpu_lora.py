@@ -17,7 +17,7 @@ if not shutil.which("cc") and not shutil.which("gcc"):
 
 def slot_buffers(gen: torch.Generator, num_slots: int, shards: list[int], r: int, k: int,
                  ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A (S, W, K) and BT (S, W, N) as lora/layers.py fills them: shard j's rank rows reach its
+    """A (S, W, K) and BT (S, W, N) as layers/lora.py fills them: shard j's rank rows reach its
     columns only, rows past each slot's rank zero; and the (E, 4) blocks."""
     w, n = len(shards) * r, sum(shards)
     a = torch.zeros(num_slots, w, k)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from paged_cases import assert_close
+from paged_cases import assert_close, spy_cpu_kernels
 
 from stoker.kernels import ops, reference
 from stoker.kernels.cpu import elementwise as cpu_elementwise
@@ -99,9 +99,7 @@ def test_rotary_rejects_positions_outside_the_table() -> None:
 def test_ops_dispatch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 CPU rows take the C kernels; bfloat16, or the env var, take the twins."""
     calls: list[str] = []
-    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
-        real = getattr(cpu_elementwise, name)
-        monkeypatch.setattr(cpu_elementwise, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
+    spy_cpu_kernels(monkeypatch, ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"), calls)
     x, w = torch.randn(4, 64), torch.randn(64)
     q, k, cache = torch.randn(4, 2, 64), torch.randn(4, 1, 64), cos_sin_cache(16, 64)
     pos = torch.arange(4)

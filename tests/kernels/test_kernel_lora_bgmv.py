@@ -1,5 +1,5 @@
 """kernels/lora_bgmv.py (Triton; the interpreter on CPU) against its twin reference.lora_bgmv, with
-the slot buffers laid out as lora/layers.py keeps them (B as (N, S, R))."""
+the slot buffers laid out as layers/lora.py keeps them (B as (N, S, R))."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_the_gpu_path_of_a_merged_projection_equals_the_cpu_segment_path() -> No
     any token order) gives what the CPU path's per-segment product gives on the same tokens
     grouped by slot, and both equal the adapter's update computed directly."""
     from stoker.lora.adapter import LoRAAdapter
-    from stoker.lora.layers import LoRAMapping, LoRASlots, lora_mapping, segments_of
+    from stoker.layers.lora import LoRAMapping, LoRASlots, segments_of
 
     gen = torch.Generator().manual_seed(1)
     shards = [("q_proj", 0, 32, slice(0, 32)), ("k_proj", 32, 16, slice(0, 16)), ("v_proj", 48, 16, slice(0, 16))]
@@ -71,7 +71,6 @@ def test_the_gpu_path_of_a_merged_projection_equals_the_cpu_segment_path() -> No
     order = sorted(range(6), key=lambda t: int(slot_ids[t]))  # what build_step's grouping does
     segments = segments_of([int(slot_ids[t]) for t in order], list(range(7)))
     assert segments == [(0, 1, 4), (2, 4, 6)]
-    with lora_mapping(LoRAMapping(segments)):
-        cpu = slots.apply(x[order], base[order].clone())
+    cpu = slots.apply(x[order], base[order].clone(), LoRAMapping(segments))
     torch.testing.assert_close(cpu, want[order], atol=1e-4, rtol=1e-4)
     assert torch.equal(gpu[2], base[2]) and not torch.equal(gpu[0], base[0])

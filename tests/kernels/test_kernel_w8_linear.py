@@ -14,7 +14,7 @@ from stoker.kernels import reference
 from stoker.layers.linear import Linear, MergedLinear
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
-from stoker.quantization.methods import QuantizedLinearMethod, _scaled_mm_linear
+from stoker.layers.quantized_method import QuantizedLinearMethod, _scaled_mm_linear
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

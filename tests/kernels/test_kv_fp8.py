@@ -182,14 +182,12 @@ def test_triton_decode_and_prefill_on_fp8_cache() -> None:
 @pytest.mark.skipif(not has_cc, reason="no C compiler")
 def test_ops_send_fp8_caches_to_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from stoker.kernels import ops
-    from stoker.kernels.cpu import paged_decode_attention as cpu_decode
-    from stoker.kernels.cpu import store_kvcache as cpu_store
+    from tests.kernels.paged_cases import spy_cpu_kernels
 
-    calls = []
-    monkeypatch.setattr(cpu_decode, "paged_decode_attention", lambda *a: calls.append("decode") or torch.zeros(1))
-    monkeypatch.setattr(cpu_store, "store_kvcache", lambda *a: calls.append("store"))
+    calls: list[str] = []
+    spy_cpu_kernels(monkeypatch, ("store_kvcache", "paged_decode_attention"), calls)
     b = fp8_batch([5], 1, 64, 16, 1.0, 1.0)
     q = torch.randn(1, 1, 64)
     ops.store_kvcache(q[:, :1], q[:, :1], b.k_cache, b.v_cache, torch.tensor([0]), 1.0, 1.0)
     ops.paged_decode_attention(q, b.k_cache, b.v_cache, b.block_tables, b.context_lens_tensor(), 1.0, None, 1.0, 1.0)
-    assert calls == ["store", "decode"]
+    assert calls == ["store_kvcache", "paged_decode_attention"]

@@ -32,7 +32,8 @@ def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
 
 def engine_logits(llm, ids: list[int]) -> torch.Tensor:
     """All-position logits of one prompt through the engine's own model and paged cache."""
-    from stoker.layers.attention import AttentionMetadata, set_attention_metadata
+    from stoker.layers.attention import AttentionMetadata
+    from stoker.layers.forward_context import ForwardContext, set_forward_context
 
     runner = llm.engine.executor.driver_runner
     n = len(ids)
@@ -45,13 +46,9 @@ def engine_logits(llm, ids: list[int]) -> torch.Tensor:
         context_lens_list=[n],
         num_decodes=0,
     )
-    set_attention_metadata(metadata)
-    try:
-        with torch.inference_mode():
-            hidden = runner.model(torch.tensor(ids), torch.arange(n))
-            return runner.model.compute_logits(hidden)
-    finally:
-        set_attention_metadata(None)
+    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+        hidden = runner.model(torch.tensor(ids), torch.arange(n))
+        return runner.model.compute_logits(hidden)
 
 
 def make_adapter(base: Path, out: Path, targets: list[str], rank: int, seed: int, rslora: bool = False) -> Path:

@@ -1,4 +1,4 @@
-"""Each projection's weight method is chosen once, when the model is built (layers/backends.py):
+"""Each projection's weight method is chosen once, when the model is built (models/method_chooser.py):
 packed panels for the C linear kernel on CPU when the kernels are built, else column-major
 for MKL; the tied LM head shares the embedding. Every layout gives the same outputs."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from stoker.kernels import reference
+from stoker.kernels import ops, reference
 from stoker.layers.embedding import LMHead, VocabEmbedding
 from stoker.layers.linear import Linear, MergedLinear
 from stoker.layers.weight_method import ColumnMajorMethod, PackedCpuMethod, TiedMethod
@@ -41,7 +41,7 @@ def test_projection_weights_are_packed_when_the_kernels_are_built(tiny_checkpoin
     assert isinstance(lm_head.method, TiedMethod)
     assert lm_head.weight is embedding.weight and embedding.weight.is_contiguous()
     mlps = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
-    assert mlps and all(m.gate_up_proj.fused_silu_and_mul for m in mlps), "SiLU should be fused into gate_up"
+    assert mlps and all(m.gate_up_proj.method.fuse_silu_and_mul for m in mlps), "SiLU should be fused into gate_up"
     merged = next(m for m in linears if isinstance(m, MergedLinear))
     with pytest.raises(RuntimeError, match="chosen once"):
         merged.attach(ColumnMajorMethod())
@@ -67,10 +67,22 @@ def test_the_backend_is_not_re_read_per_call(tiny_checkpoints, monkeypatch) -> N
     before = _generate(llm)
     monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
     llm.reset_prefix_cache()
-    methods = {type(m.method) for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)}
+    model = llm.engine.executor.driver_runner.model
+    methods = {type(m.method) for m in model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)}
     assert methods == {PackedCpuMethod}
+    # Attention, norms, rotary and the gated activation hold the C kernel set they were built with.
+    sets = {m.kernels.name for m in model.modules() if isinstance(getattr(m, "kernels", None), ops.Kernels)}
+    assert sets == {"cpu"}
     after = _generate(llm)
     assert [a.token_ids for a in after] == [b.token_ids for b in before]
+
+
+def test_layers_without_the_c_kernels_get_the_torch_twins(tiny_checkpoints, monkeypatch) -> None:
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
+    llm = LLM(str(tiny_checkpoints("qwen3")), kv_cache_memory_bytes=4 << 20, device="cpu")
+    model = llm.engine.executor.driver_runner.model
+    kinds = {type(m).__name__: m.kernels.name for m in model.modules() if isinstance(getattr(m, "kernels", None), ops.Kernels)}
+    assert kinds == {"Attention": "torch", "RMSNorm": "torch", "RotaryEmbedding": "torch", "SiluAndMul": "torch"}
 
 
 @needs_compiler
@@ -82,7 +94,7 @@ def test_layouts_do_not_change_outputs(tiny_checkpoints, monkeypatch, intermedia
     packed_llm = LLM(path, kv_cache_memory_bytes=4 << 20, device="cpu")
     model = packed_llm.engine.executor.driver_runner.model
     assert isinstance(next(m for m in model.modules() if isinstance(m, LMHead)).method, PackedCpuMethod)
-    fused = [m.gate_up_proj.fused_silu_and_mul for m in model.modules() if hasattr(m, "gate_up_proj")]
+    fused = [m.gate_up_proj.method.fuse_silu_and_mul for m in model.modules() if hasattr(m, "gate_up_proj")]
     assert fused and all(fused) == (intermediate_size == 128)
     packed = _generate(packed_llm)
     for m in model.modules():  # the same panels through the twin

@@ -85,9 +85,9 @@ def test_a_kv_cache_read_without_its_scale_is_caught(tiny_llama, positions) -> N
     def forward_reading_with_scale_one(self, q, k, v):
         # store with the layer's scale, then read as if the scale were 1.0
         from stoker.kernels import ops
-        from stoker.layers.attention import get_attention_metadata
+        from stoker.layers.forward_context import get_forward_context
 
-        md = get_attention_metadata()
+        md = get_forward_context().attn_metadata
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale)
         cu = [x - md.cu_seqlens_q[0] for x in md.cu_seqlens_q]
         return ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, cu, md.context_lens_list, self.scale, self.sliding_window)

@@ -15,7 +15,7 @@ import torch
 
 from stoker import LLM, SamplingParams
 from stoker.layers.linear import Linear
-from stoker.quantization.methods import QuantizedLinearMethod
+from stoker.layers.quantized_method import QuantizedLinearMethod
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
 from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
 
@@ -188,6 +188,6 @@ def test_activation_quantization_run_weight_only_is_said(quantized, caplog) -> N
     import logging
 
     qpath, _ = quantized("llama", "ct-fp8-channel-static")
-    with caplog.at_level(logging.INFO, logger="stoker.layers.backends"):
+    with caplog.at_level(logging.INFO, logger="stoker.models.method_chooser"):
         LLM(str(qpath), device="cpu", kv_cache_memory_bytes=4 << 20)
     assert "quantizes activations too" in caplog.text and "weight-only" in caplog.text

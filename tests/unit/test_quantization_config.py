@@ -85,7 +85,7 @@ def test_w8a8_runs_only_where_the_scheme_quantizes_activations(monkeypatch) -> N
     online FP8 (vLLM's: dynamic per-token) and W8A8 checkpoints do."""
     import torch
 
-    from stoker.layers import backends
+    from stoker.models import method_chooser as backends
 
     monkeypatch.setattr(backends, "fp8_matmul_supported", lambda device: True)
     monkeypatch.setattr(backends.ops, "triton_available", lambda: True)

@@ -4,7 +4,7 @@ gate/up fusion helpers; argument checks, then one ctypes call.
 
 `linear` and `linear_q8` have the semantics of their twins reference.linear_packed and
 reference.linear_packed_q8; the weight methods bind them when a model is built
-(layers/weight_method.py, quantization/methods.py). The C code trusts its indices, so
+(layers/weight_method.py, layers/quantized_method.py). The C code trusts its indices, so
 everything that could make it read or write outside a tensor is checked here first.
 """
 

@@ -1,6 +1,6 @@
 """Python entry point of lora.c (float32): argument checks, then one ctypes call.
 
-`lora` has the semantics of its twin reference.lora_segments; lora/layers.py calls it for CPU
+`lora` has the semantics of its twin reference.lora_segments; layers/lora.py calls it for CPU
 float32 activations. The C code trusts its indices, so everything that could make it read or
 write outside a tensor is checked here first.
 """

@@ -22,9 +22,14 @@ from stoker.kernels.cpu.common import (
 )
 
 
+def vector_width() -> int:
+    """Floats per vector register of this build (a head_dim the prefill kernel takes is a multiple)."""
+    return int(library().stoker_linear_vl())
+
+
 def prefill_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The C prefill kernel's domain: CPU float32, head_dim a multiple of the vector width."""
-    return supports(query, k_cache) and query.shape[-1] % int(library().stoker_linear_vl()) == 0
+    return supports(query, k_cache) and query.shape[-1] % vector_width() == 0
 
 
 def paged_attention(

@@ -1,4 +1,9 @@
-"""LoRA slots on the model's projections, and the per-step map of tokens to slots.
+"""LoRA on a projection: its slots, the per-step map of tokens to slots, and the wrapper method.
+
+A LoRA projection keeps its weight method (float, FP8, INT8: the base GEMM runs once for the
+whole batch whatever it is) wrapped in a `LoRAMethod`, whose `apply` adds each token's adapter
+update when the forward's context maps some tokens to a slot (layers/forward_context.py). The
+model walk that puts slots on the target projections is the runner's (runner/lora.py).
 
 Every target projection (qkv, o, gate_up, down) holds `max_loras` slots (S) of rank up to
 `max_rank` (R) for each of its shards (num_shards: q, k, v; gate, up; or 1 for a whole layer),
@@ -32,13 +37,18 @@ target is zero-padding. The mapping is set for one forward, as the attention met
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from stoker.kernels import reference
+from stoker.layers.forward_context import get_forward_context
+from stoker.layers.weight_method import LinearMethod
 from stoker.lora.adapter import LoRAAdapter
+
+if TYPE_CHECKING:
+    from stoker.layers.linear import Linear
 
 
 @dataclass
@@ -50,24 +60,6 @@ class LoRAMapping:
 
     def __post_init__(self) -> None:
         self.segments_tensor = torch.tensor(self.segments, dtype=torch.int64).reshape(-1, 3)  # for the C kernel
-
-
-_mapping: LoRAMapping | None = None
-
-
-@contextmanager
-def lora_mapping(mapping: LoRAMapping | None):
-    global _mapping
-    previous, _mapping = _mapping, mapping
-    try:
-        yield
-    finally:
-        _mapping = previous
-
-
-def lora_active() -> bool:
-    """Some token of the running step is on an adapter."""
-    return _mapping is not None
 
 
 def segments_of(slot_per_seq: list[int], cu_seqlens: list[int]) -> list[tuple[int, int, int]]:
@@ -134,11 +126,8 @@ class LoRASlots:
         self.BT[slot].zero_()
         self.ranks[slot] = 0
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """x: (T, in), out: (T, out) the base projection's output; adds each token's adapter update."""
-        mapping = _mapping
-        if mapping is None:
-            return out
         if x.is_cuda and mapping.slot_ids is not None:
             return self._apply_bgmv(x, out, mapping.slot_ids)
         if self.use_c_kernel:
@@ -160,3 +149,52 @@ class LoRASlots:
             b = self.BT[:, k * r:(k + 1) * r, first:first + rows].transpose(1, 2)  # (S, rows, R) view
             lora_bgmv(x.contiguous(), a, b, slot_ids, out, first)
         return out
+
+
+class LoRAMethod(LinearMethod):
+    """A projection's weight method with LoRA slots on top: the base method creates, loads and
+    applies the weight; `apply` adds the adapters' updates of the step's mapped tokens.
+
+    A base that fuses SiLU-and-mul into a [gate; up] GEMM (CPU panels) takes the update before
+    the activation: its pre-activation (panel order), the update in that order, then the
+    activation as the fused kernel would have applied it. Which path is chosen here, once."""
+
+    def __init__(self, base: LinearMethod, slots: LoRASlots) -> None:
+        self.base = base
+        self.slots = slots
+        self.kind = base.kind
+        self.fuse_silu_and_mul = base.fuse_silu_and_mul
+        self._apply_mapped = self._apply_before_activation if base.fuse_silu_and_mul else self._apply_after
+
+    # The weight itself is the base method's.
+    def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
+        return self.base.checkpoint_params(layer)
+
+    def create_weights(self, layer: Linear) -> None:
+        self.base.create_weights(layer)
+
+    def checkpoint_slice(self, layer: Linear, param_name: str, shard: str | None,
+                         shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        return self.base.checkpoint_slice(layer, param_name, shard, shape)
+
+    def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        self.base.load(layer, param_name, shard, tensor)
+
+    def process_after_loading(self, layer: Linear) -> None:
+        self.base.process_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        mapping = get_forward_context().lora_mapping
+        if mapping is None:  # no token of this step is on an adapter
+            return self.base.apply(layer, x)
+        return self._apply_mapped(layer, x, mapping)
+
+    def _apply_after(self, layer: Linear, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        return self.slots.apply(x, self.base.apply(layer, x), mapping)
+
+    def _apply_before_activation(self, layer: Linear, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        pre = self.base.apply_pre_activation(layer, x)  # (T, 2I) in the kernel's panel order
+        return self.base.activate(self.slots.apply(x, pre, mapping))  # (T, I)
+
+    def describe(self) -> str:
+        return f"{self.base.describe()}+LoRA"

@@ -1,7 +1,7 @@
 """The quantized linear method: FP8 or INT8 weights, per-row and per-group scales.
 
 One method class, its representation fixed by a `WeightScheme` and its backend chosen once
-at build (`layers/backends.py`):
+at build (`models/method_chooser.py`):
 
   cpu_q8     CPU float32 activations with the C kernels: one-byte panels (linear.c,
              stoker_linear_q8), dequantized in registers: a quarter of float32's bytes.

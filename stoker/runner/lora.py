@@ -3,7 +3,9 @@
 Targets are found by module name (model.layers.{i}.self_attn.qkv_proj, ...o_proj,
 ...mlp.gate_up_proj, ...down_proj); a merged projection's shards map back to the checkpoint
 names PEFT uses (q_proj, k_proj, v_proj; gate_proj, up_proj) through the model's
-`packed_modules`.
+`packed_modules`. Each target's weight method is wrapped in a LoRAMethod holding its slots
+(layers/lora.py), once, when the runner is built; `mapping` gives each step's token -> slot
+map, which the runner puts in the forward's context.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from torch import nn
 
 from stoker.core.step import SeqStep
 from stoker.layers.linear import Linear
+from stoker.layers.lora import LoRAMapping, LoRAMethod, LoRASlots, segments_of
 from stoker.lora.adapter import LoRAAdapter
-from stoker.lora.layers import LoRAMapping, LoRASlots, segments_of
 
 _TARGET = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
@@ -43,10 +45,11 @@ class ModelLoRASlots:
             else:
                 shards = [(kind, 0, module.out_features, module.checkpoint_rows(None))]
             # a fused [gate; up] CPU kernel writes its pre-activation in panel order: the update follows it
-            out_rows = module.method.output_rows(module) if module.fused_silu_and_mul else None
-            module.lora = LoRASlots(layer_idx, shards, module.in_features, module.out_features, max_loras, max_rank,
-                                    dtype, device, out_rows, in_cols=module.checkpoint_cols())
-            self.layers.append(module.lora)
+            out_rows = module.method.output_rows(module) if module.method.fuse_silu_and_mul else None
+            slots = LoRASlots(layer_idx, shards, module.in_features, module.out_features, max_loras, max_rank,
+                              dtype, device, out_rows, in_cols=module.checkpoint_cols())
+            module.wrap_method(LoRAMethod(module.method, slots))
+            self.layers.append(slots)
         if not self.layers:
             raise ValueError("this model has no projections LoRA can target")
 

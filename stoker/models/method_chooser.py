@@ -1,14 +1,16 @@
-"""Which weight method and backend each projection gets, decided once when the model is built.
+"""Which weight method and backend each layer of a model gets, decided once when it is built.
 
-`LinearMethodChooser(name, layer)` is called by `models/loader.build_model` for every
+`LinearMethodChooser(name, layer)` is called by `models/loader.build_with_methods` for every
 projection, before its parameters exist:
 
   * the LM head: tied to the embedding (TiedMethod), else float like the rest;
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
-    with its backend (stoker/quantization/methods.py lists them);
+    with its backend (stoker/layers/quantized_method.py lists them);
   * float projections: the C kernels' packed panels on CPU float32 when they are built
-    (PackedCpuMethod, with SiLU-and-mul fused into a [gate; up] layer whose MLP uses SiLU),
+    (PackedCpuMethod, with SiLU-and-mul fused into a SiLU-gated [gate; up] layer),
     MKL's column-major layout on CPU without them, F.linear otherwise.
+`bind_kernels` gives every attention, norm, rotary and activation layer the kernel set of the
+model's device and dtype (kernels/ops.py: Triton, the C kernels or the torch twins).
 The environment (STOKER_DISABLE_CPU_KERNELS, STOKER_DISABLE_TRITON) is read here, once.
 """
 
@@ -23,8 +25,9 @@ from torch import nn
 
 from stoker.kernels import ops
 from stoker.kernels.cpu import build as cpu_kernels
+from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead
-from stoker.layers.linear import Linear
+from stoker.layers.linear import GateUpLinear, Linear
 from stoker.layers.weight_method import ColumnMajorMethod, LinearMethod, PackedCpuMethod, TiedMethod, TorchLinearMethod
 from stoker.quantization.config import QuantConfig, QuantizationError, WeightScheme
 
@@ -84,7 +87,7 @@ class LinearMethodChooser:
                     f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"
                 )
             if not all(ignored):
-                from stoker.quantization.methods import QuantizedLinearMethod
+                from stoker.layers.quantized_method import QuantizedLinearMethod
 
                 backend = quantized_backend(self.quant.weights, self.device, self.dtype)
                 if self.quant.weights.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
@@ -104,14 +107,24 @@ class LinearMethodChooser:
         return TorchLinearMethod()
 
     def _fuse_silu(self, name: str, layer: Linear, backend: str) -> bool:
-        """A [gate; up] layer whose MLP applies SiLU, on a CPU kernel that can fuse it."""
+        """A SiLU-gated [gate; up] layer, on a CPU kernel that can fuse it."""
         from stoker.kernels.cpu import linear as cpu_linear
-        from stoker.layers.activation import SiluAndMul
 
-        if backend not in ("cpu", "cpu_q8") or list(layer.shard_offsets) != ["gate", "up"]:
+        if backend not in ("cpu", "cpu_q8") or not isinstance(layer, GateUpLinear) or not layer.is_silu:
             return False
-        parent = self.model.get_submodule(name.rpartition(".")[0])
-        return isinstance(getattr(parent, "act", None), SiluAndMul) and cpu_linear.gate_up_fusable(layer.out_features // 2)
+        return cpu_linear.gate_up_fusable(layer.out_features // 2)
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {m}" for m, n in sorted(self.chosen.items()))
+
+
+def bind_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """Give each layer that runs a kernel of its own (attention, norms, rotary, the gated
+    activation) the set for `device` and `dtype`; returns the set's name, for the log."""
+    kernels = ops.select(device, dtype)
+    for module in model.modules():
+        if isinstance(module, Attention):  # its prefill kernel depends on head_dim
+            module.kernels = ops.select(device, dtype, module.head_dim)
+        elif isinstance(getattr(module, "kernels", None), ops.Kernels):
+            module.kernels = kernels
+    return kernels.name
