@@ -228,22 +228,22 @@ def run_embeddings(args: argparse.Namespace, *, label: str = "serve") -> dict[st
     from stoker.bench.arrivals import validate_rate
     from stoker.bench.metrics import parse_percentiles
     from stoker.bench.progress import BenchProgress
-    from stoker.bench.report import _num
+    from stoker.bench.report import _num, args_record, command_line
     from stoker.bench.runner import (
+        LoadConfig,
         api_root,
         auth_headers,
         fetch_models,
         first_model_id,
         run_load,
     )
-    from stoker.bench.serve import _args_record, _command, load_from_args
 
     if args.goodput or args.hardware:
         raise ValueError("--goodput and --hardware are for generative endpoints, not --endpoint embeddings")
     per = getattr(args, "embedding_inputs_per_request", 1)
     if per < 1:
         raise ValueError(f"--embedding-inputs-per-request must be >= 1, got {per}")
-    load = load_from_args(args)
+    load = LoadConfig.from_args(args)
     load.validate()
     validate_rate(load.request_rate, load.burstiness)
     percentiles = parse_percentiles(args.percentiles)
@@ -269,7 +269,7 @@ def run_embeddings(args: argparse.Namespace, *, label: str = "serve") -> dict[st
     out: dict[str, Any] = {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "stoker_version": __version__,
-        "command": _command(args), "args": _args_record(args), "label": label,
+        "command": command_line(args), "args": args_record(args), "label": label,
         "backend": "openai-embeddings", "base_url": root, "endpoint": path, "model_id": model, "models": models,
         "dataset": args.dataset, "tokenizer_id": args.tokenizer,
         "embedding_input": getattr(args, "embedding_input", "text"), "inputs_per_request": per,

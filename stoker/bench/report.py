@@ -8,9 +8,12 @@ read ours; `stoker roofline --measured` reads `output_throughput`, `total_token_
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +151,31 @@ def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
     for note in result.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command line as typed when run from a shell; otherwise (called in-process, e.g.
+    from Python or a test) an equivalent command rebuilt from the parsed flags."""
+    argv = sys.argv[1:]
+    if "bench" in argv and getattr(args, "bench_command", None) in argv:
+        return shlex.join(["stoker", *argv[argv.index("bench"):]])
+    words = ["stoker", "bench", str(getattr(args, "bench_command", "serve"))]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "bench_command") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def args_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags, JSON-safe (strict JSON has no Infinity: inf is saved as "inf")."""
+    def safe(v: Any) -> Any:
+        return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+    return {k: safe(v) for k, v in vars(args).items() if k != "func" and not callable(v)}

@@ -29,6 +29,12 @@ class LoadConfig:
     seed: int = 0
     request_timeout: float = 600.0
 
+    @classmethod
+    def from_args(cls, args: Any) -> LoadConfig:
+        """From `stoker bench serve`'s parsed flags."""
+        return cls(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                   seed=args.seed, request_timeout=args.request_timeout)
+
     def validate(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
-import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +17,7 @@ from stoker.bench.datasets import DatasetOptions, sample_requests
 from stoker.bench import server_wall
 from stoker.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
 from stoker.bench.progress import BenchProgress
-from stoker.bench.report import build_result, format_report, save_result
+from stoker.bench.report import args_record, build_result, command_line, format_report, save_result
 from stoker.bench.runner import (LoadConfig, RunOutcome, api_root, auth_headers, endpoint_path,
                                  fetch_models, first_model_id, run_load)
 from stoker.bench.tokenizer import BenchTokenizer, load_tokenizer
@@ -38,34 +35,6 @@ class Prepared:
     goodput: dict[str, float]
     roofline: roofline_link.RooflineRequest | None
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _command(args: argparse.Namespace) -> str:
-    """The command line as typed when run from a shell; otherwise (called in-process, e.g.
-    from Python or a test) an equivalent command rebuilt from the parsed flags."""
-    argv = sys.argv[1:]
-    if "bench" in argv and getattr(args, "bench_command", None) in argv:
-        return shlex.join(["stoker", *argv[argv.index("bench"):]])
-    words = ["stoker", "bench", str(getattr(args, "bench_command", "serve"))]
-    for key, value in vars(args).items():
-        if key in ("func", "command", "bench_command") or value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            words.append(flag)
-        elif isinstance(value, list):
-            words += [flag, *map(str, value)]
-        else:
-            words += [flag, str(value)]
-    return shlex.join(words)
-
-
-def _args_record(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed flags, JSON-safe (strict JSON has no Infinity: inf is saved as "inf")."""
-    def safe(v: Any) -> Any:
-        return str(v) if isinstance(v, float) and not math.isfinite(v) else v
-
-    return {k: safe(v) for k, v in vars(args).items() if k != "func" and not callable(v)}
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
@@ -93,8 +62,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
     endpoint = Endpoint(url=root + path, model=model, chat=is_chat, headers=auth_headers(args.api_key),
                         ignore_eos=args.ignore_eos)
     meta = {
-        "command": _command(args),
-        "args": _args_record(args),
+        "command": command_line(args),
+        "args": args_record(args),
         "backend": "openai-chat" if is_chat else "openai-completions",
         "base_url": root,
         "endpoint": path,
@@ -147,18 +116,12 @@ def run_once(prep: Prepared, load: LoadConfig, *, label: str, show_progress: boo
     return result
 
 
-def load_from_args(args: argparse.Namespace) -> LoadConfig:
-    return LoadConfig(request_rate=args.request_rate, burstiness=args.burstiness,
-                      max_concurrency=args.max_concurrency, seed=args.seed,
-                      request_timeout=args.request_timeout)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from stoker.bench import embeddings
 
     if embeddings.is_embeddings(args.endpoint):
         return embeddings.cmd_serve_embeddings(args)
-    load = load_from_args(args)
+    load = LoadConfig.from_args(args)
     load.validate()
     from stoker.bench.arrivals import validate_rate
 
