@@ -23,33 +23,15 @@ part to the other ranks over torch.distributed. `make_executor` (executor/factor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
-from stoker.config import KVCacheSpec
 from stoker.core.step import StepMessage, StepResult
+from stoker.runner.info import RunnerInfo
 
 
 class WorkerFailedError(RuntimeError):
     """A tensor-parallel rank raised, exited or hung past the timeout: the engine cannot step
     any more (every request in flight fails; the server's /health answers 503)."""
-
-
-@dataclass(frozen=True)
-class RunnerInfo:
-    """What rank 0's runner is, as plain values (for the engine's log, the server's wall model)."""
-
-    device: str  # "cpu", "cuda:0"
-    device_name: str  # torch's name of a CUDA device ("NVIDIA H100 80GB HBM3"); "cpu" on a CPU
-    dtype: str  # the model's activation dtype: "float32", "bfloat16", "float16"
-    quantization: str | None  # the projections' method ("fp8", "int8"), None for float weights
-    kv_spec: KVCacheSpec  # one token of this rank's KV cache
-    bytes_per_block: int
-    weights_summary: str  # predicted vs held weight bytes, for the start-up log
-
-    @property
-    def device_type(self) -> str:
-        return self.device.partition(":")[0]
 
 
 class Executor(ABC):

@@ -73,7 +73,9 @@ def finetune(cfg: FinetuneConfig, callbacks: Sequence[TrainerCallback] = (),
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    device = _resolve_device(cfg.device, torch)
+    from stoker.runner.device import resolve_device
+
+    device = resolve_device(cfg.device).type
     use_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
     base_model = str(Path(cfg.model).resolve()) if Path(cfg.model).is_dir() else cfg.model
     tokenizer = AutoTokenizer.from_pretrained(base_model)
@@ -164,14 +166,6 @@ def _require(*names: str) -> None:
     for name in names:
         if find_spec(name) is None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-
-def _resolve_device(device: str, torch: Any) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible")
-    return device
 
 
 def _featurize_all(tokenizer: Any, rows: list[Row], max_seq_len: int, source: Path,

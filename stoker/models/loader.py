@@ -24,6 +24,7 @@ from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.embedding import VocabEmbedding
 from stoker.layers.linear import Linear
 from stoker.layers.rotary import rope_parameters
+from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
 from stoker.quantization.config import QuantConfig
 
@@ -100,18 +101,6 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
     kernels = bind_kernels(model, device, dtype)
     logger.info("%s: %s; attention, norms and rotary: %s kernels", what, chooser.summary(), kernels)
     return model.eval().requires_grad_(False)
-
-
-def checkpoint_module_name(model: nn.Module, module_name: str, shard: str | None) -> str:
-    """The checkpoint's module name for a merged module's shard (model.layers.0.self_attn.qkv_proj,
-    "q" -> model.layers.0.self_attn.q_proj); the name itself for an unmerged module."""
-    if shard is None:
-        return module_name
-    parent, _, leaf = module_name.rpartition(".")
-    for ckpt, (merged, s) in getattr(model, "packed_modules", {}).items():
-        if merged == leaf and s == shard:
-            return f"{parent}.{ckpt}" if parent else ckpt
-    return f"{module_name}#{shard}"
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:

@@ -29,6 +29,7 @@ from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead
 from stoker.layers.linear import GateUpLinear, Linear
 from stoker.layers.weight_method import ColumnMajorMethod, LinearMethod, PackedCpuMethod, TiedMethod, TorchLinearMethod
+from stoker.models.packed import checkpoint_module_name
 from stoker.quantization.config import QuantConfig, QuantizationError, WeightScheme
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,6 @@ class LinearMethodChooser:
                 return TiedMethod(layer.tied_embedding.weight)
             return self._float(name, layer)
         if self.quant is not None:
-            from stoker.models.loader import checkpoint_module_name
-
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):

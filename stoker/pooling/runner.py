@@ -19,24 +19,13 @@ from torch import nn
 from stoker.pooling.attention import VarlenBatch, varlen_batch
 from stoker.pooling.config import PoolingConfig, read_pooling_config
 from stoker.pooling.loader import load_pooling_model
+from stoker.runner.device import resolve_device, resolve_dtype
 
 
 @dataclass(frozen=True)
 class PoolInput:
     token_ids: list[int]
     token_type_ids: list[int] | None = None  # a cross-encoder's pair: 0 for the query, 1 for the document
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 class PoolingRunner:

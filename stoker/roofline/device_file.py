@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stoker.roofline.hardware import GPUSpec
+    from stoker.roofline.gpu_spec import GPUSpec
 
 THIS = "this"
 ENV_VAR = "STOKER_DEVICE_FILE"  # overrides default_path(), e.g. in CI
@@ -114,19 +114,9 @@ def read_device_file(path: str | Path | None = None) -> DeviceFile:
     return DeviceFile.from_yaml_dict(yaml.safe_load(src.read_text()), str(src))
 
 
-def load_this_device(path: str | Path | None = None) -> GPUSpec:
-    """Register the device file's entry with the hardware table (as `load_gpu_yaml` does) and
-    return its spec; `get_gpu("this")` calls this when "this" is not yet registered."""
-    from stoker.roofline.hardware import load_gpu_yaml
-
-    src = Path(path) if path else default_path()
-    read_device_file(src)  # the clear error when absent or not the doctor's
-    return load_gpu_yaml(src)[0]
-
-
 def to_spec(device: DeviceFile) -> GPUSpec:
     """The device as the cost model's spec, without touching the hardware table."""
-    from stoker.roofline.hardware import LINKS, GPUSpec
+    from stoker.roofline.gpu_spec import LINKS, GPUSpec
 
     return GPUSpec(device.name, device.bf16_tflops, None, None, device.memory_gb, device.read_gb_per_s,
                    LINKS["none"], device.source, fp32_tflops=device.fp32_tflops)

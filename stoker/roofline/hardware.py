@@ -20,96 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class Interconnect:
-    """A GPU-to-GPU link. `gb_per_s` is per GPU, per direction (what nccl-tests busbw approaches)."""
-
-    name: str
-    gb_per_s: float
-    kind: str  # "nvlink" | "pcie" | "network" | "none": selects NCCL's per-hop latency class
-    source: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("nvlink", "pcie", "network", "none"):
-            raise ValueError(f"link kind must be nvlink, pcie, network or none, not {self.kind!r}")
-
-
-_FACTS = "shared/reference/facts.md"
-LINKS: dict[str, Interconnect] = {
-    l.name: l
-    for l in (
-        Interconnect("nvlink3", 300.0, "nvlink", f"A100 NVLink3 600 GB/s bidirectional ({_FACTS})"),
-        Interconnect("nvlink4", 450.0, "nvlink", f"H100/H200 NVLink4 900 GB/s, 450/dir ({_FACTS})"),
-        Interconnect("nvlink5", 900.0, "nvlink", f"B200 NVLink5 1800 GB/s, 900/dir ({_FACTS})"),
-        Interconnect("nvlink-bridge", 300.0, "nvlink", f"H100 PCIe NVLink bridge 600 GB/s ({_FACTS})"),
-        Interconnect("pcie4", 32.0, "pcie", f"PCIe Gen4 x16 ~32 GB/s/dir ({_FACTS})"),
-        Interconnect("pcie5", 64.0, "pcie", f"PCIe Gen5 x16 ~64 GB/s/dir ({_FACTS})"),
-        Interconnect("ib-ndr", 47.0, "network", f"InfiniBand NDR 400 Gb/s, ~46-48 GB/s measured ({_FACTS})"),
-        Interconnect("infinity-fabric", 448.0, "nvlink", f"MI300X Infinity Fabric 896 GB/s ({_FACTS})"),
-        Interconnect("none", 0.0, "none", "no GPU-GPU link (MIG slice or single device)"),
-    )
-}
-
-
-def get_link(name: str) -> Interconnect:
-    key = name.strip().lower()
-    if key not in LINKS:
-        raise ValueError(f"unknown interconnect {name!r}; choose one of: {', '.join(sorted(LINKS))}")
-    return LINKS[key]
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    """One device (or a MIG slice of one). TFLOP/s are dense; `fp8_tflops` is None without FP8 cores."""
-
-    name: str
-    bf16_tflops: float
-    fp8_tflops: float | None
-    int8_tops: float | None
-    memory_gb: float  # GiB, see module docstring
-    hbm_gb_per_s: float
-    link: Interconnect
-    source: str
-    mig_max: int = 0  # MIG instances the device supports (0: none)
-    parent: str | None = None  # set on MIG slices
-    # Dense float32 matmul rate where it is known and not the bf16 one's: a CPU's measured
-    # figure (`stoker doctor`), whose float32 engine runs no bf16 math. None: float32 matmuls
-    # are priced at the bf16 rate, as before (GPUs' table entries; no engine runs fp32 there).
-    fp32_tflops: float | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("bf16_tflops", "memory_gb", "hbm_gb_per_s"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{self.name}: {field} must be > 0")
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * GiB
-
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return self.hbm_gb_per_s * 1e9
-
-    def peak_flops(self, compute_dtype: str = "bf16") -> float:
-        """Peak dense FLOP/s for matmuls whose inputs are `compute_dtype` (bf16, fp8, int8 or fp32)."""
-        if compute_dtype == "fp32" and self.fp32_tflops:
-            return self.fp32_tflops * 1e12
-        if compute_dtype == "fp8" and self.fp8_tflops:
-            return self.fp8_tflops * 1e12
-        if compute_dtype == "int8" and self.int8_tops:
-            return self.int8_tops * 1e12
-        return self.bf16_tflops * 1e12
-
-    def ridge_point(self, compute_dtype: str = "bf16") -> float:
-        """FLOP per byte where the roofline turns flat: peak FLOP/s / peak HBM B/s."""
-        return self.peak_flops(compute_dtype) / self.hbm_bytes_per_s
-
+from stoker.roofline.gpu_spec import _FACTS, LINKS, GiB, GPUSpec, Interconnect, get_link  # noqa: F401 (the table's types)
 
 _DS = "NVIDIA datasheet via " + _FACTS
 _GPUS: dict[str, GPUSpec] = {}
@@ -184,9 +97,6 @@ def get_gpu(name: str) -> GPUSpec:
     base, _, profile = name.partition(":")
     key = _ALIASES.get(_norm(base))
     if key is None and _norm(base) == "this":
-        # Registers "this" from the device file `stoker doctor --write-device-file` wrote.
-        from stoker.roofline.device_file import load_this_device
-
         key = _ALIASES.get(_norm(load_this_device().name))
     if key is None:
         raise ValueError(f"unknown GPU {name!r}; choose one of: {', '.join(list_gpus())} "
@@ -250,3 +160,14 @@ def gpu_from_device_name(device_name: str) -> GPUSpec | None:
         except ValueError:
             continue
     return None
+
+
+def load_this_device(path: str | Path | None = None) -> GPUSpec:
+    """Register the device file's entry (what `stoker doctor --write-device-file` measured) with
+    the table, as `load_gpu_yaml` does, and return its spec; `get_gpu("this")` calls this when
+    "this" is not yet registered."""
+    from stoker.roofline.device_file import default_path, read_device_file
+
+    src = Path(path) if path else default_path()
+    read_device_file(src)  # the clear error when absent or not the doctor's
+    return load_gpu_yaml(src)[0]

@@ -16,7 +16,6 @@ from stoker import cpu_runtime
 from stoker.config import EngineConfig
 from stoker.core.step import SampledTokens, SampleSpec, SeqStep, StepMessage, StepResult
 from stoker.distributed.parallel_state import TensorParallelGroup
-from stoker.executor.contract import RunnerInfo
 from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
@@ -24,38 +23,14 @@ from stoker.quantization import config as quant_config
 from stoker.runner.lora import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
+from stoker.runner.device import resolve_device, resolve_dtype
+from stoker.runner.info import RunnerInfo
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.sampling.prompt_logprobs import score_prompt
 from stoker.sampling.sampler import Sampler, SamplingRow
 from stoker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str, local_rank: int = 0, tp_size: int = 1) -> torch.device:
-    """The device this rank runs on: with tensor parallelism, GPU `local_rank` of its node."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
-    if device.startswith("cuda") and tp_size > 1:
-        if device != "cuda":
-            raise ValueError(f"device {device!r} names one GPU, but tensor parallelism puts rank r on GPU LOCAL_RANK: "
-                             "pass device 'cuda' (choose the GPUs with CUDA_VISIBLE_DEVICES)")
-        return torch.device("cuda", local_rank)
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU; bfloat16 on CUDA, float16 where bf16 is unsupported."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
 
 def _size(num_bytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
