@@ -116,6 +116,7 @@ def main() -> None:
                     help="torch intra-op threads on both sides (OMP_NUM_THREADS for the server); default: torch's")
     ap.add_argument("--wait-policy", choices=["server", "libgomp"], default="server",
                     help="the offline side's OpenMP wait policy: the server's (default) or libgomp's own")
+    ap.add_argument("--json", default=None, help="write the runs and medians here")
     args = ap.parse_args()
     if args.wait_policy == "server":
         from stoker.cpu_runtime import configure_openmp  # pure Python: torch not loaded yet
@@ -171,6 +172,10 @@ def main() -> None:
     print(f"| offline LLM.generate | {off:.1f} | {', '.join(f'{x:.1f}' for x in offline)} |")
     print(f"| stoker serve, 64 streams at once | {srv:.1f} | {', '.join(f'{x:.1f}' for x in server)} |")
     print(f"| server / offline | {100 * srv / off:.1f}% | target >= 90% |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"offline_tokens_per_s": offline, "server_tokens_per_s": server,
+                                               "offline_median": off, "server_median": srv, "server_over_offline": srv / off,
+                                               "threads": torch.get_num_threads(), "wait_policy": policy}, indent=2))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_linear.py",
     "tests/kernels/test_cpu_linear_q8.py",
     "tests/kernels/test_kv_fp8.py",
-    "tests/kernels/test_cpu_native.py",
+    "tests/kernels/test_cpu_paged_decode_attention.py",
     "tests/kernels/test_cpu_prefill_attention.py",
     "tests/kernels/test_cpu_varlen_attention.py",
     "tests/kernels/test_cpu_bert_layer.py",

@@ -38,7 +38,7 @@ def _flatten(result: object) -> list[torch.Tensor]:
 
 
 def test_cpu_tensors_take_the_twins_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # the C decode kernel: test_cpu_native.py
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # the C decode kernel: test_cpu_paged_decode_attention.py
     assert not ops.use_triton(torch.zeros(1))
     for name, args in _inputs(torch.Generator().manual_seed(0)).items():
         got = _flatten(getattr(ops, name)(*args))
