@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.engine.async_engine import AsyncEngine
+from stoker.server.errors import ApiError
 from stoker.server.metrics import ServerMetrics
 
 
@@ -63,6 +64,9 @@ class ServerSettings:
 
 @dataclass
 class ServerState:
+    """The registry of what the server serves: the generative model (its served names, its LoRA
+    adapters, the engine) and the pooling models; every wing asks it which model a request names."""
+
     settings: ServerSettings
     engine: AsyncEngine | None = None
     # The server's own tokenizer: the engine thread uses the engine's, and HF fast
@@ -87,3 +91,31 @@ class ServerState:
         self.metrics = ServerMetrics(self.settings.model_name, lambda: self.engine)
         if self.settings.enable_request_timing:
             self.metrics.wall.track_requests()
+
+    # ------------------------------------------------------------------ served models
+    def check_model(self, model: str | None) -> str:
+        """The model name the request asked for: a served name of the base model, or (with
+        --enable-lora) a loaded adapter's name; anything else is a 404 in OpenAI's shape."""
+        names = self.settings.served_model_names
+        if model is not None and model not in names and self.lora_name(model) is None:
+            served = list(names) + self.adapter_names()
+            raise ApiError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}", "model")
+        return model or names[0]
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, or None for the base model."""
+        if model is None or model in self.settings.served_model_names or self.engine is None:
+            return None
+        return model if self.engine.has_lora(model) else None
+
+    def adapter_names(self) -> list[str]:
+        return self.engine.lora_names() if self.engine is not None else []
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 while the model loads and once the engine has died."""
+        if self.engine is not None and self.engine.is_dead:
+            raise ApiError(503, "the engine has stopped after an internal error; restart the server")
+        if not self.ready or self.engine is None:
+            raise ApiError(503, "the model is still loading; retry when /v1/health/ready answers 200",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        return self.engine
