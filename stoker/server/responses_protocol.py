@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol import Number, SmallInt, _Request
+from stoker.server.protocol_base import Number, SmallInt, _Request
 
 _STATELESS = "this server is stateless (nothing is stored between requests)"
 
