@@ -10,16 +10,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from stoker.server.generate.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
-from stoker.server.responses_protocol import ResponsesRequest
-from stoker.server.serving import Serving
-from stoker.server.serving_chat import OpenAIServingChat
-from stoker.server.serving_completion import OpenAIServingCompletion
-from stoker.server.serving_responses import OpenAIServingResponses
+from stoker.server.generate.responses_protocol import ResponsesRequest
+from stoker.server.generate.serving import Serving
+from stoker.server.generate.chat import OpenAIServingChat
+from stoker.server.generate.completion import OpenAIServingCompletion
+from stoker.server.generate.responses import OpenAIServingResponses
 from stoker.server.model_readiness import check_generation, check_ready, pooling_model_cards
-from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from stoker.server.serving_pooling import OpenAIServingPooling
+from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.pooling.serving import OpenAIServingPooling
 from stoker.server.state import ServerState
 
 router = APIRouter()

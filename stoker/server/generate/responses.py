@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stoker.server.errors import bad_request, describe_validation_errors
-from stoker.server.protocol import ChatCompletionRequest
-from stoker.server.responses_protocol import ResponsesRequest
-from stoker.server.serving import Serving, new_id
-from stoker.server.serving_chat import OpenAIServingChat
+from stoker.server.generate.protocol import ChatCompletionRequest
+from stoker.server.generate.responses_protocol import ResponsesRequest
+from stoker.server.generate.serving import Serving, new_id
+from stoker.server.generate.chat import OpenAIServingChat
 
 
 class OpenAIServingResponses(Serving):

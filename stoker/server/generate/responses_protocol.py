@@ -1,6 +1,6 @@
 """OpenAI's Responses API request, and its translation into a chat-completions request.
 
-`POST /v1/responses` is served statelessly over the chat path (serving_responses.py): the
+`POST /v1/responses` is served statelessly over the chat path (responses.py): the
 input items become chat messages, `instructions` a system message first, `text.format` the
 chat `response_format`, function tools the chat tools. What needs a stored conversation
 (`store`, `previous_response_id`, `conversation`, item references) or a capability this server

@@ -20,7 +20,7 @@ from stoker.engine.async_engine import (
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, bad_request, param_of_value_error
-from stoker.server.protocol import _SamplingFields
+from stoker.server.generate.protocol import _SamplingFields
 from stoker.server.state import ServerState
 
 T = TypeVar("T")

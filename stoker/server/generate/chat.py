@@ -10,10 +10,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.protocol import ChatCompletionRequest, ToolChoiceError
-from stoker.server.serving_completion import prompt_logprobs_json
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
-from stoker.server.tool_calls import ToolPlan
+from stoker.server.generate.protocol import ChatCompletionRequest, ToolChoiceError
+from stoker.server.generate.completion import prompt_logprobs_json
+from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.tools.calls import ToolPlan
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 

@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import bad_request
-from stoker.server.protocol import CompletionRequest
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.protocol import CompletionRequest
+from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
 
 # -inf is not JSON; clients read a very negative number the same way.
 _MIN_LOGPROB = -9999.0

@@ -16,7 +16,7 @@ from pydantic import Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
-from stoker.server import tool_schema
+from stoker.server.generate.tools import schema as tool_schema
 from stoker.server.protocol_base import Number, SmallInt, TokenId, _Body, _Request
 from stoker.structured.spec import StructuredOutputs
 

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from stoker.server.batcher import QueueFullError, QueueTimeoutError
+from stoker.pooling.batcher import QueueFullError, QueueTimeoutError
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.pooling_models import PoolingModel
-from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.pooling.models import PoolingModel
+from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from stoker.server.state import ServerState
 
 _API = {"embed": "Embeddings API", "score": "Score API", "rerank": "Rerank API"}
