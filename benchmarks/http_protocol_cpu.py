@@ -1,5 +1,5 @@
 """Server CPU per request for the two HTTP protocols `stoker serve` can run
-(server/http_limits.py: httptools when installed, else h11), on a bare FastAPI app.
+(server/http/limits.py: httptools when installed, else h11), on a bare FastAPI app.
 
 Each round starts, per protocol, a subprocess serving one POST route (a pydantic body like an
 embeddings request; a 2 KB JSON answer like a base64 384-float vector) with
@@ -34,7 +34,7 @@ from pydantic import BaseModel
 import uvicorn
 if sys.argv[1] == "h11":
     sys.modules["httptools"] = None  # what a machine without httptools runs
-from stoker.server.http_limits import header_timeout_protocol
+from stoker.server.http.limits import header_timeout_protocol
 
 app = FastAPI()
 

@@ -1,7 +1,7 @@
 """The server's own wall verdict over a benchmark run, beside the client's TTFT/TPOT (issue 16).
 
 `stoker serve` counts every step by kind and wall, with measured and predicted seconds and the
-modelled FLOPs and bytes (server/wall_metrics.py). Scraping `/metrics` before and after a run
+modelled FLOPs and bytes (server/observe/wall_metrics.py). Scraping `/metrics` before and after a run
 and differencing those counters gives the verdict of exactly the run's steps: per step kind,
 the share of steps against each wall, MBU and MFU (modelled bytes and FLOPs over measured step
 time, divided by the ceilings the server names), and measured / predicted step time.

@@ -91,7 +91,7 @@ def measure_device(read_mib: int = READ_MIB, gemm_sizes: tuple[int, ...] = (512,
 
 def quick_cpu_device() -> DeviceFile:
     """A start-up estimate of this CPU's two roofs, for a default that needs only their ratio
-    (the batcher's preferred batch, server/batch_defaults.py): n = 512 matmuls (torch's and the
+    (the batcher's preferred batch, pooling/batch_defaults.py): n = 512 matmuls (torch's and the
     engine's kernel) and one 256 MiB read (not the doctor's quarter-size buffer too, which stays
     partly in these VMs' shared L3 and reads faster than memory). 20 repetitions: with 5, the
     first GEMMs of a fresh process put the peak at 201-291 GFLOP/s in three server starts on a

@@ -22,15 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stoker.engine.async_engine import AsyncEngine, EngineInfo
 from stoker.server import openapi
 from stoker.server.errors import ApiError, describe_validation_errors, error_body
-from stoker.server.http_limits import install_redaction
-from stoker.server.metrics import EngineLogLine
-from stoker.server.middleware import Gatekeeper
-from stoker.server.pooling_asgi import PoolingEndpoints
-from stoker.server.pooling_models import load_pooling
+from stoker.server.http.limits import install_redaction
+from stoker.server.observe.metrics import EngineLogLine
+from stoker.server.http.middleware import Gatekeeper
+from stoker.server.pooling.asgi import PoolingEndpoints
+from stoker.server.pooling.models import load_pooling
 from stoker.server.routes import router
-from stoker.server.serving import ClientDisconnected
+from stoker.server.generate.serving import ClientDisconnected
 from stoker.server.state import ServerSettings, ServerState
-from stoker.server.tokenization import ServerTokenizer
+from stoker.server.generate.tokenization import ServerTokenizer
 
 logger = logging.getLogger("stoker.server")
 
@@ -39,7 +39,7 @@ EngineFactory = Callable[[], Any]  # builds the generative engine (an LLMEngine)
 
 def _wall_model(info: EngineInfo, profile: str | None) -> Any:
     """The wall verdict's cost model; a failure to build it never stops the server (logged)."""
-    from stoker.server.wall import build_wall_model
+    from stoker.server.observe.wall import build_wall_model
 
     try:
         wall = build_wall_model(info, profile)
@@ -59,7 +59,7 @@ def create_app(
     pooling: Any = None,
 ) -> FastAPI:
     """`engine_factory` builds the generative engine (None: the server holds pooling models only);
-    `pooling` (server/pooling_models.py: PoolingModels) the embedding / reranker models, if any."""
+    `pooling` (server/pooling/models.py: PoolingModels) the embedding / reranker models, if any."""
     state = ServerState(settings)
     state.pooling, state.serves_generation = pooling, engine_factory is not None
 
@@ -140,7 +140,7 @@ def create_app(
         state.metrics.reject(status)
         return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
-    # Inner to outer: the pooling endpoints before FastAPI's routing (pooling_asgi.py), behind
+    # Inner to outer: the pooling endpoints before FastAPI's routing (pooling/asgi.py), behind
     # Gatekeeper's key and body limits like every route.
     app.add_middleware(PoolingEndpoints, state=state, error_response=_error)
     app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
@@ -165,7 +165,7 @@ def create_app(
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
-    # Anything else is answered by Gatekeeper (middleware.py): a 500 in the OpenAI shape that
+    # Anything else is answered by Gatekeeper (http/middleware.py): a 500 in the OpenAI shape that
     # closes the connection cleanly.
 
     return app

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from stoker.engine.args import add_engine_args, engine_kwargs
-from stoker.server.pooling_cli import add_pooling_args, pooling_models_from_args
-from stoker.server.tool_parsers import PARSERS
+from stoker.server.pooling.cli import add_pooling_args, pooling_models_from_args
+from stoker.server.generate.tools.parsers import PARSERS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_headless(args)  # torchrun / Kubernetes: a rank > 0 serves the group, not HTTP
     import uvicorn
 
-    from stoker.server.http_limits import header_timeout_protocol
+    from stoker.server.http.limits import header_timeout_protocol
 
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -158,7 +158,7 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
 
     models_config = None
     if args.config is not None:
-        from stoker.server.model_config import load_serve_config, refuse_flags_with_config
+        from stoker.server.repository.model_config import load_serve_config, refuse_flags_with_config
 
         refuse_flags_with_config(args, args.parser)
         models_config = load_serve_config(args.config)
@@ -200,7 +200,7 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
         allow_runtime_lora_updates=args.allow_runtime_lora_updates,
     )
     if models_config is not None:
-        from stoker.server.pooling_models import PoolingModels
+        from stoker.server.pooling.models import PoolingModels
 
         pooling = PoolingModels(models_config.pooling) if models_config.pooling else None
         generative = models_config.generate is not None

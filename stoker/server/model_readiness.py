@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.server.errors import bad_request
-from stoker.server.serving import Serving
 from stoker.server.state import ServerState
 
 
 def check_ready(st: ServerState) -> None:
     """503 (ApiError) until every model the server holds is loaded; also after a crash or at shutdown."""
     if st.serves_generation:
-        Serving(st).engine()
+        st.ready_engine()
     if st.pooling is not None:
         st.pooling.get(None, st.settings.retry_after_s)
 

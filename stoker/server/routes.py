@@ -10,16 +10,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from stoker.server.generate.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
-from stoker.server.responses_protocol import ResponsesRequest
-from stoker.server.serving import Serving
-from stoker.server.serving_chat import OpenAIServingChat
-from stoker.server.serving_completion import OpenAIServingCompletion
-from stoker.server.serving_responses import OpenAIServingResponses
+from stoker.server.generate.responses_protocol import ResponsesRequest
+from stoker.server.generate.serving import Serving
+from stoker.server.generate.chat import OpenAIServingChat
+from stoker.server.generate.completion import OpenAIServingCompletion
+from stoker.server.generate.responses import OpenAIServingResponses
 from stoker.server.model_readiness import check_generation, check_ready, pooling_model_cards
-from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from stoker.server.serving_pooling import OpenAIServingPooling
+from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.pooling.serving import OpenAIServingPooling
 from stoker.server.state import ServerState
 
 router = APIRouter()
@@ -111,9 +111,8 @@ async def metrics(request: Request) -> Response:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     st = _state(request)
-    serving = Serving(st)
-    serving.check_model(body.model)
-    serving.engine()
+    st.check_model(body.model)
+    st.ready_engine()
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -126,10 +125,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     st = _state(request)
-    serving = Serving(st)
-    serving.check_model(body.model)
-    serving.engine()
-    serving.check_token_ids(body.tokens, "tokens")
+    st.check_model(body.model)
+    st.ready_engine()
+    Serving(st).check_token_ids(body.tokens, "tokens")
     return JSONResponse({"prompt": await st.tokenization.decode(body.tokens)})
 
 
@@ -147,7 +145,7 @@ async def tokenizer_info(request: Request) -> JSONResponse:
     st = _state(request)
     if not st.settings.enable_tokenizer_info_endpoint:
         raise ApiError(404, "/tokenizer_info is turned off on this server (--no-enable-tokenizer-info-endpoint)")
-    Serving(st).engine()  # the tokenizer is loaded with the model
+    st.ready_engine()  # the tokenizer is loaded with the model
     tok = st.tokenizer
     info = {k: _jsonable(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
             if k not in ("vocab_file", "merges_file")}  # file paths on the server, as vLLM drops them
@@ -176,7 +174,7 @@ def _runtime_lora(request: Request) -> ServerState:
     if not st.settings.allow_runtime_lora_updates:
         raise ApiError(404, "loading and unloading LoRA adapters while serving is off; start the server with "
                             "--allow-runtime-lora-updates (and --enable-lora)")
-    if not Serving(st).engine().lora_enabled:
+    if not st.ready_engine().lora_enabled:
         raise bad_request("LoRA is off; start the server with --enable-lora", "lora_name")
     return st
 

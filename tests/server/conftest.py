@@ -143,7 +143,7 @@ def start_server(ckpt: Path, engine_kwargs: dict[str, Any] | None = None, h11: b
     """h11: run the pure-Python fallback protocol (what a machine without httptools serves)."""
     from stoker.engine.llm import LLM
     from stoker.server.app import create_app
-    from stoker.server.http_limits import _H11WithHeaderTimeout, header_timeout_protocol
+    from stoker.server.http.limits import _H11WithHeaderTimeout, header_timeout_protocol
     from stoker.server.state import ServerSettings
 
     kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 512, "seed": 0, **(engine_kwargs or {})}

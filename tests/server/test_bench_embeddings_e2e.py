@@ -22,8 +22,8 @@ EMB = "tiny-embed"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
 
     from stoker.server.app import create_app
-    from stoker.server.batcher import BatcherConfig
-    from stoker.server.pooling_models import PoolingModels, PoolingModelSpec
+    from stoker.pooling.batcher import BatcherConfig
+    from stoker.server.pooling.models import PoolingModels, PoolingModelSpec
     from stoker.server.state import ServerSettings
     from stoker.testing.tiny_pooling import make_bert_embedder
     from tests.server.conftest import serve_app

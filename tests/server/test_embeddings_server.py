@@ -24,7 +24,7 @@ EMB, RERANK = "tiny-embed", "tiny-rerank"
 
 def _start(specs: list[Any]) -> Any:
     from stoker.server.app import create_app
-    from stoker.server.pooling_models import PoolingModels
+    from stoker.server.pooling.models import PoolingModels
     from stoker.server.state import ServerSettings
 
     from tests.server.conftest import serve_app
@@ -48,8 +48,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(folders: dict[str, Path]):
-    from stoker.server.batcher import BatcherConfig
-    from stoker.server.pooling_models import PoolingModelSpec
+    from stoker.pooling.batcher import BatcherConfig
+    from stoker.server.pooling.models import PoolingModelSpec
 
     batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=20_000, priority_levels=2,
                             default_priority_level=2)
@@ -213,7 +213,7 @@ def _rejected_400(url: str) -> float:
 
 
 def test_bodies_the_pooling_fast_path_hands_on(server) -> None:
-    """The pooling endpoints are answered before FastAPI's routing (pooling_asgi.py); what that
+    """The pooling endpoints are answered before FastAPI's routing (server/pooling/asgi.py); what that
     path does not take reaches FastAPI with its body intact and gets FastAPI's answer."""
     url, _ = server
     post = lambda body, **kw: httpx.post(url + "/v1/embeddings", content=body, timeout=60, **kw)  # noqa: E731
@@ -236,8 +236,8 @@ def test_bodies_the_pooling_fast_path_hands_on(server) -> None:
 
 
 def test_a_full_queue_answers_503_with_retry_after(folders: dict[str, Path]) -> None:
-    from stoker.server.batcher import BatcherConfig
-    from stoker.server.pooling_models import PoolingModelSpec
+    from stoker.pooling.batcher import BatcherConfig
+    from stoker.server.pooling.models import PoolingModelSpec
 
     # a 2-input queue whose batches wait 1.5 s for company: the first request fills it
     batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=1_500_000, max_queue_size=2)

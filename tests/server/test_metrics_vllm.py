@@ -221,7 +221,7 @@ def test_every_vllm_v1_metric_with_its_type_and_buckets(busy_server: LiveServer)
 
 
 def test_build_1_2_5_buckets() -> None:
-    from stoker.server.metrics import build_1_2_5_buckets
+    from stoker.server.observe.metrics import build_1_2_5_buckets
 
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)  # vLLM's docstring example
     assert build_1_2_5_buckets(4096) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)

@@ -115,7 +115,7 @@ def test_a_request_to_the_other_kind_of_model_is_a_400(server) -> None:
     ("pooling:\n  - path: {emb}\n    served_model_name: e\n    instance_count: 0\n", ["'e'", "--instance-count", ">= 1"]),
 ])
 def test_a_bad_config_is_refused_naming_the_key(folders: dict[str, Path], body: str, words: list[str]) -> None:
-    from stoker.server.model_config import ConfigError, load_serve_config
+    from stoker.server.repository.model_config import ConfigError, load_serve_config
 
     cfg = _write(folders["root"], body.format(emb=folders["emb"], chat=folders["chat"]), "bad.yaml")
     with pytest.raises(ConfigError) as err:
@@ -162,7 +162,7 @@ def repository(folders: dict[str, Path]) -> Path:
 
 
 def test_a_model_repository_folder(repository: Path) -> None:
-    from stoker.server.model_config import load_serve_config
+    from stoker.server.repository.model_config import load_serve_config
 
     cfg = load_serve_config(repository)
     assert cfg.generate is not None and cfg.generate.names == ("chat",)
@@ -205,7 +205,7 @@ def test_a_bad_repository_is_refused_naming_the_folder(folders: dict[str, Path],
                                                         layout: dict[str, str], words: list[str]) -> None:
     import shutil
 
-    from stoker.server.model_config import ConfigError, load_serve_config
+    from stoker.server.repository.model_config import ConfigError, load_serve_config
 
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -195,7 +195,7 @@ def test_disconnect_non_streaming_frees_blocks(live_server: LiveServer, monkeypa
 
 
 def test_one_failing_request_fails_alone(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stoker.server.serving_completion import OpenAIServingCompletion
+    from stoker.server.generate.completion import OpenAIServingCompletion
 
     def boom(*args, **kwargs):
         raise RuntimeError("formatting bug")

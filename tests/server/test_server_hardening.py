@@ -188,7 +188,7 @@ def test_both_http_protocols_keep_the_header_deadline_and_the_error_shape(server
     """httptools (what `stoker serve` runs when installed) and the h11 fallback answer alike."""
     import json
 
-    from stoker.server.http_limits import HttpToolsProtocol, header_timeout_protocol
+    from stoker.server.http.limits import HttpToolsProtocol, header_timeout_protocol
 
     assert HttpToolsProtocol is not None and issubclass(header_timeout_protocol(1.0), HttpToolsProtocol)
     for h11 in (False, True):
@@ -207,7 +207,7 @@ def test_both_http_protocols_keep_the_header_deadline_and_the_error_shape(server
 def test_keys_in_query_strings_never_reach_the_access_log() -> None:
     import logging
 
-    from stoker.server.http_limits import RedactSecrets, redact
+    from stoker.server.http.limits import RedactSecrets, redact
 
     assert redact("/v1/models?api_key=sk-123&x=1") == "/v1/models?api_key=REDACTED&x=1"
     assert redact("/v1/models?token=abc;Authorization=Bearer%20q") == "/v1/models?token=REDACTED;Authorization=REDACTED"

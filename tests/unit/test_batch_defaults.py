@@ -1,4 +1,4 @@
-"""The batcher's default preferred batch (server/batch_defaults.py): the token count where a
+"""The batcher's default preferred batch (pooling/batch_defaults.py): the token count where a
 pooling model's projections cross the ridge on this device, from the roofline. A pooling model
 computes no logits, so its vocabulary must not move the answer (an LM head priced in made a
 MiniLM-shaped encoder 'compute-bound' at 9 tokens on a 2-core CPU, where its projections
@@ -13,7 +13,7 @@ import pytest
 from stoker.roofline.costmodel import Efficiencies, step_cost
 from stoker.roofline.device_file import DeviceFile, to_spec, write_device_file
 from stoker.roofline.modelspec import spec_from_config
-from stoker.server.batch_defaults import _spec_config, preferred_batch_tokens
+from stoker.pooling.batch_defaults import _spec_config, preferred_batch_tokens
 
 MINILM = dict(model_type="bert", hidden_size=384, intermediate_size=1536, num_attention_heads=12,
               num_hidden_layers=6, vocab_size=30522, max_position_embeddings=512)
@@ -66,7 +66,7 @@ def test_a_gpu_from_the_table_and_no_device(tmp_path: Path, monkeypatch: pytest.
 def test_a_cpu_without_a_device_file_is_measured_once_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   device_file: DeviceFile) -> None:
     import stoker.doctor.device
-    from stoker.server.batch_defaults import measured_cpu_spec
+    from stoker.pooling.batch_defaults import measured_cpu_spec
 
     from_file = preferred_batch_tokens(MINILM, None, "fp32")
     monkeypatch.setenv("STOKER_DEVICE_FILE", str(tmp_path / "absent.yaml"))

@@ -1,4 +1,4 @@
-"""The dynamic batcher (server/batcher.py) with a stand-in model: Triton's batching rules,
+"""The dynamic batcher (pooling/batcher.py) with a stand-in model: Triton's batching rules,
 priorities, the bounded queue, timeouts, and no cross-talk between requests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from stoker.server.batcher import BatchRecord, BatcherConfig, DynamicBatcher, QueueFullError, QueueTimeoutError
+from stoker.pooling.batcher import BatchRecord, BatcherConfig, DynamicBatcher, QueueFullError, QueueTimeoutError
 
 STEP_S = 0.02  # the stand-in model's time per batch
 

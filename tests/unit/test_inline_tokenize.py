@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stoker.engine.tokenizer import load_tokenizer
-from stoker.server.pooling_models import INLINE_TOKENIZE_CHARS, PoolingModel, inline_encoder
-from stoker.server.serving_pooling import OpenAIServingPooling
+from stoker.server.pooling.models import INLINE_TOKENIZE_CHARS, PoolingModel, inline_encoder
+from stoker.server.pooling.serving import OpenAIServingPooling
 from stoker.testing.tiny_pooling import make_bert_embedder, make_decoder_embedder
 
 TEXTS = ["what is the capital of france", "Paris, the capital — naïve café!", "  spaced   out  ", "x", "[SEP] inside",

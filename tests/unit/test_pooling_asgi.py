@@ -1,4 +1,4 @@
-"""pooling_asgi.PoolingEndpoints' hand-offs, without a server: what it does not answer reaches
+"""server/pooling/asgi.py: PoolingEndpoints' hand-offs, without a server: what it does not answer reaches
 the app behind it with every body message in order, and a client gone mid-body gets nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from stoker.server.pooling_asgi import PoolingEndpoints
+from stoker.server.pooling.asgi import PoolingEndpoints
 
 
 def _scope(path: str = "/v1/embeddings", method: str = "POST", content_type: bytes | None = b"application/json") -> dict[str, Any]:
@@ -80,7 +80,7 @@ def test_a_missing_content_type_is_json_as_for_fastapi() -> None:
 def test_a_chunked_body_over_the_limit_is_refused_by_gatekeeper_in_front() -> None:
     """Gatekeeper stays in front of the fast path: a chunked body (no Content-Length) that
     crosses the limit while the fast path reads it is a 413, and the app behind never runs."""
-    from stoker.server.middleware import Gatekeeper
+    from stoker.server.http.middleware import Gatekeeper
 
     inner_called: list[bool] = []
     sent: list[dict[str, Any]] = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stoker.pooling.instances import instance_executor, resolve_instance_count, threads_per_instance
-from stoker.server.pooling_models import PoolingModelSpec
+from stoker.server.pooling.models import PoolingModelSpec
 
 
 def test_instance_count_by_device_and_as_asked() -> None:

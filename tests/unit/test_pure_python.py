@@ -19,8 +19,8 @@ PURE_MODULES = [
     "stoker.runner.info",
     "stoker.distributed.partition",
     "stoker.structured.spec",
-    "stoker.server.tool_parsers",
-    "stoker.server.tool_schema",
+    "stoker.server.generate.tools.parsers",
+    "stoker.server.generate.tools.schema",
 ]
 
 

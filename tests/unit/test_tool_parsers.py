@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stoker.server.tool_parsers import PARSERS, REQUIRED, Extracted, ToolCall, ToolParser, get_parser
+from stoker.server.generate.tools.parsers import PARSERS, REQUIRED, Extracted, ToolCall, ToolParser, get_parser
 
 HERMES = PARSERS["hermes"]
 LLAMA = PARSERS["llama3_json"]

@@ -70,7 +70,7 @@ def test_judging_a_step() -> None:
 def test_the_log_line_says_the_wall_in_words() -> None:
     from prometheus_client import CollectorRegistry
 
-    from stoker.server.wall_metrics import WallMetrics
+    from stoker.server.observe.wall_metrics import WallMetrics
 
     m, g = get_model_spec("llama-3-8b"), get_gpu("H100")
     metrics = WallMetrics(CollectorRegistry(), "m")

@@ -44,7 +44,7 @@ def _engine_parser() -> argparse.ArgumentParser:
 
 
 def _pooling_parser() -> argparse.ArgumentParser:
-    from stoker.server.pooling_cli import add_pooling_args
+    from stoker.server.pooling.cli import add_pooling_args
 
     p = argparse.ArgumentParser(add_help=False)
     add_pooling_args(p)
@@ -260,7 +260,7 @@ def load_serve_config(file: str | Path) -> ServeConfig:
     pooling = raw.get("pooling") or []
     if not isinstance(pooling, list):
         raise ConfigError(f"--config {file}: pooling: must be a list of models, got {type(pooling).__name__}")
-    from stoker.server.pooling_cli import pooling_spec
+    from stoker.server.pooling.cli import pooling_spec
 
     parser = _pooling_parser()
     actions = _actions(parser)

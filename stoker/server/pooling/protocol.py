@@ -1,5 +1,5 @@
 """Request bodies of /v1/embeddings (OpenAI's), /v1/rerank (Jina's, Cohere's and vLLM's) and
-/v1/score (vLLM's), with protocol.py's conventions: strict numbers, unknown fields ignored,
+/v1/score (vLLM's), with protocol_base.py's conventions: strict numbers, unknown fields ignored,
 fields that ask for what this server does not do refused with a 400 that names them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol import SmallInt, TokenId, _Body, _Request
+from stoker.server.protocol_base import SmallInt, TokenId, _Body, _Request
 
 # OpenAI's limit on inputs in one embeddings request.
 MAX_INPUTS = 2048

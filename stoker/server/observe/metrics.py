@@ -28,7 +28,7 @@ from stoker.core.step import StepShape
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
-from stoker.server.wall_metrics import WallMetrics
+from stoker.server.observe.wall_metrics import WallMetrics
 
 logger = logging.getLogger("stoker.server")
 

@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stoker.server.errors import bad_request, describe_validation_errors
-from stoker.server.protocol import ChatCompletionRequest
-from stoker.server.responses_protocol import ResponsesRequest
-from stoker.server.serving import Serving, new_id
-from stoker.server.serving_chat import OpenAIServingChat
+from stoker.server.generate.protocol import ChatCompletionRequest
+from stoker.server.generate.responses_protocol import ResponsesRequest
+from stoker.server.generate.serving import Serving, new_id
+from stoker.server.generate.chat import OpenAIServingChat
 
 
 class OpenAIServingResponses(Serving):
@@ -40,7 +40,7 @@ class OpenAIServingResponses(Serving):
             field = re.match(r"[a-z_]+", str(exc))  # chat_body's messages start with the field
             raise bad_request(str(exc), field.group(0) if field else None) from None
         answer = await OpenAIServingChat(self.state).create(chat, raw)
-        shell = _Shell(new_id("resp"), self.check_model(req.model), req.echo_fields())
+        shell = _Shell(new_id("resp"), self.state.check_model(req.model), req.echo_fields())
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(_events(shell, answer.body_iterator), media_type="text/event-stream")
         return JSONResponse(shell.from_completion(json.loads(bytes(answer.body))))

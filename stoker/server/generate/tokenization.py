@@ -25,7 +25,7 @@ from stoker.engine.input_processor import EngineRequest, InputError, InputProces
 from stoker.engine.llm import render_chat_text
 from stoker.server.errors import bad_request
 from stoker.sampling_params import SamplingParams
-from stoker.server.protocol import ChatMessage, message_dicts
+from stoker.server.generate.protocol import ChatMessage, message_dicts
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """OpenAI's Responses API request, and its translation into a chat-completions request.
 
-`POST /v1/responses` is served statelessly over the chat path (serving_responses.py): the
+`POST /v1/responses` is served statelessly over the chat path (responses.py): the
 input items become chat messages, `instructions` a system message first, `text.format` the
 chat `response_format`, function tools the chat tools. What needs a stored conversation
 (`store`, `previous_response_id`, `conversation`, item references) or a capability this server
@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol import Number, SmallInt, _Request
+from stoker.server.protocol_base import Number, SmallInt, _Request
 
 _STATELESS = "this server is stateless (nothing is stored between requests)"
 

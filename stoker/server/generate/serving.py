@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from stoker.engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineNotAcceptingError,
     QueueFullError,
@@ -21,7 +20,7 @@ from stoker.engine.async_engine import (
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, bad_request, param_of_value_error
-from stoker.server.protocol import _SamplingFields
+from stoker.server.generate.protocol import _SamplingFields
 from stoker.server.state import ServerState
 
 T = TypeVar("T")
@@ -59,35 +58,6 @@ class Serving:
         self.state = state
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, model: str | None) -> str:
-        """The model name the request asked for: a served name of the base model, or (with
-        --enable-lora) a loaded adapter's name; anything else is a 404 in OpenAI's shape."""
-        names = self.state.settings.served_model_names
-        if model is not None and model not in names and self.lora_name(model) is None:
-            served = list(names) + self.adapter_names()
-            raise ApiError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}", "model")
-        return model or names[0]
-
-    def lora_name(self, model: str | None) -> str | None:
-        """The adapter a request's `model` names, or None for the base model."""
-        st = self.state
-        if model is None or model in st.settings.served_model_names or st.engine is None:
-            return None
-        return model if st.engine.has_lora(model) else None
-
-    def adapter_names(self) -> list[str]:
-        st = self.state
-        return st.engine.lora_names() if st.engine is not None else []
-
-    def engine(self) -> AsyncEngine:
-        st = self.state
-        if st.engine is not None and st.engine.is_dead:
-            raise ApiError(503, "the engine has stopped after an internal error; restart the server")
-        if not st.ready or st.engine is None:
-            raise ApiError(503, "the model is still loading; retry when /v1/health/ready answers 200",
-                           headers={"Retry-After": str(st.settings.retry_after_s)})
-        return st.engine
-
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.state.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -129,7 +99,7 @@ class Serving:
                       lora_name: str | None = None) -> list[RequestStream]:
         """One engine request per prompt, checked off the event loop by the engine's input
         processor (ids, lengths, grammar, bad_words); all admitted or none (earlier ones aborted)."""
-        engine = self.engine()
+        engine = self.state.ready_engine()
         num_seqs = sum(p.n for p in params)
         limit = self.state.max_num_seqs
         if num_seqs > limit:

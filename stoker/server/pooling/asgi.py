@@ -5,10 +5,10 @@ and body handling) was most of the event loop's CPU per embeddings request, and 
 machine that CPU is taken from the model's forward while requests wait in a closed loop; with
 this path the loop's CPU per request fell from 271-290 to 181-199 us in process
 (benchmarks/embeddings_loop_cpu.py; docs/benchmarks.md, "Event-loop CPU per request"). The endpoints are the same: the same request models validate the same
-JSON, the same serving class answers, errors take the same shape (errors.py) and are counted
+JSON, the same serving class answers, errors take the same shape (server/errors.py) and are counted
 the same way.
 
-What stays FastAPI's: the declarations in routes.py (the OpenAPI schema), and every request
+What stays FastAPI's: the declarations in server/routes.py (the OpenAPI schema), and every request
 this path does not take, handed on untouched (its body replayed): another method or path, a
 body that is not JSON by its Content-Type, an empty body, or one whose JSON does not parse or
 is not an object (FastAPI's own 400s for those, as before).
@@ -24,9 +24,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from stoker.server.errors import ApiError, describe_validation_errors
-from stoker.server.middleware import Message, Receive, Scope, Send
-from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from stoker.server.serving_pooling import OpenAIServingPooling
+from stoker.server.http.middleware import Message, Receive, Scope, Send
+from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from stoker.server.pooling.serving import OpenAIServingPooling
 
 ErrorResponse = Callable[[int, str, "str | None", "dict[str, str] | None"], Response]
 

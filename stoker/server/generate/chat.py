@@ -10,18 +10,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.protocol import ChatCompletionRequest, ToolChoiceError
-from stoker.server.serving_completion import prompt_logprobs_json
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
-from stoker.server.tool_calls import ToolPlan
+from stoker.server.generate.protocol import ChatCompletionRequest, ToolChoiceError
+from stoker.server.generate.completion import prompt_logprobs_json
+from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.tools.calls import ToolPlan
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
 
 class OpenAIServingChat(Serving):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
-        self.engine()
+        model = self.state.check_model(req.model)
+        self.state.ready_engine()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -46,7 +46,7 @@ class OpenAIServingChat(Serving):
             params.skip_special_tokens = False
         request_id = new_id("chatcmpl")
         try:
-            streams = await self.add_all(request_id, [(None, ids)], [params], lora_name=self.lora_name(req.model))
+            streams = await self.add_all(request_id, [(None, ids)], [params], lora_name=self.state.lora_name(req.model))
         except ApiError as exc:
             if plan.mode in ("named", "required") and exc.param in ("response_format", "structured_outputs"):
                 raise bad_request(f"tools: {exc.message}", "tools") from None  # the grammar came from the tools

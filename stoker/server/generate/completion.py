@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import bad_request
-from stoker.server.protocol import CompletionRequest
-from stoker.server.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.protocol import CompletionRequest
+from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
 
 # -inf is not JSON; clients read a very negative number the same way.
 _MIN_LOGPROB = -9999.0
@@ -38,8 +38,8 @@ class OpenAIServingCompletion(Serving):
         return [(None, list(ids)) for ids in prompt]
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
-        self.engine()
+        model = self.state.check_model(req.model)
+        self.state.ready_engine()
         self.check_logprobs(req.logprobs, "logprobs")
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         # max_tokens 0 with echo (lm-eval's scoring request): the prompt alone comes back. The
@@ -58,7 +58,7 @@ class OpenAIServingCompletion(Serving):
         ]
         echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
         request_id = new_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params, lora_name=self.lora_name(req.model))
+        streams = await self.add_all(request_id, prompts, params, lora_name=self.state.lora_name(req.model))
         created = now_s()
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from stoker.server.batcher import BatchRecord
+from stoker.pooling.batcher import BatchRecord
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)

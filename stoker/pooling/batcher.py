@@ -11,7 +11,7 @@ at once, each formed from what waits when its instance frees. Triton's rules
   * it is sent at once when the queue can fill a preferred size: the largest of
     `preferred_batch_size` the queue holds (with none given, `max_batch_size`), or, Stoker's
     roofline default, once the queued tokens reach `preferred_batch_tokens` (where a step
-    stops being weight-bound, server/batch_defaults.py);
+    stops being weight-bound, batch_defaults.py);
   * otherwise it waits until the oldest item has waited `max_queue_delay_microseconds`, then
     sends what is there; an item that already waited that long (the model was busy) goes at once;
   * higher priority first: level 1 is the highest, `priority_levels` the lowest, FIFO within

@@ -44,7 +44,7 @@ _BATCHER_DEFAULTS = _batcher_defaults()  # the group's flags (all but --runner) 
 def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
     """The PoolingModels to serve when the folder (or --runner) says pooling; None for generation."""
     from stoker.pooling.config import resolve_runner
-    from stoker.server.pooling_models import PoolingModels
+    from stoker.server.pooling.models import PoolingModels
 
     if args.model_dir is None or resolve_runner(model_path, args.runner) != "pooling":
         if args.runner == "pooling":
@@ -60,9 +60,9 @@ def pooling_models_from_args(args: argparse.Namespace, model_path: str, names: t
 
 def pooling_spec(args: argparse.Namespace, model_path: str, names: tuple[str, ...]) -> Any:
     """One PoolingModelSpec from the flags above (and --dtype, --device, --max-model-len): also what
-    a `--config` file's pooling entry is turned into (server/model_config.py)."""
-    from stoker.server.batcher import BatcherConfig
-    from stoker.server.pooling_models import PoolingModelSpec
+    a `--config` file's pooling entry is turned into (server/repository/model_config.py)."""
+    from stoker.pooling.batcher import BatcherConfig
+    from stoker.server.pooling.models import PoolingModelSpec
 
     batcher = BatcherConfig(
         max_batch_size=args.max_batch_size, preferred_batch_size=tuple(args.preferred_batch_size or ()),

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from stoker.server.errors import bad_request
-from stoker.server.protocol import ChatCompletionRequest, NamedToolChoice
-from stoker.server.serving import new_id
+from stoker.server.generate.protocol import ChatCompletionRequest, NamedToolChoice
+from stoker.server.generate.serving import new_id
 from stoker.server.state import ServerSettings
-from stoker.server.tool_parsers import REQUIRED, ToolCall, ToolParser, get_parser
+from stoker.server.generate.tools.parsers import REQUIRED, ToolCall, ToolParser, get_parser
 
 
 def call_id() -> str:

@@ -12,67 +12,20 @@ import json
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
+from pydantic import Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
-from stoker.server import tool_schema
+from stoker.server.generate.tools import schema as tool_schema
+from stoker.server.protocol_base import Number, SmallInt, TokenId, _Body, _Request
 from stoker.structured.spec import StructuredOutputs
 
 # OpenAI's own cap on n; also bounds the sequences one request can create.
 MAX_N = 128
-_INT64 = dict(ge=-(2**63), le=2**63 - 1)
 # A seed of completion i is seed + i: keep it inside torch.Generator's uint64 range.
 # Strict: a JSON number, never a boolean or a numeric string (pydantic's lax mode would read
 # false as 0 and "3" as 3; OpenAI refuses both, and so does the schema /openapi.json publishes).
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
-TokenId = Annotated[int, Strict(), Field(**_INT64)]
-SmallInt = Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)]
-Number = Annotated[float, Strict()]
-
-
-def _lone_surrogate_at(value: Any, path: str) -> str | None:
-    """The path of the first string in `value` that is not valid Unicode, or None.
-
-    JSON's \\ud800 escapes decode to Python strings with lone surrogates, which no tokenizer,
-    encoder or log line can take: they are refused at the door instead of failing deep inside."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
-            where = f"{path}.{name}" if path else name
-            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _lone_surrogate_at(item, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
-    return None
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
-
-
-class _Request(_Body):
-    """A whole request body: checked once, before its parts, for text that is not Unicode."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = _lone_surrogate_at(data, "")
-        if where is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} is not valid Unicode (a lone UTF-16 surrogate such as \\ud800); send UTF-8 text",
-                {"where": where, "param": where.split(".")[0]},
-            )
-        return data
 
 
 class StreamOptions(_Body):

@@ -1,5 +1,5 @@
 """The pooling models a server holds: each with its tokenizer thread, its instances (worker
-threads, each running whole batches: pooling/instances.py) and its dynamic batcher. A
+threads, each running whole batches: stoker/pooling/instances.py) and its dynamic batcher. A
 registry by served name, so one server can hold several (`stoker serve --config`); routes look
 models up by `model`.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.pooling.config import PoolingConfig
-from stoker.server.batcher import BatchRecord, BatcherConfig, DynamicBatcher
+from stoker.pooling.batcher import BatchRecord, BatcherConfig, DynamicBatcher
 from stoker.server.errors import ApiError
 
 logger = logging.getLogger("stoker.server")
@@ -42,7 +42,7 @@ class PoolingModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
-    instance_count: int | None = None  # Triton's instance_group count; None: by device (pooling/instances.py)
+    instance_count: int | None = None  # Triton's instance_group count; None: by device (stoker/pooling/instances.py)
 
     def __post_init__(self) -> None:
         if self.instance_count is not None and self.instance_count < 1:
@@ -61,7 +61,7 @@ class PoolingModel:
     batcher: DynamicBatcher | None = None
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     recent_batches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
-    metrics: Any = None  # server/pooling_metrics.py PoolingMetrics, set by the server
+    metrics: Any = None  # server/pooling/metrics.py PoolingMetrics, set by the server
     inline_encoder: Any = None  # inline_encoder(tokenizer): used only on the event loop
 
     def encode_inline(self, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
@@ -138,7 +138,7 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
     from stoker.engine.tokenizer import load_tokenizer
     from stoker.pooling.instances import instance_executor, resolve_instance_count, threads_per_instance
     from stoker.pooling.runner import PoolingRunner
-    from stoker.server.batch_defaults import preferred_batch_tokens
+    from stoker.pooling.batch_defaults import preferred_batch_tokens
 
     runner = PoolingRunner.from_folder(spec.path, spec.dtype, spec.device, spec.max_model_len)
     hf_config = json.loads((Path(spec.path) / "config.json").read_text())
@@ -214,7 +214,7 @@ async def load_pooling(state: Any, on_fatal: Callable[[BaseException], None] | N
     """The app's start-up task for `state.pooling`: a failure is the server's (as a model that
     fails to load stops `stoker serve`)."""
     try:
-        from stoker.server.pooling_metrics import PoolingMetrics
+        from stoker.server.pooling.metrics import PoolingMetrics
 
         state.pooling.metrics = PoolingMetrics(state.metrics.registry)
         await state.pooling.load()

@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from stoker.server.batcher import QueueFullError, QueueTimeoutError
+from stoker.pooling.batcher import QueueFullError, QueueTimeoutError
 from stoker.server.errors import ApiError, bad_request
-from stoker.server.pooling_models import PoolingModel
-from stoker.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from stoker.server.serving import Serving
+from stoker.server.pooling.models import PoolingModel
+from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from stoker.server.state import ServerState
 
 _API = {"embed": "Embeddings API", "score": "Score API", "rerank": "Rerank API"}
@@ -45,7 +44,7 @@ class OpenAIServingPooling:
             raise bad_request(f"The model does not support {_API[api]}", "model")
         st = self.state
         if (name is not None and name not in registry.names and st.serves_generation
-                and (name in st.settings.served_model_names or Serving(st).lora_name(name) is not None)):
+                and (name in st.settings.served_model_names or st.lora_name(name) is not None)):
             # a server holding both: `model` names the generative model (or one of its adapters)
             raise bad_request(f"The model `{name}` does not support {_API[api]}: it is a generative model", "model")
         model = registry.get(name, self.state.settings.retry_after_s)

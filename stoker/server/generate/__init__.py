@@ -1,0 +1,1 @@
+"""Generation: completions, chat and responses over the async engine (admission, streams, SSE)."""

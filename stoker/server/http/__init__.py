@@ -1,0 +1,1 @@
+"""HTTP plumbing below the routes: request limits and timeouts, API key and body size (pure ASGI)."""

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, the engine log line, and the live wall verdict per step."""

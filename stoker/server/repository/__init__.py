@@ -1,0 +1,1 @@
+"""The model repository: the --config file of the models one server serves."""
