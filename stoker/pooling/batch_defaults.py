@@ -11,7 +11,8 @@ step of B sequences is B tokens through the same GEMMs). So the default is in to
 The device is the hardware table's entry for the GPU torch names, or on a CPU the device file
 `stoker doctor --write-device-file` measured, or, with neither and when asked (`measure_cpu`:
 the caller has a queue delay, the only case where a preferred size changes anything), a quick
-measurement of this CPU at start-up (doctor/device.py: quick_cpu_device, once per process).
+measurement of this CPU at start-up, once per process: the caller passes the measurement (the
+server passes doctor/device.py's quick_cpu_device), so this engine floor never imports the doctor.
 Without a device, there is no default: Triton's behaviour without `preferred_batch_size`
 (batches as large as `max_batch_size` allows within `max_queue_delay_microseconds`).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("stoker.server")
@@ -37,10 +39,13 @@ def _spec_config(hf_config: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": hf_config["num_attention_heads"], "tie_word_embeddings": True}
 
 
+MeasureCpu = Callable[[], Any]  # () -> roofline.device_file.DeviceFile of this CPU
+
+
 def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, weight_dtype: str,
-                           measure_cpu: bool = False) -> int | None:
+                           measure_cpu: MeasureCpu | None = None) -> int | None:
     """Tokens per batch where the weight GEMMs stop being weight-bound on this device, or None
-    when the device is not known (no table entry, no device file, and not `measure_cpu`)."""
+    when the device is not known (no table entry, no device file, and no `measure_cpu`)."""
     from stoker.roofline.costmodel import crossover_batch
     from stoker.roofline.modelspec import spec_from_config
 
@@ -58,7 +63,7 @@ def preferred_batch_tokens(hf_config: dict[str, Any], device_name: str | None, w
         return None
 
 
-def _device_spec(device_name: str | None, measure_cpu: bool) -> Any:
+def _device_spec(device_name: str | None, measure_cpu: MeasureCpu | None) -> Any:
     from stoker.roofline.hardware import gpu_from_device_name
 
     if device_name:
@@ -71,16 +76,15 @@ def _device_spec(device_name: str | None, measure_cpu: bool) -> Any:
         except ValueError as exc:
             logger.info("batcher: the device file is unreadable (%s)", exc)
             return None
-    return measured_cpu_spec() if measure_cpu else None
+    return measured_cpu_spec(measure_cpu) if measure_cpu is not None else None
 
 
 @functools.lru_cache(maxsize=1)  # once per process: every pooling model of a server shares it
-def measured_cpu_spec() -> Any:
-    from stoker.doctor.device import quick_cpu_device
+def measured_cpu_spec(measure_cpu: MeasureCpu) -> Any:
     from stoker.roofline.device_file import to_spec
 
     start = time.perf_counter()
-    device = quick_cpu_device()
+    device = measure_cpu()
     logger.info("batcher: no device file, so this CPU was measured for the roofline default in %.1f s: "
                 "%.0f GFLOP/s fp32, %.1f GB/s read (`stoker doctor --write-device-file` keeps a fuller "
                 "measurement; --preferred-batch-size skips this)", time.perf_counter() - start,

@@ -65,20 +65,23 @@ def test_a_gpu_from_the_table_and_no_device(tmp_path: Path, monkeypatch: pytest.
 
 def test_a_cpu_without_a_device_file_is_measured_once_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   device_file: DeviceFile) -> None:
-    import stoker.doctor.device
     from stoker.pooling.batch_defaults import measured_cpu_spec
 
     from_file = preferred_batch_tokens(MINILM, None, "fp32")
     monkeypatch.setenv("STOKER_DEVICE_FILE", str(tmp_path / "absent.yaml"))
     calls: list[int] = []
-    monkeypatch.setattr(stoker.doctor.device, "quick_cpu_device", lambda: calls.append(1) or CPU)
+
+    def measure() -> DeviceFile:
+        calls.append(1)
+        return CPU
+
     measured_cpu_spec.cache_clear()
     try:
         assert preferred_batch_tokens(MINILM, None, "fp32") is None and not calls  # not asked: nothing measured
-        assert preferred_batch_tokens(MINILM, None, "fp32", measure_cpu=True) == from_file  # the same roofs
-        assert preferred_batch_tokens(QWEN3_EMB, None, "fp32", measure_cpu=True) is not None
+        assert preferred_batch_tokens(MINILM, None, "fp32", measure_cpu=measure) == from_file  # the same roofs
+        assert preferred_batch_tokens(QWEN3_EMB, None, "fp32", measure_cpu=measure) is not None
         assert calls == [1], "measured once per process"
-        assert preferred_batch_tokens(MINILM, "NVIDIA H100 80GB HBM3", "bf16", measure_cpu=True) > 32 * 8
+        assert preferred_batch_tokens(MINILM, "NVIDIA H100 80GB HBM3", "bf16", measure_cpu=measure) > 32 * 8
     finally:
         measured_cpu_spec.cache_clear()
 

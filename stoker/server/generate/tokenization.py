@@ -21,7 +21,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from stoker.engine.input_processor import EngineRequest, InputError, InputProcessor
+from stoker.engine.input_processor import EngineRequest, InputProcessor
 from stoker.engine.llm import render_chat_text
 from stoker.server.errors import bad_request
 from stoker.sampling_params import SamplingParams
@@ -96,5 +96,5 @@ class ServerTokenizer:
 
         try:
             return await self._run(build)
-        except InputError as exc:
-            raise bad_request(str(exc), exc.param) from None
+        except ValueError as exc:  # an InputError names its field
+            raise bad_request(str(exc), getattr(exc, "param", None)) from None

@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from stoker.server.errors import ApiError, describe_validation_errors
-from stoker.server.http.middleware import Message, Receive, Scope, Send
 from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from stoker.server.pooling.serving import OpenAIServingPooling
 

@@ -149,7 +149,10 @@ def load_pooling_model(spec: PoolingModelSpec) -> PoolingModel:
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(runner.model.parameters()).dtype]
         # on a CPU with no device file, measure it, but only where a preferred size matters:
         # with no queue delay a batch goes whenever an instance is free, whatever its size
-        tokens = preferred_batch_tokens(hf_config, name, dtype, measure_cpu=batcher.max_queue_delay_microseconds > 0)
+        from stoker.doctor.device import quick_cpu_device
+
+        measure = quick_cpu_device if batcher.max_queue_delay_microseconds > 0 else None
+        tokens = preferred_batch_tokens(hf_config, name, dtype, measure_cpu=measure)
         batcher = dataclasses.replace(batcher, preferred_batch_tokens=tokens)
         if tokens:
             why = f"{tokens} tokens (the roofline's weight-bound edge)"
