@@ -131,7 +131,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_new = min(num_uncomputed + len(seq.draft_token_ids), budget)
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -140,7 +141,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num_new)
-                num_drafts = max(num_new - seq.num_uncomputed_tokens, 0)  # the budget may cut drafts
+                num_drafts = max(num_new - num_uncomputed, 0)  # the budget may cut drafts
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, bm.get_block_table(seq),
                                                        num_drafts))
                 budget -= num_new
@@ -193,10 +194,9 @@ class Scheduler:
         if result.finished_sending or result.finished_recving:
             raise RuntimeError("a KV connector reported finished transfers, but this scheduler runs none")
         bm = self.block_manager
+        # Every scheduled sequence is still live: nothing finishes one between its plan and its result.
         for s in plan.scheduled:
             seq = s.seq
-            if seq.is_finished:  # aborted while the step ran: its blocks are already free
-                continue
             num_computed = s.num_tokens - s.num_draft_tokens
             sampled = result.sampled.get(seq.seq_id)
             if s.do_sample:
@@ -208,7 +208,8 @@ class Scheduler:
                 num_computed += len(accepted) - 1  # the accepted drafts; the last token is new
                 seq.append_tokens(accepted)
             seq.num_computed_tokens = s.start_pos + num_computed
-            seq.draft_token_ids = []  # verified (or not): a proposer proposes afresh
+            if seq.draft_token_ids:  # verified, or cut by the budget: stale once a token is appended
+                seq.draft_token_ids = []
             if s.num_draft_tokens:
                 bm.free_tail(seq)
             bm.cache_full_blocks(seq)

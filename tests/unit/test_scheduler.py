@@ -211,6 +211,17 @@ def test_the_budget_cuts_drafts_first() -> None:
     assert (s.num_tokens, s.num_draft_tokens, s.token_ids) == (2, 1, [7, 10])
 
 
+def test_drafts_the_budget_left_out_are_stale_after_the_step() -> None:
+    """Drafts continue the sequence as it was; once a token is appended they no longer do."""
+    sched, a = prefilled()
+    sched.max_num_batched_tokens = 1
+    a.draft_token_ids = [10, 11]
+    plan = sched.schedule()
+    assert plan.scheduled[0].num_draft_tokens == 0
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [8]}))
+    assert a.output_token_ids == [7, 8] and a.draft_token_ids == []
+
+
 def test_a_result_that_does_not_match_the_plan_is_refused() -> None:
     sched, a = prefilled()
     plan = sched.schedule()
