@@ -4,7 +4,7 @@ Teacher-forced over 256 positions (one 256-token prompt's prefill logits, so the
 position go through the cache's store and the attention kernels read them back): top-1
 agreement with the float model and the mean KL(float || quantized) of the next-token
 distributions. The thresholds come from measurement on these tiny random models (hidden 64,
-2 layers, seed 0; docs/benchmarks.md has the table):
+2 layers, seed 0; docs/quantization.md, "Quality", has the table):
 
                       mean KL        top-1
     int8 weights      1.2-1.9e-4     0.97-0.98
