@@ -6,6 +6,13 @@ compiles in well under a millisecond to tens of milliseconds). The JSON grammars
 (no free whitespace between tokens: `any_whitespace=False`), as vLLM does with
 `disable-any-whitespace`: a model may not pad its output with whitespace forever.
 
+JSON strings never hold a raw control character (U+0000-U+001F; JSON requires them escaped).
+xgrammar's rule for a length-bounded string (`maxLength` / `minLength`) is `[^"\\\r\n]{m,n}`,
+which admits them (an open upstream bug vLLM shares: a random model once wrote \x08 inside a
+tool argument, and a strict client's parser refused the whole reply). So a schema's grammar is
+taken as EBNF, that character class is narrowed to the one xgrammar's own unbounded strings use
+(`[^\0-\x1f"\\\r\n]`), and the patched grammar is compiled (`_json_grammar`).
+
 `GrammarMatchers` lives beside the sampler on the rank that samples: one xgrammar matcher per
 sequence, created on the sequence's first sampling step (a preempted sequence keeps its
 matcher: the tokens it accepted are still its output), advanced by the sampled token, dropped
@@ -42,9 +49,9 @@ class GrammarCache:
             return hit
         try:
             if spec.kind == "json":
-                compiled = self._compiler.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
+                compiled = self._compiler.compile_grammar(self._json_grammar(spec.json or "", strict_mode=True))
             elif spec.kind == "json_object":
-                compiled = self._compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+                compiled = self._compiler.compile_grammar(self._json_grammar(json.dumps({"type": "object"})))
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.regex)
             elif spec.kind == "choice":
@@ -58,6 +65,17 @@ class GrammarCache:
         with self._lock:
             self._compiled[spec.key] = compiled
         return compiled
+
+    def _json_grammar(self, schema: str, strict_mode: bool = False) -> Any:
+        """The schema's grammar with no raw control character allowed in any string (see above)."""
+        ebnf = str(self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+        return self.xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+# One character of a JSON string as xgrammar 0.2 writes it in EBNF: its bounded-length rule, and
+# its unbounded rule (which excludes U+0000-U+001F, as JSON requires).
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
 class GrammarMatchers:

@@ -4,7 +4,10 @@
 * named function: the output is constrained to that function's arguments object; it comes
   back as one call, `content` "" (vLLM's), finish_reason as generated ("stop", as OpenAI).
 * `required`: the output is constrained to `[{"name", "parameters"}, ...]`; each item is a
-  call, `content` "", finish_reason "tool_calls".
+  call, `content` "", finish_reason "tool_calls". An output cut by max_tokens returns the calls
+  it completed and never its unfinished remainder as content (that would be a fragment of JSON
+  a client might take for the answer): `content` stays "", and finish_reason "length" says it
+  was cut (vLLM answers empty content there too).
 * `auto` (with `--enable-auto-tool-choice --tool-call-parser P`): the text is parsed by P;
   with calls found, finish_reason "tool_calls" and `content` what P leaves outside them.
 
@@ -74,8 +77,8 @@ class ToolPlan:
         assert self.parser is not None
         found = self.parser.extract(text)
         message: dict[str, Any] = {"role": "assistant", "content": found.content}
-        if self.mode == "required" and found.content is None:
-            message["content"] = ""
+        if self.mode == "required":
+            message["content"] = ""  # the calls are the answer; an unfinished one is dropped
         if found.calls:
             message["tool_calls"] = [_call_json(c) for c in found.calls]
         return message, self.finish_reason(reason, bool(found.calls))
@@ -116,7 +119,7 @@ class ChoiceToolStream:
             return out
         assert self.parsed is not None
         found = self.parsed.feed(delta, final)
-        out = [{"content": found.content}] if found.content else []
+        out = [{"content": found.content}] if found.content and self.plan.mode != "required" else []
         for call in found.calls:
             out += [self._open(call.name), self._arguments(call.arguments)]
         return out
