@@ -93,10 +93,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: derived from max_model_len
     enable_chunked_prefill: bool = True
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (a request's priority
+    # first, lower first, then arrival: admission order and which sequence is preempted)
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens one step may process. With chunked prefill the default is vLLM's 2048-ish

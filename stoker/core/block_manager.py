@@ -35,8 +35,12 @@ def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 def _root_hash(seq: Sequence) -> int | None:
     """The chain's start: the same text under another LoRA adapter has other K/V, so each
-    adapter (and the base model, None) hashes its blocks from its own root."""
-    return None if seq.lora_name is None else hash(("lora", seq.lora_name))
+    adapter (and the base model, None) hashes its blocks from its own root; a request's
+    cache_salt (vLLM's, one per tenant) does the same, so a tenant can never hit, and so time,
+    another tenant's cached prompt."""
+    if seq.lora_name is None and seq.cache_salt is None:
+        return None
+    return hash(("lora", seq.lora_name, "salt", seq.cache_salt))
 
 
 class BlockManager:

@@ -9,6 +9,12 @@ stalling them. When blocks run out, the newest running sequence is preempted: it
 are freed and it goes back to the head of the queue to be recomputed later (its full blocks
 are often still in the prefix cache, which makes the recompute cheap).
 
+Under the priority policy (vLLM's `--scheduling-policy priority`) both queues are kept in
+(priority, arrival) order, lower priority values first: the waiting queue admits in that
+order, running sequences take the budget in that order, and the preemption victim is the
+last, so the least urgent sequence is recomputed. A waiting request does not preempt a running
+one to get in: it is admitted first when blocks are free again.
+
 The scheduler learns from each step (DESIGN.md, seam 21): `schedule()` plans and reserves the
 blocks, the runner answers a `StepResult`, and `update_after_step(plan, result)` advances each
 sequence by what was computed and accepted, appends the accepted tokens, frees the blocks
@@ -19,6 +25,7 @@ sequence's known tokens; the K/V of a rejected draft is never hashed and its blo
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,8 +90,10 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         # Multi-LoRA: at most this many distinct adapters among the running sequences (the
         # compute slots); a sequence whose adapter would be one more waits, the others go on.
         self.max_loras = max_loras
@@ -102,7 +111,10 @@ class Scheduler:
         # say the invariants the scheduler relies on (a prompt it could never place would hang).
         assert 0 < seq.num_prompt_tokens <= self.max_model_len, (seq.num_prompt_tokens, self.max_model_len)
         assert self.enable_chunked_prefill or seq.num_prompt_tokens <= self.max_num_batched_tokens
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._insert_sorted(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -173,7 +185,10 @@ class Scheduler:
             bm.record_prefix_query(seq.num_tokens, len(cached) * bm.block_size)
             bm.allocate(seq, num_new, cached)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.by_priority:
+                self._insert_sorted(self.running, seq)
+            else:
+                self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, bm.get_block_table(seq)))
             budget -= num_new
             if seq.lora_name is not None:
@@ -223,7 +238,18 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._insert_sorted(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _insert_sorted(queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Into (priority, arrival) order, after its equals (FIFO among them). O(n): queues
+        are at most max_num_seqs running and the waiting requests."""
+        key = (seq.priority, seq.arrival_time)
+        i = bisect.bisect_right([(s.priority, s.arrival_time) for s in queue], key)
+        queue.insert(i, seq)
 
     def _leader_ready(self, seq: Sequence) -> bool:
         """Siblings of an n > 1 request wait until the first has its prompt in the cache, so

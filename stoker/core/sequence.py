@@ -59,6 +59,10 @@ class Sequence:
     # Proposed next tokens awaiting verification (speculative decoding): scheduled after the
     # known tokens, never part of token_ids; the step's result says which were accepted.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The request's priority (lower runs first under the priority policy) and its prefix-cache
+    # salt: blocks are shared only between sequences of the same salt (and adapter).
+    priority: int = 0
+    cache_salt: str | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

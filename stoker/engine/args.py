@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights + activations + KV")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="turn chunked prefill off")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order; priority: a request's priority (lower first), then arrival")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -57,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -43,6 +43,8 @@ class EngineRequest:
     lora_name: str | None = None
     # bad_words as token ids: each word alone and after a space (vLLM's rule)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class InputLimits:
     max_model_len: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests may ask for a priority
 
 
 class InputProcessor:
@@ -78,9 +81,16 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> EngineRequest:
         arrival = time.time() if arrival_time is None else arrival_time
         params = params or SamplingParams()
+        if priority != 0 and not self.limits.priority_scheduling:
+            raise InputError(f"priority {priority}: this server schedules first come, first served; start it with "
+                             "--scheduling-policy priority, or send priority 0", "priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InputError("cache_salt must be a non-empty string", "cache_salt")
         if lora_name is not None:
             if self.has_lora is None:
                 raise InputError("LoRA is off: build the engine with enable_lora=True (stoker serve --enable-lora)",
@@ -102,7 +112,7 @@ class InputProcessor:
             except ValueError as exc:
                 raise InputError(str(exc), "response_format" if spec.kind in ("json", "json_object")
                                  else "structured_outputs") from None
-        return EngineRequest(request_id, prompt, ids, params, arrival, lora_name, bad_words)
+        return EngineRequest(request_id, prompt, ids, params, arrival, lora_name, bad_words, priority, cache_salt)
 
     # ------------------------------------------------------------------ checks
     def _check_ids(self, ids: list[int], params: SamplingParams) -> None:

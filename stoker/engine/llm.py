@@ -32,6 +32,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
         seed: int = 0,
         enforce_eager: bool = False,
         num_gpu_blocks_override: int | None = None,
@@ -61,6 +62,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
@@ -182,14 +184,22 @@ def render_chat_text(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The conversation as the model's chat template writes it (BOS included where it wants one).
 
     tools: OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`,
-    which HF chat templates read as `tools` (a template that does not use them ignores them)."""
+    which HF chat templates read as `tools` (a template that does not use them ignores them).
+    continue_final_message: the last message is left open (no end-of-turn after it), so the
+    model continues it; documents: RAG documents, which templates that take them render."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-    extra = {"tools": tools} if tools else {}
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    if documents:
+        extra["documents"] = documents
     return tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **extra
     )

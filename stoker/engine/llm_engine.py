@@ -81,14 +81,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sched_cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, sched_cfg.enable_chunked_prefill,
-                                   config.lora_config.max_loras if config.lora_config is not None else None)
+                                   config.lora_config.max_loras if config.lora_config is not None else None,
+                                   sched_cfg.policy)
         # Multi-LoRA: the adapters known (host) and those in the compute slots
         self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor)
                      if config.lora_config is not None else None)
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
-                                        self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill)
+                                        self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill,
+                                        sched_cfg.policy == "priority")
         self.input_processor = self.make_input_processor(self.tokenizer)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self._finish_seq)
@@ -152,7 +154,8 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request.request_id, request.prompt_token_ids, params, index=i,
                            arrival_time=request.arrival_time, lora_name=request.lora_name,
-                           bad_words_token_ids=request.bad_words_token_ids)
+                           bad_words_token_ids=request.bad_words_token_ids, priority=request.priority,
+                           cache_salt=request.cache_salt)
             seq.group_leader = seqs[0] if seqs else None
             seqs.append(seq)
         state = self.output_processor.start(request, seqs)

@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
                         "or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template sent in a request (vLLM's flag; off: such requests are refused, "
+                        "a template is code the server runs)")
     s.add_argument("--roofline-profile", default=None, metavar="kernel|engine|FILE",
                    help="efficiencies the live wall verdict in /metrics predicts steps with (default: engine on a GPU; "
                         "on a CPU the roofs `stoker doctor --write-device-file` measured)")
@@ -194,6 +197,7 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        trust_request_chat_template=args.trust_request_chat_template,
         roofline_profile=args.roofline_profile,
         enable_request_timing=args.enable_request_timing,
         lora_modules=parse_lora_modules(args.lora_modules, enable_lora),

@@ -29,6 +29,7 @@ class ServerSettings:
     # tool_choice "auto": the model's text is parsed for tool calls by this parser (generate/tools/parsers.py)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    trust_request_chat_template: bool = False  # a request's own chat_template is run (else a 400)
     # The efficiency profile the live wall verdict predicts steps with (roofline/profiles.py:
     # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (server/observe/wall.py).
     roofline_profile: str | None = None

@@ -74,7 +74,6 @@ def test_allowed_token_ids_limit_what_is_sampled(client: OpenAI) -> None:
     ("tool_choice", "required"),  # without tools (tool calling itself: test_tool_calls.py)
     ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
     ("function_call", {"name": "f"}),
-    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ])
 def test_fields_not_honoured_are_refused_by_name(live_server: LiveServer, field: str, value: object) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}

@@ -12,7 +12,9 @@ from stoker.sampling_params import SamplingParams
 from stoker.server.errors import ApiError, bad_request
 from stoker.server.generate.protocol import ChatCompletionRequest, ToolChoiceError
 from stoker.server.generate.completion import prompt_logprobs_json
-from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.serving import (DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, now_s,
+                                            response_id, running_usage, sse)
+from stoker.server.generate.tokenization import ChatRenderOptions
 from stoker.server.generate.tools.calls import ToolPlan
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
@@ -34,7 +36,14 @@ class OpenAIServingChat(Serving):
         except ToolChoiceError as exc:
             raise bad_request(str(exc), exc.param) from None
         plan = ToolPlan.of(req, self.state.settings)
-        ids = await self.state.tokenization.render_chat(req.messages, req.add_generation_prompt, req.template_tools())
+        options = self._render_options(req)
+        ids = await self.state.tokenization.render_chat(
+            req.messages, req.add_generation_prompt and not req.continue_final_message, req.template_tools(), options)
+        try:
+            ids = req.truncated(ids, self.state.max_model_len)
+        except ValueError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from None
+        echo = _echoed(req)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)
@@ -44,25 +53,28 @@ class OpenAIServingChat(Serving):
             # vLLM's hermes parser does the same: tokenizers that mark <tool_call> special would
             # otherwise drop the markers the parser looks for (the EOS adds no text either way).
             params.skip_special_tokens = False
-        request_id = new_id("chatcmpl")
+        request_id, engine_id = response_id("chatcmpl", req.request_id)
         try:
-            streams = await self.add_all(request_id, [(None, ids)], [params], lora_name=self.state.lora_name(req.model))
+            streams = await self.add_all(engine_id, [(None, ids)], [params], lora_name=self.state.lora_name(req.model),
+                                         req=req)
         except ApiError as exc:
             if plan.mode in ("named", "required") and exc.param in ("response_format", "structured_outputs"):
                 raise bad_request(f"tools: {exc.message}", "tools") from None  # the grammar came from the tools
             raise
         created = now_s()
         if req.stream:
-            body = self._stream(request_id, model, created, streams, params, len(ids), req, plan)
+            body = self._stream(request_id, model, created, streams, params, len(ids), req, plan, echo)
             return StreamingResponse(body, media_type="text/event-stream")
         (out,) = await self.until_disconnect(raw, self.collect(streams))
         choices = []
         for comp in out.outputs:
             message, finish_reason = plan.message(comp.text, comp.finish_reason)
+            if echo and isinstance(message.get("content"), str):
+                message["content"] = echo + message["content"]
             choices.append({
                 "index": comp.index,
                 "message": message,
-                "logprobs": self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0) if req.logprobs else None,
+                "logprobs": self._logprobs(comp, 0, len(comp.token_ids), req) if req.logprobs else None,
                 "finish_reason": finish_reason,
                 "stop_reason": comp.stop_reason,
             })
@@ -80,13 +92,15 @@ class OpenAIServingChat(Serving):
 
     async def _stream(
         self, request_id: str, model: str, created: int, streams: list, params: SamplingParams,
-        prompt_len: int, req: ChatCompletionRequest, plan: ToolPlan,
+        prompt_len: int, req: ChatCompletionRequest, plan: ToolPlan, echo: str = "",
     ) -> AsyncIterator[bytes]:
         trackers = [DeltaTracker(params) for _ in range(params.n)]
         tool_streams = [plan.stream() for _ in range(params.n)]
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
         encode = ChunkEncoder(head).choice
+        # continuous_usage_stats: every chunk carries the prompt's tokens and its choice's so far
+        continuous = req.continuous_usage
         final: RequestOutput | None = None
         try:
             role_sent = False
@@ -98,7 +112,10 @@ class OpenAIServingChat(Serving):
                     role_sent = True
                     for j in range(params.n):
                         yield encode({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None})
+                                      "finish_reason": None}, running_usage(prompt_len, 0) if continuous else None)
+                        if echo:  # the message the reply continues, as its first content
+                            yield encode({"index": j, "delta": {"content": echo}, "logprobs": None,
+                                          "finish_reason": None}, running_usage(prompt_len, 0) if continuous else None)
                 for comp in out.outputs:
                     delta, start, end = trackers[comp.index].step(comp)
                     finished = comp.finish_reason is not None
@@ -115,13 +132,12 @@ class OpenAIServingChat(Serving):
                         choice = {
                             "index": comp.index,
                             "delta": piece,
-                            "logprobs": (self._logprobs(comp, start, end, req.top_logprobs or 0)
-                                         if req.logprobs and k == 0 else None),
+                            "logprobs": self._logprobs(comp, start, end, req) if req.logprobs and k == 0 else None,
                             "finish_reason": plan.finish_reason(comp.finish_reason, tools.called) if last else None,
                         }
                         if finished and last:
                             choice["stop_reason"] = comp.stop_reason
-                        yield encode(choice)
+                        yield encode(choice, running_usage(prompt_len, end) if continuous else None)
                 if out.finished:
                     final = out
             if req.include_usage:
@@ -136,26 +152,54 @@ class OpenAIServingChat(Serving):
                 s.abort()
         yield DONE
 
+    def _render_options(self, req: ChatCompletionRequest) -> ChatRenderOptions:
+        """How the request writes its prompt; a request's own chat_template only where the server
+        trusts them (vLLM's --trust-request-chat-template: a template is code the server runs)."""
+        if req.chat_template is not None and not self.state.settings.trust_request_chat_template:
+            raise bad_request("chat_template: this server does not run templates sent in requests; start it with "
+                              "--trust-request-chat-template, or omit chat_template", "chat_template")
+        if req.continue_final_message:
+            if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the reply "
+                                  "either continues the last message or starts a new one", "continue_final_message")
+            if not req.messages or req.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs an assistant message last, to continue",
+                                  "continue_final_message")
+        return ChatRenderOptions(continue_final_message=req.continue_final_message, documents=req.documents,
+                                 chat_template=req.chat_template, add_special_tokens=req.add_special_tokens,
+                                 truncate_prompt_tokens=req.truncate_prompt_tokens)
+
     @staticmethod
-    def _logprobs(comp: CompletionOutput, start: int, end: int, top_n: int) -> dict[str, list]:
+    def _logprobs(comp: CompletionOutput, start: int, end: int, req: ChatCompletionRequest) -> dict[str, list]:
+        top_n = req.top_logprobs or 0
         content = []
         entries = comp.logprobs or []
         for k in range(start, min(end, len(entries))):
             entry = entries[k]
             chosen = entry.get(comp.token_ids[k])
-            tok = (chosen.decoded_token or "") if chosen is not None else ""
-            ranked = sorted((e for e in entry.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
+            tok = req.logprob_token(comp.token_ids[k], (chosen.decoded_token or "") if chosen is not None else "")
+            ranked = sorted(((t, e) for t, e in entry.items() if e.rank is not None and e.rank <= top_n),
+                            key=lambda te: te[1].rank)
+            top = [(req.logprob_token(t, e.decoded_token or ""), e.logprob) for t, e in ranked[:top_n]]
             content.append({
                 "token": tok,
                 "logprob": max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB,
                 "bytes": list(tok.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": e.decoded_token or "", "logprob": max(e.logprob, _MIN_LOGPROB),
-                     "bytes": list((e.decoded_token or "").encode("utf-8"))}
-                    for e in ranked[:top_n]
-                ],
+                "top_logprobs": [{"token": t, "logprob": max(lp, _MIN_LOGPROB), "bytes": list(t.encode("utf-8"))}
+                                 for t, lp in top],
             })
         return {"content": content}
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """echo (vLLM's): the reply is put after the last message's text when that message is the
+    assistant's (the one the model continues), else nothing is echoed."""
+    if not req.echo or req.messages[-1].role != "assistant":
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(p.text for p in content if hasattr(p, "text"))
+    return content or ""
 
 
 def _timing_field(timing: dict | None) -> dict:

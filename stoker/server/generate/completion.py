@@ -13,7 +13,8 @@ from stoker.outputs import CompletionOutput, RequestOutput
 from stoker.sampling_params import SamplingParams
 from stoker.server.errors import bad_request
 from stoker.server.generate.protocol import CompletionRequest
-from stoker.server.generate.serving import DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, new_id, now_s, sse
+from stoker.server.generate.serving import (DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, now_s,
+                                            response_id, running_usage, sse)
 
 # -inf is not JSON; clients read a very negative number the same way.
 _MIN_LOGPROB = -9999.0
@@ -24,18 +25,30 @@ def _lp(x: float) -> float:
 
 
 class OpenAIServingCompletion(Serving):
-    async def prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    async def prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt, cut to truncate_prompt_tokens (a cut text prompt
+        keeps no text: its echo is the kept tokens' decoding)."""
+        prompt = req.prompt
         tok = self.state.tokenization
+        special, bounded = req.add_special_tokens, req.truncate_prompt_tokens is None
         if isinstance(prompt, str):
-            return [(prompt, await tok.encode(prompt))]
-        if not prompt:
+            out: list[tuple[str | None, list[int]]] = [(prompt, await tok.encode(prompt, special, bounded=bounded))]
+        elif not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        if all(isinstance(p, str) for p in prompt):
-            return list(zip(prompt, await tok.encode_all(prompt)))
+        elif all(isinstance(p, str) for p in prompt):
+            out = list(zip(prompt, await tok.encode_all(prompt, special, bounded)))
         # Token ids are checked against the vocabulary by the engine's input processor (add_all).
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, list(prompt))]
-        return [(None, list(ids)) for ids in prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            out = [(None, list(prompt))]
+        else:
+            out = [(None, list(ids)) for ids in prompt]
+        if bounded:
+            return out
+        try:
+            cut = [(text, req.truncated(ids, self.state.max_model_len)) for text, ids in out]
+        except ValueError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from None
+        return [(text if len(kept) == len(ids) else None, kept) for (text, ids), (_, kept) in zip(out, cut)]
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.state.check_model(req.model)
@@ -50,15 +63,15 @@ class OpenAIServingCompletion(Serving):
                               "to score the prompt alone", "max_tokens")
         # echo + logprobs: the echoed prompt tokens carry their own logprobs (the first none).
         num_prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
-        prompts = await self.prompts(req.prompt)
+        prompts = await self.prompts(req)
         params = [
             replace(self.sampling_params(req, self.resolve_max_tokens(len(ids), 1 if echo_only else req.max_tokens),
                                          req.logprobs), prompt_logprobs=num_prompt_logprobs)
             for _, ids in prompts
         ]
         echo_texts = [self._prompt_text(t, ids) for t, ids in prompts] if req.echo else None
-        request_id = new_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params, lora_name=self.state.lora_name(req.model))
+        request_id, engine_id = response_id("cmpl", req.request_id)
+        streams = await self.add_all(engine_id, prompts, params, lora_name=self.state.lora_name(req.model), req=req)
         created = now_s()
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:
@@ -73,9 +86,9 @@ class OpenAIServingCompletion(Serving):
                 echo = echo_texts[i] if echo_texts else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._logprobs(comp, 0, len(comp.token_ids), len(echo))
+                    logprobs = self._logprobs(comp, 0, len(comp.token_ids), len(echo), req)
                     if echo_texts:
-                        logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs)
+                        logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs, req)
                 choice = {
                     "index": i * req.n + comp.index,
                     "text": echo + comp.text,
@@ -115,6 +128,7 @@ class OpenAIServingCompletion(Serving):
                 "system_fingerprint": SYSTEM_FINGERPRINT}
         encode = ChunkEncoder(head).choice
         echo_only = req.echo and req.max_tokens == 0
+        continuous = req.continuous_usage
         try:
             async for i, out in self.merged(streams):
                 if echo_only:
@@ -124,11 +138,11 @@ class OpenAIServingCompletion(Serving):
                     first = tracker.num_tokens == 0 and tracker.num_chars == 0
                     delta, start, end = tracker.step(comp)
                     offset = len(echo_texts[i]) if first and echo_texts else 0
-                    logprobs = self._logprobs(comp, start, end, offset) if req.logprobs is not None else None
+                    logprobs = self._logprobs(comp, start, end, offset, req) if req.logprobs is not None else None
                     if first and echo_texts:
                         delta = echo_texts[i] + delta
                         if logprobs is not None:
-                            logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs)
+                            logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs, req)
                     if not delta and comp.finish_reason is None and (req.logprobs is None or start == end):
                         continue
                     choice = {
@@ -140,7 +154,8 @@ class OpenAIServingCompletion(Serving):
                     }
                     if first and req.prompt_logprobs is not None:
                         choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-                    yield encode(choice)
+                    # continuous_usage_stats: this prompt's tokens and this choice's tokens so far (vLLM's)
+                    yield encode(choice, running_usage(len(prompts[i][1]), end) if continuous else None)
                 if out.finished:
                     finals[i] = out
             if req.include_usage:
@@ -157,7 +172,7 @@ class OpenAIServingCompletion(Serving):
         yield DONE
 
     @staticmethod
-    def _logprobs(comp: CompletionOutput, start: int, end: int, offset: int) -> dict[str, list]:
+    def _logprobs(comp: CompletionOutput, start: int, end: int, offset: int, req: CompletionRequest) -> dict[str, list]:
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
@@ -167,14 +182,15 @@ class OpenAIServingCompletion(Serving):
             entry = entries[k]
             chosen = entry.get(comp.token_ids[k])
             tok = chosen.decoded_token or "" if chosen is not None else ""
-            tokens.append(tok)
+            tokens.append(req.logprob_token(comp.token_ids[k], tok))
             token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
-            top.append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()})
+            top.append({req.logprob_token(t, e.decoded_token or ""): _lp(e.logprob) for t, e in entry.items()})
             text_offset.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
-    def _with_echo(self, prompt_ids: list[int], entries: list | None, logprobs: dict[str, list]) -> dict[str, list]:
+    def _with_echo(self, prompt_ids: list[int], entries: list | None, logprobs: dict[str, list],
+                   req: CompletionRequest) -> dict[str, list]:
         """The echoed prompt's tokens first, each with its logprob and top n (the first token
         has none: nothing precedes it), then the completion's."""
         toks = self.state.tokenizer.batch_decode([[t] for t in prompt_ids])
@@ -188,9 +204,10 @@ class OpenAIServingCompletion(Serving):
             entry = entries[p] if entries is not None else None
             chosen = entry.get(token) if entry else None
             token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-            tops.append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()} if entry else None)
+            tops.append({req.logprob_token(t, e.decoded_token or ""): _lp(e.logprob) for t, e in entry.items()}
+                        if entry else None)
         return {
-            "tokens": toks + logprobs["tokens"],
+            "tokens": [req.logprob_token(t, s) for t, s in zip(prompt_ids, toks)] + logprobs["tokens"],
             "token_logprobs": token_lps + logprobs["token_logprobs"],
             "top_logprobs": tops + logprobs["top_logprobs"],
             "text_offset": offsets + logprobs["text_offset"],

@@ -16,6 +16,7 @@ from pydantic import Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
+from stoker.server.generate import fields as request_fields
 from stoker.server.generate.tools import schema as tool_schema
 from stoker.server.protocol_base import Number, SmallInt, TokenId, _Body, _Request
 from stoker.structured.spec import StructuredOutputs
@@ -29,8 +30,14 @@ Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool = False
+    # None: as continuous_usage_stats (vLLM's default is true, OpenAI's false: asking for usage
+    # in every chunk alone gets it, as from vLLM, without changing what {} means)
+    include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool = False
+
+    @property
+    def wants_usage(self) -> bool:
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
 
 
 class _SamplingFields(_Request):
@@ -65,6 +72,12 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extra parameters (fields.py says what each does here)
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1, le=2**31 - 1)] | None = None
+    priority: SmallInt = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +87,16 @@ class _SamplingFields(_Request):
             for name, why in _unhonoured(data, cls is ChatCompletionRequest):
                 raise PydanticCustomError("unsupported_field", "{name}: {why}", {"name": name, "why": why, "param": name})
         return data
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """truncate_prompt_tokens: the last k prompt tokens (-1: the last max_model_len), as vLLM."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len if k == -1 else k
+        if k == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return ids[-k:]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field and its valid range."""
@@ -142,7 +165,17 @@ class _SamplingFields(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and self.stream_options.wants_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def logprob_token(self, token_id: int, text: str) -> str:
+        """How a logprob entry names its token: return_tokens_as_token_ids writes 'token_id:{id}'
+        (vLLM's form, for tokens whose text is not valid UTF-8 on its own)."""
+        return f"token_id:{token_id}" if self.return_tokens_as_token_ids else text
 
 
 def _json_text(schema: dict[str, Any] | str) -> str:
@@ -158,25 +191,8 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise ValueError(f"logit_bias must map token ids (as strings of integers) to values, got keys {list(bias)[:5]}") from None
 
 
-_NOT_YET = "not supported by this server yet"
-# Fields OpenAI or vLLM clients send that this engine does not honour yet: (field, is it set
-# to something that asks for behaviour, why). Leaving them at their no-op value is fine.
-_UNHONOURED = (
-    # OpenAI's deprecated function calling: its answers have another shape (message.function_call).
-    ("functions", lambda v: bool(v), "the deprecated functions field is not supported; send tools instead"),
-    ("function_call", lambda v: v not in (None, "none"), "the deprecated function_call field is not supported; "
-                                                          "send tool_choice instead"),
-    ("best_of", lambda v: v not in (None, 1), "best_of > 1 is not supported; use n"),
-    ("suffix", lambda v: bool(v), "suffix (insertion) is not supported; omit it"),
-)
-
-
 def _unhonoured(data: dict[str, Any], is_chat: bool) -> list[tuple[str, str]]:
-    out = [(name, why) for name, asks, why in _UNHONOURED if name in data and asks(data[name])]
-    options = data.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        out.append(("stream_options", f"continuous_usage_stats is {_NOT_YET}; usage comes in the last chunk "
-                                      "(include_usage)"))
+    out = request_fields.refusals(data, "chat" if is_chat else "completions")
     if is_chat:
         messages = data.get("messages")
         for i, m in enumerate(messages if isinstance(messages, list) else []):
@@ -197,6 +213,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: SmallInt | None = None
     user: str | None = None
+    add_special_tokens: StrictBool = True  # BOS and the like, added to text prompts
 
 
 class TextPart(_Body):
@@ -267,6 +284,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: SmallInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last message left open for the model to continue
+    echo: StrictBool = False  # with continue_final_message: the reply starts with that message's content
+    add_special_tokens: StrictBool = False  # on top of what the template writes (vLLM's default: none)
+    documents: list[dict[str, Any]] | None = None  # for RAG templates, as transformers passes them
+    chat_template: str | None = None  # a request's own template (--trust-request-chat-template)
     user: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

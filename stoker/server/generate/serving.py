@@ -41,12 +41,27 @@ class ChunkEncoder:
         self.head = head
         self._prefix = b"data: " + json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"choices":['
 
-    def choice(self, choice: dict[str, Any]) -> bytes:
-        return self._prefix + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
+    def choice(self, choice: dict[str, Any], usage: dict[str, int] | None = None) -> bytes:
+        """usage: the chunk's own usage (continuous_usage_stats), after the choices."""
+        body = self._prefix + json.dumps(choice, separators=(",", ":")).encode()
+        if usage is None:
+            return body + b"]}\n\n"
+        return body + b'],"usage":' + json.dumps(usage, separators=(",", ":")).encode() + b"}\n\n"
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def response_id(prefix: str, client_request_id: str | None) -> tuple[str, str]:
+    """(the id the response carries, the engine's request id). A client's request_id (vLLM's
+    field) names the response; the engine's id adds a random part, so two clients sending the
+    same request_id never collide in the engine."""
+    if client_request_id is None:
+        rid = new_id(prefix)
+        return rid, rid
+    shown = f"{prefix}-{client_request_id}"
+    return shown, f"{shown}-{uuid.uuid4().hex[:8]}"
 
 
 class ClientDisconnected(Exception):
@@ -96,9 +111,10 @@ class Serving:
 
     # ------------------------------------------------------------------ engine
     async def add_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                      lora_name: str | None = None) -> list[RequestStream]:
+                      lora_name: str | None = None, req: _SamplingFields | None = None) -> list[RequestStream]:
         """One engine request per prompt, checked off the event loop by the engine's input
-        processor (ids, lengths, grammar, bad_words); all admitted or none (earlier ones aborted)."""
+        processor (ids, lengths, grammar, bad_words, priority); all admitted or none (earlier ones
+        aborted). req: the request body, for its priority and cache_salt."""
         engine = self.state.ready_engine()
         num_seqs = sum(p.n for p in params)
         limit = self.state.max_num_seqs
@@ -108,7 +124,8 @@ class Serving:
                 f"{limit} at once (--max-num-seqs): send fewer prompts or a smaller n", "n")
         ids_of = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         requests = await self.state.tokenization.engine_requests(
-            [(rid, text, ids, p) for rid, (text, ids), p in zip(ids_of, prompts, params)], lora_name)
+            [(rid, text, ids, p) for rid, (text, ids), p in zip(ids_of, prompts, params)], lora_name,
+            req.priority if req is not None else 0, req.cache_salt if req is not None else None)
         streams: list[RequestStream] = []
         try:
             for request in requests:
@@ -260,6 +277,13 @@ class DeltaTracker:
         start_tok, end_tok = self.num_tokens, len(comp.token_ids)
         self.num_tokens = end_tok
         return delta, start_tok, end_tok
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage a chunk carries under continuous_usage_stats: the prompt's tokens and the tokens
+    of this chunk's choice so far (vLLM's definition); the final usage chunk has the totals."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def now_s() -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from stoker.engine.input_processor import EngineRequest, InputProcessor
@@ -28,6 +29,17 @@ from stoker.sampling_params import SamplingParams
 from stoker.server.generate.protocol import ChatMessage, message_dicts
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChatRenderOptions:
+    """A chat request's say in how its prompt is written (vLLM's extra chat fields)."""
+
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # the request's own (the server allows it or refuses first)
+    add_special_tokens: bool = False
+    truncate_prompt_tokens: int | None = None  # set: the prompt is not refused for length before truncation
 
 
 class ServerTokenizer:
@@ -48,10 +60,12 @@ class ServerTokenizer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ on the worker thread
-    def encode_bounded(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode_bounded(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                       bounded: bool = True) -> list[int]:
+        """bounded False (truncate_prompt_tokens): the whole text is tokenized, its end is kept."""
         limit = self.max_model_len
         head_chars = (limit + 2) * self.max_chars_per_token
-        if len(text) > head_chars:
+        if bounded and len(text) > head_chars:
             head = self.tokenizer.encode(text[:head_chars], add_special_tokens=add_special_tokens)
             # The cut may split the last token: the whole text has at least len(head) - 1.
             if len(head) - 1 > limit:
@@ -61,38 +75,44 @@ class ServerTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None, options: ChatRenderOptions | None = None) -> list[int]:
+        o = options or ChatRenderOptions()
         try:
-            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, tools=tools)
+            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, o.chat_template,
+                                    tools=tools, continue_final_message=o.continue_final_message, documents=o.documents)
         except Exception as exc:  # unsupported parts, jinja2 TemplateError (raise_exception in templates), ValueError
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
-        # The template writes BOS itself where the model wants one.
-        return self.encode_bounded(text, add_special_tokens=False, param="messages")
+        # The template writes BOS itself where the model wants one (add_special_tokens: on top of it).
+        return self.encode_bounded(text, add_special_tokens=o.add_special_tokens, param="messages",
+                                   bounded=o.truncate_prompt_tokens is None)
 
     # ------------------------------------------------------------------ from the event loop
-    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        return await self._run(self.encode_bounded, text, add_special_tokens, param)
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                     bounded: bool = True) -> list[int]:
+        return await self._run(self.encode_bounded, text, add_special_tokens, param, bounded)
 
-    async def encode_all(self, texts: list[str]) -> list[list[int]]:
-        return await self._run(lambda: [self.encode_bounded(t) for t in texts])
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True, bounded: bool = True) -> list[list[int]]:
+        return await self._run(lambda: [self.encode_bounded(t, add_special_tokens, bounded=bounded) for t in texts])
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None, options: ChatRenderOptions | None = None) -> list[int]:
         """tools: OpenAI's tool definitions, for templates that render them."""
-        return await self._run(self._render_chat, messages, add_generation_prompt, tools)
+        return await self._run(self._render_chat, messages, add_generation_prompt, tools, options)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids)
 
     async def engine_requests(self, items: list[tuple[str, str | None, list[int], SamplingParams]],
-                              lora_name: str | None) -> list[EngineRequest]:
+                              lora_name: str | None, priority: int = 0, cache_salt: str | None = None
+                              ) -> list[EngineRequest]:
         """(request id, prompt text, prompt ids, params) -> checked engine requests (the grammar
         compiled, bad_words tokenized); a request the engine cannot run is a 400 naming its field."""
         assert self.input_processor is not None, "this server has no generative engine"
         process = self.input_processor.process
 
         def build() -> list[EngineRequest]:
-            return [process(rid, text, params, ids, lora_name=lora_name) for rid, text, ids, params in items]
+            return [process(rid, text, params, ids, lora_name=lora_name, priority=priority, cache_salt=cache_salt)
+                    for rid, text, ids, params in items]
 
         try:
             return await self._run(build)
