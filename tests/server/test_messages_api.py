@@ -5,15 +5,17 @@ server cannot honour."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel
 
 from tests.server.conftest import MODEL, LiveServer
 
@@ -158,6 +160,76 @@ def test_stream_is_server_sent_events_with_event_lines(live_server: LiveServer) 
     assert kinds[:2] == ["message_start", "ping"] and kinds[-1] == "message_stop"
 
 
+def test_a_client_gone_mid_stream_frees_its_request(live_server: LiveServer) -> None:
+    """Closing the stream after its first content event aborts the engine request (the
+    autouse check then finds every KV block free)."""
+    body = {"model": MODEL, "max_tokens": 200, "messages": HELLO, "stream": True}
+    with httpx.stream("POST", live_server.url + "/v1/messages", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line == "event: content_block_delta":
+                break
+    live_server.wait_idle(30)
+
+
+def _chat_sse(*chunks: dict[str, Any]) -> Any:
+    async def body() -> Any:
+        for chunk in chunks:
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    return body()
+
+
+def _events(*chunks: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    from stoker.server.generate.messages_answer import message_events
+
+    async def run() -> list[bytes]:
+        return [e async for e in message_events("msg_1", MODEL, 7, _chat_sse(*chunks))]
+
+    out = []
+    for raw in asyncio.run(run()):
+        event_line, data_line = raw.decode().strip().split("\n")
+        out.append((event_line[len("event: "):], json.loads(data_line[len("data: "):])))
+    return out
+
+
+def _choice(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+
+
+def test_stream_translation_of_text_then_calls() -> None:
+    """A chat stream with text and two calls: one block each, in order, indices counted."""
+    call = lambda i, name: {"tool_calls": [{"index": i, "id": f"chatcmpl-tool-{i}abc", "type": "function",  # noqa: E731
+                                            "function": {"name": name, "arguments": ""}}]}
+    args = lambda i, text: {"tool_calls": [{"index": i, "function": {"arguments": text}}]}  # noqa: E731
+    events = _events(_choice({"role": "assistant", "content": ""}), _choice({"content": "Hi"}), _choice(call(0, "a")),
+                     _choice(args(0, '{"x":')), _choice(args(0, "1}")), _choice(call(1, "b")), _choice(args(1, "{}")),
+                     _choice({}, "tool_calls"), {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}})
+    assert [k for k, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    starts = [d for k, d in events if k == "content_block_start"]
+    assert [d["index"] for d in starts] == [0, 1, 2]
+    assert starts[1]["content_block"] == {"type": "tool_use", "id": "toolu_0abc", "name": "a", "input": {}}
+    assert [d["delta"]["partial_json"] for k, d in events if k == "content_block_delta" and d["index"] == 1] == \
+        ['{"x":', "1}"]
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2][1]["usage"]["output_tokens"] == 9
+
+
+def test_stream_translation_of_a_stop_string_and_of_failures() -> None:
+    done = _events(_choice({"content": "a"}), _choice({}, "stop", stop_reason="END"))
+    assert done[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    eos = _events(_choice({"content": "a"}), _choice({}, "stop", stop_reason=None))
+    assert eos[-2][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    failed = _events(_choice({"content": "a"}), {"error": {"message": "generation failed: boom", "code": 500}})
+    assert failed[-1] == ("error", {"type": "error", "error": {"type": "api_error",
+                                                               "message": "generation failed: boom"}})
+    cut = _events(_choice({"content": "a"}))  # no finish: aborted
+    assert [k for k, _ in cut][-2:] == ["content_block_stop", "error"]
+
+
 # ------------------------------------------------------------------------------- tools
 def _tool_uses(message: Any) -> list[Any]:
     return [b for b in message.content if b.type == "tool_use"]
@@ -237,6 +309,21 @@ def test_auto_tool_choice_needs_a_parser(claude: anthropic.Anthropic) -> None:
     """tools without tool_choice mean auto, which (as on the chat route) needs --tool-call-parser."""
     with pytest.raises(anthropic.BadRequestError, match="enable-auto-tool-choice"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=TOOLS)
+
+
+# ------------------------------------------------------------------------------- structured output
+class Person(BaseModel):
+    # Closed choices only: a free string or number would let a random model write to max_tokens
+    # (and the SDK moves bounds such as minimum out of the schema it sends, into descriptions).
+    name: Literal["Ada", "Alan", "Grace"]
+    admin: bool
+
+
+def test_output_config_format_is_enforced(claude: anthropic.Anthropic) -> None:
+    """output_config.format json_schema holds even a random-weight model's text to the schema."""
+    msg = claude.messages.parse(model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "Who?"}],
+                                output_format=Person, extra_body={"temperature": 1.0})
+    assert isinstance(msg.parsed_output, Person) and msg.stop_reason == "end_turn"
 
 
 # ------------------------------------------------------------------------------- count_tokens
