@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import anthropic
@@ -17,7 +19,8 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from tests.server.conftest import MODEL, LiveServer
+from tests.server.conftest import MODEL, LiveServer, start_server
+from tests.server.test_tool_calls import HERMES_TEMPLATE
 
 WEATHER_SCHEMA = {"type": "object",
                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -303,6 +306,28 @@ def test_a_tool_result_turn_is_accepted(claude: anthropic.Anthropic, live_server
     errored = claude.messages.count_tokens(model=MODEL, messages=failed)
     as_chat[2]["content"] = "Error: timeout"
     assert errored.input_tokens == _prompt_tokens(live_server, as_chat)
+
+
+def test_auto_with_a_parser_renders_the_tools_and_parses_the_text(tiny_llama: Path, tmp_path: Path) -> None:
+    """On a server with --tool-call-parser, tools without tool_choice mean auto: the template
+    shows the tools to the model, and its free text comes back as text (a random model calls
+    nothing by itself; the parsers are unit-tested in tests/unit/test_tool_parsers.py)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, ckpt)
+    (ckpt / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    live = start_server(ckpt, {"max_model_len": 1024}, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    try:
+        claude = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=60)
+        plain = claude.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
+        msg = claude.messages.create(model=MODEL, max_tokens=6, messages=HELLO, tools=TOOLS, **T0)
+        assert msg.usage.input_tokens > plain + 20  # the tools' JSON is in the prompt
+        assert msg.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in msg.content)
+        events, final = _stream(claude, max_tokens=6, messages=HELLO, tools=TOOLS, tool_choice={"type": "auto"}, **T0)
+        _check_order(events)
+        assert final.model_dump(exclude={"id"}) == msg.model_dump(exclude={"id"})
+        live.wait_idle(30)
+    finally:
+        live.stop()
 
 
 def test_auto_tool_choice_needs_a_parser(claude: anthropic.Anthropic) -> None:
