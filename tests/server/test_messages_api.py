@@ -141,7 +141,7 @@ def test_stream_events_in_order_and_the_same_message(claude: anthropic.Anthropic
     whole = claude.messages.create(model=MODEL, max_tokens=10, **T0, messages=HELLO)
     events, final = _stream(claude, max_tokens=10, **T0, messages=HELLO)
     _check_order(events)
-    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens == events[-2].usage.input_tokens
     assert [e.delta.type for e in events if e.type == "content_block_delta"] == \
         ["text_delta"] * sum(e.type == "content_block_delta" for e in events)
     assert events[-2].delta.stop_reason == whole.stop_reason and events[-2].usage.output_tokens == whole.usage.output_tokens
@@ -229,6 +229,8 @@ def test_stream_translation_of_a_stop_string_and_of_failures() -> None:
     failed = _events(_choice({"content": "a"}), {"error": {"message": "generation failed: boom", "code": 500}})
     assert failed[-1] == ("error", {"type": "error", "error": {"type": "api_error",
                                                                "message": "generation failed: boom"}})
+    dead = _events({"error": {"message": "the engine has stopped", "code": 503}})
+    assert dead[-1][1]["error"]["type"] == "overloaded_error"
     cut = _events(_choice({"content": "a"}))  # no finish: aborted
     assert [k for k, _ in cut][-2:] == ["content_block_stop", "error"]
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from stoker.server.generate.responses import _chunks as chat_chunks  # the chat stream's chunks as dicts
+from stoker.server.http.anthropic_errors import anthropic_error
 
 
 def message_id() -> str:
@@ -43,7 +44,7 @@ def stop_of(finish_reason: str | None, matched: Any, called: bool) -> tuple[str 
 
 def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as tool_use input. Output cut by max_tokens may leave them incomplete:
-    then {} (stop_reason says max_tokens), as a streamed client's partial parse would not agree."""
+    then {}, and stop_reason says max_tokens (a streaming client has had the partial JSON itself)."""
     try:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
@@ -74,8 +75,8 @@ def event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n".encode()
 
 
-def error_event(message: str, kind: str = "api_error") -> bytes:
-    return event("error", {"error": {"type": kind, "message": message}})
+def error_event(message: str, status: int = 500) -> bytes:
+    return event("error", anthropic_error(status, message))
 
 
 class _Blocks:
@@ -117,13 +118,16 @@ async def message_events(msg_id: str, model: str, prompt_len: int,
     blocks = _Blocks()
     finish_reason: str | None = None
     matched: Any = None
-    output_tokens = 0
+    input_tokens, output_tokens = prompt_len, 0
     try:
         async for chunk in chat_chunks(chat_stream):
             if "error" in chunk:  # the engine failed the request mid-stream (chat's in-band error)
-                yield error_event(str((chunk["error"] or {}).get("message", "generation failed")))
+                err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                code = err.get("code")
+                yield error_event(str(err.get("message", "generation failed")), code if isinstance(code, int) else 500)
                 return
-            if chunk.get("usage"):
+            if chunk.get("usage"):  # the chat path's own count: what message_delta states
+                input_tokens = chunk["usage"].get("prompt_tokens", input_tokens)
                 output_tokens = chunk["usage"].get("completion_tokens", 0)
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
@@ -153,5 +157,5 @@ async def message_events(msg_id: str, model: str, prompt_len: int,
         return
     stop_reason, stop_sequence = stop_of(finish_reason, matched, blocks.called)
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                  "usage": {"input_tokens": prompt_len, "output_tokens": output_tokens}})
+                                  "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}})
     yield event("message_stop", {})
