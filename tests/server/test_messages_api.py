@@ -373,6 +373,7 @@ REFUSED = [
     ("context_management", {"context_management": {"edits": []}}),
     ("effort", {"output_config": {"effort": "high"}}),
     ("output_config", {"output_config": {"format": {"type": "xml"}}}),
+    ("output_config", {"output_config": {"task_budget": 5}}),
     ("speed", {"speed": "fast"}),
     ("diagnostics", {"diagnostics": {"previous_message_id": "msg_1"}}),
     ("inference_geo", {"inference_geo": "eu"}),

@@ -269,14 +269,14 @@ def chat_messages(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def output_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """output_config.format ({"type": "json_schema", "schema"}) -> chat's response_format (enforced)."""
+    unknown = sorted(set(config or {}) - {"format", "effort"})  # effort: refused (or null) already
+    if unknown:
+        raise ValueError(f"output_config: fields {unknown} are not supported")
     fmt = (config or {}).get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ValueError("output_config.format must be {\"type\": \"json_schema\", \"schema\": <a JSON schema object>}")
-    unknown = sorted(set(config or {}) - {"format", "effort"})
-    if unknown:
-        raise ValueError(f"output_config: fields {unknown} are not supported")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
