@@ -365,6 +365,7 @@ def test_count_tokens_matches_the_prompt(claude: anthropic.Anthropic) -> None:
 
 # ------------------------------------------------------------------------------- errors and refusals
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+# (what the 400's message must name, the request's fields)
 REFUSED = [
     ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
     ("container", {"container": "container_1"}),
@@ -391,19 +392,22 @@ REFUSED = [
     ("messages", {"messages": [{"role": "system", "content": "x"}]}),
     ("tools", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}),
-    ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}),
+    ("tool_choice names tool 'nope'", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}),
+    ("tool_choice 'any' needs tools", {"tool_choice": {"type": "any"}}),  # in Anthropic's words, not chat's
+    ("output_config.format", {"tools": TOOLS, "tool_choice": {"type": "any"}, "output_config": {
+        "format": {"type": "json_schema", "schema": {"type": "object"}}}}),
 ]
 
 
-@pytest.mark.parametrize("field, extra", REFUSED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(REFUSED)])
-def test_what_cannot_be_honoured_is_refused(claude: anthropic.Anthropic, field: str, extra: dict[str, Any]) -> None:
+@pytest.mark.parametrize("named, extra", REFUSED, ids=[f"{n.split()[0]}-{i}" for i, (n, _) in enumerate(REFUSED)])
+def test_what_cannot_be_honoured_is_refused(claude: anthropic.Anthropic, named: str, extra: dict[str, Any]) -> None:
     body = {"max_tokens": 2, "messages": HELLO, **extra}
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=MODEL, messages=body.pop("messages"), max_tokens=body.pop("max_tokens"),
                                extra_body=body)
     assert info.value.status_code == 400
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
-    assert field in info.value.body["error"]["message"], info.value.body
+    assert named in info.value.body["error"]["message"], info.value.body
     assert set(info.value.body) == {"type", "error"} and set(info.value.body["error"]) == {"type", "message"}
 
 

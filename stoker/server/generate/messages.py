@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stoker.server.errors import bad_request, describe_validation_errors
+from stoker.server.errors import ApiError, bad_request, describe_validation_errors
 from stoker.server.generate.chat import OpenAIServingChat
 from stoker.server.generate.messages_answer import from_completion, message_events, message_id
 from stoker.server.generate.protocol import ChatCompletionRequest
@@ -54,13 +54,34 @@ def _chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionR
 
 def _messages_param(param: str | None) -> str | None:
     """A chat field named in an error, as the Messages request calls it."""
-    return {"stop": "stop_sequences"}.get(param or "", param)
+    return {"stop": "stop_sequences", "response_format": "output_config"}.get(param or "", param)
+
+
+# The chat path's refusals name chat's values; a Messages client sent Anthropic's.
+_CHAT_WORDS = (
+    ("'none', 'required' or a named function", "type 'none', 'any' or 'tool'"),
+    ("tool_choice 'required'", "tool_choice 'any'"),
+    ("tool_choice a named function", "tool_choice 'tool'"),
+    ("tool_choice names function", "tool_choice names tool"),
+    ("tool_choice 'named'", "tool_choice 'tool'"),
+    (".function.parameters", ".input_schema"),
+    ("response_format, structured_outputs or guided_*", "output_config.format"),
+)
+
+
+def in_messages_terms(message: str) -> str:
+    for chat_words, messages_words in _CHAT_WORDS:
+        message = message.replace(chat_words, messages_words)
+    return message
 
 
 class AnthropicServingMessages(Serving):
     async def create(self, req: MessagesRequest, raw: Request) -> Response:
         chat = _PromptLengthChat(self.state)
-        answer = await chat.create(_chat_request(req), raw)
+        try:
+            answer = await chat.create(_chat_request(req), raw)
+        except ApiError as exc:
+            raise ApiError(exc.status, in_messages_terms(exc.message), _messages_param(exc.param), exc.headers) from None
         model = self.state.check_model(req.model)
         if isinstance(answer, StreamingResponse):
             events = message_events(message_id(), model, chat.prompt_len, answer.body_iterator)
