@@ -46,7 +46,8 @@ class AnthropicErrors:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
             return await self.app(scope, receive, send)
         start: Message | None = None  # an error's response start, held until its body is read
         body = b""
