@@ -19,6 +19,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
+from stoker.server.generate.messages_answer import message_events
 from tests.server.conftest import MODEL, LiveServer, start_server
 from tests.server.test_tool_calls import HERMES_TEMPLATE
 
@@ -183,8 +184,6 @@ def _chat_sse(*chunks: dict[str, Any]) -> Any:
 
 
 def _events(*chunks: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    from stoker.server.generate.messages_answer import message_events
-
     async def run() -> list[bytes]:
         return [e async for e in message_events("msg_1", MODEL, 7, _chat_sse(*chunks))]
 
