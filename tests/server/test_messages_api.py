@@ -264,19 +264,30 @@ def test_named_tool_stream_equals_the_whole_answer(claude: anthropic.Anthropic) 
     assert final.model_dump(exclude=strip) == whole.model_dump(exclude=strip)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("single", [False, True])
-def test_any_gives_valid_tool_uses(claude: anthropic.Anthropic, single: bool) -> None:
-    msg = claude.messages.create(model=MODEL, max_tokens=200, extra_body={"temperature": 1.0}, tools=TOOLS,
-                                 messages=[{"role": "user", "content": "Weather or time?"}],
-                                 tool_choice={"type": "any", "disable_parallel_tool_use": single})
+def test_any_gives_valid_tool_uses(claude: anthropic.Anthropic, single: bool, stream: bool) -> None:
+    """`any` is enforced: the output is a list of calls, each valid for its tool; with
+    disable_parallel_tool_use exactly one (short, so it always ends before max_tokens)."""
+    kw = dict(max_tokens=200, extra_body={"temperature": 1.0}, tools=TOOLS,
+              messages=[{"role": "user", "content": "Weather or time?"}],
+              tool_choice={"type": "any", "disable_parallel_tool_use": single})
+    if stream:
+        events, msg = _stream(claude, **kw)
+        _check_order(events)
+    else:
+        msg = claude.messages.create(model=MODEL, **kw)
     uses = _tool_uses(msg)
-    assert uses and msg.stop_reason in ("tool_use", "max_tokens")
+    if single:
+        assert msg.stop_reason == "tool_use" and len(uses) == 1
     if msg.stop_reason == "tool_use":
+        assert uses and all(b.type == "tool_use" for b in msg.content)
         for use in uses:
             jsonschema.validate(use.input, SCHEMAS[use.name])
-    if single:
-        assert len(uses) == 1
-    assert len({u.id for u in uses}) == len(uses)
+            assert use.id.startswith("toolu_")
+        assert len({u.id for u in uses}) == len(uses)
+    else:  # a long list of calls cut by max_tokens: no complete call to show
+        assert msg.stop_reason == "max_tokens"
 
 
 def test_a_tool_result_turn_is_accepted(claude: anthropic.Anthropic, live_server: LiveServer) -> None:
