@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stoker.engine.async_engine import AsyncEngine, EngineInfo
 from stoker.server import openapi
 from stoker.server.errors import ApiError, describe_validation_errors, error_body
+from stoker.server.http.anthropic_errors import AnthropicErrors
 from stoker.server.http.limits import install_redaction
 from stoker.server.observe.metrics import EngineLogLine
 from stoker.server.http.middleware import Gatekeeper
@@ -145,6 +146,7 @@ def create_app(
     app.add_middleware(PoolingEndpoints, state=state, error_response=_error)
     app.add_middleware(Gatekeeper, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        on_reject=state.metrics.reject, body_timeout_s=settings.body_read_timeout_s)
+    app.add_middleware(AnthropicErrors)  # outermost: /v1/messages errors in Anthropic's shape, Gatekeeper's too
     install_redaction()  # no key or token from a query string in the access log
 
     @app.exception_handler(ApiError)

@@ -31,6 +31,17 @@ _ERROR_SCHEMA = {
     },
 }
 _ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+# /v1/messages answers errors in Anthropic's shape (http/anthropic_errors.py).
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
+_ANTHROPIC_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _JSON_OR_SSE = {**_JSON, "text/event-stream": {"schema": {"type": "string"}}}
 
@@ -49,6 +60,8 @@ _ROUTES: dict[str, dict[str, tuple[dict[str, Any] | None, tuple[int, ...]]]] = {
     "/v1/completions": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/chat/completions": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/responses": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/messages": {"post": (_JSON_OR_SSE, (400, 401, 404, 408, 413, 500, 503))},
+    "/v1/messages/count_tokens": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/tokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/detokenize": {"post": (_JSON, (400, 401, 404, 408, 413, 500, 503))},
     "/v1/models": {"get": (_JSON, (401, 500, 503))},
@@ -71,14 +84,16 @@ def build(app: FastAPI) -> dict[str, Any]:
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["ErrorResponse"] = _ERROR_SCHEMA
+    schemas["AnthropicErrorResponse"] = _ANTHROPIC_ERROR_SCHEMA
     for path, methods in spec.get("paths", {}).items():
         for method, op in methods.items():
             ok, errors = _ROUTES.get(path, {}).get(method, (_JSON, (400, 500)))
             responses: dict[str, Any] = {"200": {"description": "OK"}}
             if ok is not None:
                 responses["200"]["content"] = ok
+            error = _ANTHROPIC_ERROR if path.startswith("/v1/messages") else _ERROR
             for status in errors:
-                responses[str(status)] = {"description": _WHY[status], "content": _ERROR}
+                responses[str(status)] = {"description": _WHY[status], "content": error}
             op["responses"] = responses
     return spec
 

@@ -13,10 +13,12 @@ from stoker.server.errors import ApiError, bad_request
 from stoker.server.generate.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from stoker.server.generate.responses_protocol import ResponsesRequest
+from stoker.server.generate.messages_protocol import CountTokensRequest, MessagesRequest
 from stoker.server.generate.serving import Serving
 from stoker.server.generate.chat import OpenAIServingChat
 from stoker.server.generate.completion import OpenAIServingCompletion
 from stoker.server.generate.responses import OpenAIServingResponses
+from stoker.server.generate.messages import AnthropicServingMessages
 from stoker.server.model_readiness import check_generation, check_ready, pooling_model_cards
 from stoker.server.pooling.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from stoker.server.pooling.serving import OpenAIServingPooling
@@ -45,6 +47,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     check_generation(_state(request), "Responses API", body.model)
     return await OpenAIServingResponses(_state(request)).create(body, request)
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    check_generation(_state(request), "Messages API", body.model)
+    return await AnthropicServingMessages(_state(request)).create(body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    check_generation(_state(request), "Messages API", body.model)
+    return await AnthropicServingMessages(_state(request)).count_tokens(body)
 
 
 @router.get("/v1/models")
