@@ -122,6 +122,8 @@ def test_plain_text_streams_as_it_comes_and_holds_back_only_a_possible_marker() 
     assert llama.feed(" {").content == " {"
 
 
-def test_unknown_parser_is_named() -> None:
-    with pytest.raises(ValueError, match="hermes"):
-        get_parser("mistral")
+def test_an_unknown_parser_lists_the_known_names() -> None:
+    with pytest.raises(ValueError, match="nope") as err:
+        get_parser("nope")
+    for name in ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "glm45", "kimi_k2"):
+        assert repr(name) in str(err.value)
