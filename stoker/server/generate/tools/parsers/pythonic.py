@@ -19,7 +19,8 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from stoker.server.generate.tools.parsers.base import Extracted, ParserBase, ToolCall, ToolCallStream, dumps, is_jsonable, skip_ws
+from stoker.server.generate.tools.parsers.base import (Extracted, ParserBase, ToolCall, ToolCallStream, dumps, is_jsonable,
+                                                     skip_ws)
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _OPENERS, _CLOSERS = "([{", ")]}"
