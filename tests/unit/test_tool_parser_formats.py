@@ -259,3 +259,26 @@ def test_mistral_makes_nine_character_ids_its_templates_accept() -> None:
     ids = {PARSERS["mistral"].new_call_id() for _ in range(20)}
     assert len(ids) > 1 and all(i is not None and len(i) == 9 and i.isalnum() for i in ids)
     assert PARSERS["hermes"].new_call_id() is None  # the server's chatcmpl-tool-... ids
+
+
+@pytest.mark.parametrize("depth", [50, 995, 5000])
+def test_deeply_nested_arguments_never_fail_the_request(depth: int) -> None:
+    """JSON deeper than Python's stack makes the decoder raise RecursionError: such a call is
+    content (or, where values are text, the text), never an error."""
+    deep = "[" * depth + "]" * depth
+    texts = {
+        "hermes": f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>',
+        "llama3_json": f'{{"name": "f", "parameters": {{"a": {deep}}}}}',
+        "mistral": f'[TOOL_CALLS]f[ARGS]{{"a": {deep}}}',
+        "pythonic": f"[f(a={deep})]",
+        "deepseek_v3": f'{B}{ds_v31("f", "{" + chr(34) + "a" + chr(34) + ": " + deep + "}")}{E}',
+        "kimi_k2": f'{SB}{kimi("functions.f:0", "{" + chr(34) + "a" + chr(34) + ": " + deep + "}")}{SE}',
+        "glm45": f"<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{deep}</arg_value>\n</tool_call>",
+        "qwen3_coder": f"<tool_call>\n<function=f>\n<parameter=a>\n{deep}\n</parameter>\n</function>\n</tool_call>",
+    }
+    assert set(texts) == set(PARSERS)
+    for name, text in texts.items():
+        parser = get_parser(name, {"f": {"type": "object", "properties": {"a": {"type": "array"}}}})
+        whole = parser.extract(text)
+        assert len(whole.calls) <= 1 and (whole.calls or whole.content == text), name
+        assert _streamed(parser, [text[:len(text) // 2], text[len(text) // 2:]]) == (whole.content or "", whole.calls)

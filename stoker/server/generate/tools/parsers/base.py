@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 DECODER = json.JSONDecoder()
+# What decoding model-written JSON may raise: deep nesting exhausts the decoder's recursion, and
+# a malformed call must stay content, never fail the request.
+JSON_ERRORS = (ValueError, RecursionError)
 
 # The request's tools as the parsers see them: function name -> its `parameters` JSON schema.
 ToolSchemas = Mapping[str, dict[str, Any] | None]
@@ -93,23 +96,30 @@ def json_object(text: str) -> dict[str, Any] | None:
     """`text` (surrounding whitespace allowed) as a JSON object, or None."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except JSON_ERRORS:
         return None
     return value if isinstance(value, dict) else None
 
 
 def is_jsonable(value: Any) -> bool:
     """Whether `value` is plain JSON data (NaN and infinities are not: json.dumps would write
-    them as bare NaN / Infinity, which no JSON reader takes)."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(is_jsonable(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_jsonable(v) for k, v in value.items())
-    return False
+    them as bare NaN / Infinity, which no JSON reader takes). Walked without recursion: a
+    model's arguments may nest deeper than Python's stack."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return False
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return False
+            todo.extend(v.values())
+        elif not (v is None or isinstance(v, (str, bool, int))):
+            return False
+    return True
 
 
 def held_prefix(text: str, marker: str) -> int:

@@ -33,6 +33,12 @@ class BlockParser(ParserBase):
         """The calls in a block's body; None (or no call) keeps the block in the content."""
         raise NotImplementedError
 
+    def parsed(self, body: str) -> list[ToolCall] | None:
+        try:
+            return self.parse_block(body)
+        except RecursionError:  # arguments nested deeper than Python's stack: not a call, content
+            return None
+
     def extract(self, text: str) -> Extracted:
         pieces: list[str] = []  # text outside valid calls (invalid blocks as written)
         calls: list[ToolCall] = []
@@ -43,7 +49,7 @@ class BlockParser(ParserBase):
             got = self.block_end(text, body, body, True)
             assert got is not None
             body_end, stop = got
-            found = self.parse_block(text[body:body_end])
+            found = self.parsed(text[body:body_end])
             if found:
                 calls += found
             else:
@@ -100,7 +106,7 @@ class BlockStream:
                     self.seen = len(text)
                     break
                 body_end, stop = got
-                found = self.parser.parse_block(text[body:body_end])
+                found = self.parser.parsed(text[body:body_end])
                 if found:
                     calls += found
                     self.called = True

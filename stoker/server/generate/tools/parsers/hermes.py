@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from stoker.server.generate.tools.parsers.base import ToolCall, make_call
+from stoker.server.generate.tools.parsers.base import JSON_ERRORS, ToolCall, make_call
 from stoker.server.generate.tools.parsers.blocks import BlockParser
 
 _ARGS = ("arguments", "parameters")
@@ -29,6 +29,6 @@ class HermesParser(BlockParser):
     def parse_block(self, body: str) -> list[ToolCall] | None:
         try:
             call = make_call(json.loads(body), _ARGS)
-        except ValueError:
+        except JSON_ERRORS:
             return None
         return [call] if call else None

@@ -10,7 +10,8 @@ does not start with `{` is plain content, exactly.
 
 from __future__ import annotations
 
-from stoker.server.generate.tools.parsers.base import DECODER, Extracted, ParserBase, ToolCall, ToolCallStream, make_call
+from stoker.server.generate.tools.parsers.base import (DECODER, JSON_ERRORS, Extracted, ParserBase, ToolCall, ToolCallStream,
+                                                     make_call)
 
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_ARGS = ("parameters", "arguments")
@@ -43,9 +44,12 @@ def json_call_at(text: str, i: int) -> tuple[ToolCall | None, int] | None:
     """(call or None if the object is not a call, end) for a complete object at i; None if none ends there."""
     try:
         obj, end = DECODER.raw_decode(text, i)
-    except ValueError:
+    except JSON_ERRORS:
         return None
-    return make_call(obj, _LLAMA_ARGS), end
+    try:
+        return make_call(obj, _LLAMA_ARGS), end
+    except RecursionError:  # decoded, but too deep to write back: not a call
+        return None, end
 
 
 class Llama3JsonParser(ParserBase):

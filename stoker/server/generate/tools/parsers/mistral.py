@@ -26,7 +26,7 @@ import random
 import re
 import string
 
-from stoker.server.generate.tools.parsers.base import DECODER, ToolCall, dumps, make_call, skip_ws
+from stoker.server.generate.tools.parsers.base import DECODER, JSON_ERRORS, ToolCall, dumps, make_call, skip_ws
 from stoker.server.generate.tools.parsers.blocks import BlockParser
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -62,7 +62,7 @@ def _decoded(text: str) -> tuple[str | None, str | None, object, int] | None:
         return None  # objects and arrays only: they end unambiguously while streaming
     try:
         value, end = DECODER.raw_decode(text, head[2])
-    except ValueError:
+    except JSON_ERRORS:
         return None
     return head[0], head[1], value, end
 

@@ -17,7 +17,7 @@ import ast
 import json
 from typing import Any
 
-from stoker.server.generate.tools.parsers.base import ToolSchemas, is_jsonable
+from stoker.server.generate.tools.parsers.base import JSON_ERRORS, ToolSchemas, is_jsonable
 
 
 def parameter_schema(tools: ToolSchemas, function: str, parameter: str) -> dict[str, Any] | None:
@@ -53,7 +53,7 @@ def _literal(text: str) -> tuple[bool, Any]:
     """(True, value) when `text` is JSON or a Python literal of plain JSON data (never eval)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except JSON_ERRORS:
         try:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -100,6 +100,6 @@ def json_or_text(text: str, schema: dict[str, Any] | None) -> Any:
         return text
     try:
         value = json.loads(text)
-    except ValueError:
+    except JSON_ERRORS:
         return text
     return value if is_jsonable(value) else text
