@@ -110,9 +110,9 @@ class ChoiceToolStream:
     def called(self) -> bool:
         return self.num_calls > 0
 
-    def _open(self, name: str, call_id_: str) -> dict[str, Any]:
+    def _open(self, name: str, id_: str) -> dict[str, Any]:
         index, self.num_calls = self.num_calls, self.num_calls + 1
-        return {"tool_calls": [{"index": index, "id": call_id_, "type": "function",
+        return {"tool_calls": [{"index": index, "id": id_, "type": "function",
                                 "function": {"name": name, "arguments": ""}}]}
 
     def _arguments(self, text: str) -> dict[str, Any]:
