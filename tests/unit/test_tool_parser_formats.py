@@ -56,6 +56,8 @@ PYTHONIC = [
      [call("f", s='naïve "q" ]', n=-1.5, ok=True, no=None, xs=[1, [2, 3]], d={"k": {"z": [False]}})]),
     ("  [f()]\n\nThat is all.", "That is all.", [call("f")]),
     ("[f(a=1)]<|python_end|>\n", None, [call("f", a=1)]),
+    ("<|python_start|> [f()] <|python_end|>\n\nThe end <|python_end|>", "The end <|python_end|>", [call("f")]),
+    ("[f()] <|python_en", "<|python_en", [call("f")]),
     ('[f(s="""multi\nline ]""", t=\'x\\\'y\')]', None, [call("f", s="multi\nline ]", t="x'y")]),
     ("[f(a='東京')]", None, [call("f", a="東京")]),
     ("Let me check: [f(a=1)]", "Let me check: [f(a=1)]", []),  # text first: plain content
