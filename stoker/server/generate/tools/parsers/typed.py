@@ -19,6 +19,9 @@ from typing import Any
 
 from stoker.server.generate.tools.parsers.base import JSON_ERRORS, ToolSchemas, is_jsonable
 
+# Type names taken as "string" (vLLM reads these spellings too: schemas written by hand vary)
+_STRING_KINDS = ("string", "str", "text", "enum", "char", "varchar")
+
 
 def parameter_schema(tools: ToolSchemas, function: str, parameter: str) -> dict[str, Any] | None:
     """The schema of `function`'s `parameter` in the request's tools, or None if not declared."""
@@ -64,11 +67,12 @@ def _literal(text: str) -> tuple[bool, Any]:
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """qwen3_coder's rule: `text` as the type `schema` declares (the module docstring)."""
     kind, nullable = declared_type(schema)
     word = text.strip()
-    if word.lower() in ("null", "none") and (nullable or kind not in ("string", "str", "text", "enum")):
+    if word.lower() in ("null", "none") and (nullable or kind not in _STRING_KINDS):
         return None
-    if kind in ("string", "str", "text", "enum", "char", "varchar"):
+    if kind in _STRING_KINDS:
         return text
     if kind.startswith(("int", "uint", "long", "short")):
         try:
@@ -96,7 +100,7 @@ def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
 def json_or_text(text: str, schema: dict[str, Any] | None) -> Any:
     """glm45's rule (vLLM's): a parameter declared as a string stays the text; any other value
     that reads as JSON becomes that JSON value; the rest stays the text."""
-    if schema is not None and declared_type(schema)[0] in ("string", "str", "text", "enum"):
+    if schema is not None and declared_type(schema)[0] in _STRING_KINDS:
         return text
     try:
         value = json.loads(text)
