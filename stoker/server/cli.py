@@ -56,8 +56,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="let requests use tool_choice 'auto' (the default when tools are sent): the model's text is "
                         "parsed for tool calls by --tool-call-parser (as vLLM)")
     s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                   help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
-                        "or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
+                   help="the format the model writes tool calls in (vLLM's names): hermes (Hermes, Qwen 2.5/3: "
+                        "<tool_call>{...}</tool_call>), llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...}), "
+                        "mistral ([TOOL_CALLS]...), pythonic (Llama 3.2/4: [f(a=1)]), qwen3_coder (<function=f>"
+                        "<parameter=a>...), deepseek_v3 (DeepSeek V3/V3.1), glm45 (GLM-4.5/4.6: <arg_key>...), "
+                        "kimi_k2 (Kimi K2); docs/server.md shows each")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent in a request (vLLM's flag; off: such requests are refused, "
                         "a template is code the server runs)")

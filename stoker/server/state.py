@@ -26,7 +26,7 @@ class ServerSettings:
     warmup: bool = True
     # GET /tokenizer_info (vLLM's flag name; vLLM's default is off, ours on: see routes.py)
     enable_tokenizer_info_endpoint: bool = True
-    # tool_choice "auto": the model's text is parsed for tool calls by this parser (generate/tools/parsers.py)
+    # tool_choice "auto": the model's text is parsed for tool calls by this parser (generate/tools/parsers/)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     trust_request_chat_template: bool = False  # a request's own chat_template is run (else a 400)

@@ -262,3 +262,58 @@ def test_what_cannot_be_served_is_refused_by_name(live_server: LiveServer, body:
 
 def test_unenforceable_parameters_are_fine_where_nothing_is_enforced(live_server: LiveServer) -> None:
     assert _post(live_server, {"tools": BAD_TOOL, "tool_choice": "none", "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------------------------- other formats
+# What a Llama 3.2/4 model (pythonic) and a Qwen3-Coder model (qwen3_coder) write to call tools,
+# forced by a regex. The prompt shape does not matter here: the Hermes-style template only shows
+# the tools; the parser is what is under test, through the whole server.
+FORCED = {
+    "pythonic": (r'\[get_weather\(city="(Paris|Rome)", days=[1-7], metric=(True|False)\), get_time\(zone="(UTC|CET)"\)\]',
+                 None, ["get_weather", "get_time"]),
+    # values are text: days and metric reach the client as an integer and a boolean only if the
+    # parser typed them by the request's tool schema
+    "qwen3_coder": (r"Sure\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
+                    r"<parameter=days>\n[1-7]\n</parameter>\n<parameter=metric>\n(true|false)\n</parameter>\n</function>\n"
+                    r"</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\n(UTC|CET)\n</parameter>\n"
+                    r"</function>\n</tool_call>", "Sure.", ["get_weather", "get_time"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FORCED))
+def format_server(request: pytest.FixtureRequest, tiny_llama: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, OpenAI]]:
+    ckpt = tmp_path_factory.mktemp(request.param) / "ckpt"
+    shutil.copytree(tiny_llama, ckpt)
+    (ckpt / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    live = start_server(ckpt, {"max_model_len": 1024}, enable_auto_tool_choice=True, tool_call_parser=request.param)
+    yield request.param, OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    live.wait_idle(30)
+    engine = live.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
+    live.stop()
+
+
+def test_auto_parses_other_formats_whole_and_streamed(format_server: tuple[str, OpenAI]) -> None:
+    parser, client = format_server
+    regex, content, names = FORCED[parser]
+    kw = dict(tools=TOOLS, max_tokens=300, temperature=1.0, seed=4, extra_body={"guided_regex": regex})
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content == content
+    assert [c.function.name for c in choice.message.tool_calls] == names
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    calls, streamed, finish, _ = _stream(client, **kw)
+    assert finish == "tool_calls" and streamed == (content or "")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    # parallel_tool_calls false: the first call only, whole and streamed (as vLLM filters them)
+    one = client.chat.completions.create(model=MODEL, messages=MESSAGES, parallel_tool_calls=False, **kw).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content == content
+    assert [(c.function.name, c.function.arguments) for c in one.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls[:1]]
+    calls, streamed, finish, _ = _stream(client, parallel_tool_calls=False, **kw)
+    assert list(calls) == [0] and finish == "tool_calls" and streamed == (content or "")
+    assert calls[0]["arguments"] == choice.message.tool_calls[0].function.arguments

@@ -4,6 +4,7 @@ same text in any chunks gives the same calls and content (never garbled argument
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -92,6 +93,10 @@ def test_streaming_in_any_chunks_gives_the_whole_text_result(parser: ToolParser,
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
     splits.append(list(text) or [""])  # one character at a time
     splits += [[*(text[i:i + 3] for i in range(0, len(text), 3)), ""]]  # ends with an empty final delta
+    rng = random.Random(len(text))
+    for _ in range(20):  # random chunkings
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
     for chunks in splits:
         got_content, got_calls = _streamed(parser, chunks)
         assert got_calls == whole.calls, chunks
@@ -122,6 +127,8 @@ def test_plain_text_streams_as_it_comes_and_holds_back_only_a_possible_marker() 
     assert llama.feed(" {").content == " {"
 
 
-def test_unknown_parser_is_named() -> None:
-    with pytest.raises(ValueError, match="hermes"):
-        get_parser("mistral")
+def test_an_unknown_parser_lists_the_known_names() -> None:
+    with pytest.raises(ValueError, match="nope") as err:
+        get_parser("nope")
+    for name in ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "glm45", "kimi_k2"):
+        assert repr(name) in str(err.value)

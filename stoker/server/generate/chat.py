@@ -49,9 +49,10 @@ class OpenAIServingChat(Serving):
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
-        if plan.mode == "auto" and plan.parser is not None and plan.parser.name == "hermes":
-            # vLLM's hermes parser does the same: tokenizers that mark <tool_call> special would
-            # otherwise drop the markers the parser looks for (the EOS adds no text either way).
+        if plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens:
+            # As vLLM's parsers ask: tokenizers that mark the format's markers (<tool_call>,
+            # [TOOL_CALLS], ...) special would otherwise drop what the parser looks for (the EOS
+            # adds no text either way).
             params.skip_special_tokens = False
         request_id, engine_id = response_id("chatcmpl", req.request_id)
         try:

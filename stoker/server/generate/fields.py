@@ -75,7 +75,7 @@ RULES: tuple[FieldRule, ...] = (
         [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice="none"),
     _ok("tool_choice", ("chat",), "none, auto (needs --enable-auto-tool-choice), required or a named function",
         "required", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    _ok("parallel_tool_calls", ("chat",), "false: at most one call", False),
+    _ok("parallel_tool_calls", ("chat",), "false: at most one call (required: by the grammar; auto: the first call parsed)", False),
     _ok("user", BOTH, "OpenAI's end-user id for abuse monitoring: it never changes the output", "u-1"),
     _ok("echo", ("completions",), "the prompt is returned before the completion (with its logprobs)", True),
     _ok("echo", ("chat",), "the last message's content is put before the reply when it is the assistant's "

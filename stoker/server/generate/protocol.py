@@ -292,7 +292,7 @@ class ChatCompletionRequest(_SamplingFields):
     user: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # advisory, except that false limits "required" to one call
+    parallel_tool_calls: StrictBool | None = None  # false: "required" constrained to one call, "auto" keeps the first
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:

@@ -8,8 +8,14 @@
   it completed and never its unfinished remainder as content (that would be a fragment of JSON
   a client might take for the answer): `content` stays "", and finish_reason "length" says it
   was cut (vLLM answers empty content there too).
-* `auto` (with `--enable-auto-tool-choice --tool-call-parser P`): the text is parsed by P;
-  with calls found, finish_reason "tool_calls" and `content` what P leaves outside them.
+* `auto` (with `--enable-auto-tool-choice --tool-call-parser P`): the text is parsed by P (given
+  the request's tools, which some formats type their values by); with calls found,
+  finish_reason "tool_calls" and `content` what P leaves outside them. With
+  `parallel_tool_calls: false`, only the first call found is returned (streamed: only the call
+  at index 0 goes out), as vLLM filters them; the content is the same either way.
+
+A call keeps the id the model wrote (kimi_k2's `functions.NAME:0`); otherwise it gets one of the
+parser's kind (mistral: nine letters and digits, all its templates accept) or `chatcmpl-tool-<hex>`.
 
 "tool_calls" replaces only "stop": an output cut by max_tokens stays "length".
 
@@ -36,8 +42,12 @@ def call_id() -> str:
     return new_id("chatcmpl-tool")
 
 
-def _call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def _id_for(call: ToolCall, parser: ToolParser | None) -> str:
+    return call.id or (parser.new_call_id() if parser is not None else None) or call_id()
+
+
+def _call_json(call: ToolCall, parser: ToolParser | None) -> dict[str, Any]:
+    return {"id": _id_for(call, parser), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class ToolPlan:
     mode: str  # plain | named | required | auto
     function: str | None = None  # named: the function forced
     parser: ToolParser | None = None  # required, auto
+    parallel: bool = True  # False (parallel_tool_calls: false): auto returns only the first call
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -59,7 +70,9 @@ class ToolPlan:
             if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
                 raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                   "set (or send tool_choice 'none', 'required' or a named function)", "tool_choice")
-            return cls("auto", parser=get_parser(settings.tool_call_parser))
+            tools = {t.function.name: t.function.parameters for t in req.tools}
+            return cls("auto", parser=get_parser(settings.tool_call_parser, tools),
+                       parallel=req.parallel_tool_calls is not False)
         return cls("plain")
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
@@ -79,9 +92,10 @@ class ToolPlan:
         message: dict[str, Any] = {"role": "assistant", "content": found.content}
         if self.mode == "required":
             message["content"] = ""  # the calls are the answer; an unfinished one is dropped
-        if found.calls:
-            message["tool_calls"] = [_call_json(c) for c in found.calls]
-        return message, self.finish_reason(reason, bool(found.calls))
+        calls = found.calls if self.parallel else found.calls[:1]
+        if calls:
+            message["tool_calls"] = [_call_json(c, self.parser) for c in calls]
+        return message, self.finish_reason(reason, bool(calls))
 
     def stream(self) -> ChoiceToolStream:
         return ChoiceToolStream(self)
@@ -99,9 +113,9 @@ class ChoiceToolStream:
     def called(self) -> bool:
         return self.num_calls > 0
 
-    def _open(self, name: str) -> dict[str, Any]:
+    def _open(self, name: str, id_: str) -> dict[str, Any]:
         index, self.num_calls = self.num_calls, self.num_calls + 1
-        return {"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+        return {"tool_calls": [{"index": index, "id": id_, "type": "function",
                                 "function": {"name": name, "arguments": ""}}]}
 
     def _arguments(self, text: str) -> dict[str, Any]:
@@ -113,7 +127,7 @@ class ChoiceToolStream:
         if self.plan.mode == "named":
             out = []
             if not self.called and (delta or final):
-                out.append(self._open(self.plan.function or ""))
+                out.append(self._open(self.plan.function or "", call_id()))
             if delta:
                 out.append(self._arguments(delta))
             return out
@@ -121,5 +135,7 @@ class ChoiceToolStream:
         found = self.parsed.feed(delta, final)
         out = [{"content": found.content}] if found.content and self.plan.mode != "required" else []
         for call in found.calls:
-            out += [self._open(call.name), self._arguments(call.arguments)]
+            if not self.plan.parallel and self.called:
+                break  # parallel_tool_calls: false: the first call only
+            out += [self._open(call.name, _id_for(call, self.plan.parser)), self._arguments(call.arguments)]
         return out
