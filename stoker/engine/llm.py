@@ -182,14 +182,17 @@ def render_chat_text(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation as the model's chat template writes it (BOS included where it wants one).
 
     tools: OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`,
-    which HF chat templates read as `tools` (a template that does not use them ignores them)."""
+    which HF chat templates read as `tools` (a template that does not use them ignores them).
+    template_kwargs: more variables for the template (vLLM's chat_template_kwargs, e.g.
+    `{"enable_thinking": False}`); names the template call sets itself are the caller's to refuse."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     return tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **extra
     )

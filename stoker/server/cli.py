@@ -15,7 +15,8 @@ from typing import Any
 
 from stoker.engine.args import add_engine_args, engine_kwargs
 from stoker.server.pooling.cli import add_pooling_args, pooling_models_from_args
-from stoker.server.generate.tools.parsers import PARSERS
+from stoker.server.generate.reasoning import PARSERS as REASONING_PARSERS
+from stoker.server.generate.tool_lookup import tool_parser_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,9 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let requests use tool_choice 'auto' (the default when tools are sent): the model's text is "
                         "parsed for tool calls by --tool-call-parser (as vLLM)")
-    s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                   help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
-                        "or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
+    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="the format the model writes tool calls in: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), "
+                        "llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...}) or openai (gpt-oss harmony)")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's thinking out of its text into reasoning_content / reasoning (as vLLM): "
+                        "deepseek_r1 and qwen3 (<think>...</think>), granite, gpt_oss (harmony)")
     s.add_argument("--roofline-profile", default=None, metavar="kernel|engine|FILE",
                    help="efficiencies the live wall verdict in /metrics predicts steps with (default: engine on a GPU; "
                         "on a CPU the roofs `stoker doctor --write-device-file` measured)")
@@ -194,6 +198,7 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
         roofline_profile=args.roofline_profile,
         enable_request_timing=args.enable_request_timing,
         lora_modules=parse_lora_modules(args.lora_modules, enable_lora),

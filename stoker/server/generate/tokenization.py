@@ -61,13 +61,15 @@ class ServerTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         try:
-            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, tools=tools)
+            text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, tools=tools,
+                                    template_kwargs=template_kwargs)
         except Exception as exc:  # unsupported parts, jinja2 TemplateError (raise_exception in templates), ValueError
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
         # The template writes BOS itself where the model wants one.
-        return self.encode_bounded(text, add_special_tokens=False, param="messages")
+        return self.encode_bounded(text, add_special_tokens=False, param="messages"), text
 
     # ------------------------------------------------------------------ from the event loop
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
@@ -79,7 +81,14 @@ class ServerTokenizer:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """tools: OpenAI's tool definitions, for templates that render them."""
-        return await self._run(self._render_chat, messages, add_generation_prompt, tools)
+        ids, _ = await self._run(self._render_chat, messages, add_generation_prompt, tools)
+        return ids
+
+    async def render_chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                                 tools: list[dict[str, Any]] | None = None,
+                                 template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """(ids, text) of the rendered prompt; template_kwargs: the request's chat_template_kwargs."""
+        return await self._run(self._render_chat, messages, add_generation_prompt, tools, template_kwargs)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids)

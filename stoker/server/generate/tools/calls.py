@@ -26,7 +26,8 @@ from stoker.server.errors import bad_request
 from stoker.server.generate.protocol import ChatCompletionRequest, NamedToolChoice
 from stoker.server.generate.serving import new_id
 from stoker.server.state import ServerSettings
-from stoker.server.generate.tools.parsers import REQUIRED, ToolCall, ToolParser, get_parser
+from stoker.server.generate.tool_lookup import get_tool_parser
+from stoker.server.generate.tools.parsers import REQUIRED, ToolCall, ToolParser
 
 
 def call_id() -> str:
@@ -56,7 +57,7 @@ class ToolPlan:
             if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
                 raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                   "set (or send tool_choice 'none', 'required' or a named function)", "tool_choice")
-            return cls("auto", parser=get_parser(settings.tool_call_parser))
+            return cls("auto", parser=get_tool_parser(settings.tool_call_parser))
         return cls("plain")
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
