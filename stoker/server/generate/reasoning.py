@@ -100,34 +100,35 @@ class _SplitStream:
 _THINK, _END_THINK = "<think>", "</think>"
 
 
-def _think_start(text: str) -> int | None:
-    """Where the reasoning starts: after an opening `<think>` (leading whitespace allowed), else 0;
-    None while the text could still be the start of `<think>`."""
+def _think_start(text: str, tag: str) -> int | None:
+    """Where the reasoning starts: after an opening `tag` (leading whitespace allowed), else 0;
+    None while the text could still be the start of `tag`."""
     stripped = text.lstrip()
-    if stripped.startswith(_THINK):
-        return len(text) - len(stripped) + len(_THINK)
-    if _THINK.startswith(stripped):
+    if stripped.startswith(tag):
+        return len(text) - len(stripped) + len(tag)
+    if tag.startswith(stripped):
         return None
     return 0
 
 
 class _ThinkParser:
+    start_tag = _THINK
     end_marker = _END_THINK
     keeps_special_tokens = True
     unclosed_is_reasoning: bool  # without </think>: all reasoning (R1) or all content (qwen3)
 
     def partial(self, text: str, final: bool) -> tuple[str, str, int | None]:
-        start = _think_start(text)
+        start = _think_start(text, self.start_tag)
         if start is None:  # empty or a piece of `<think>`
             if not final:
                 return "", "", None
             start = 0
-        end = text.find(_END_THINK, start)
+        end = text.find(self.end_marker, start)
         if end >= 0:
-            content_start = end + len(_END_THINK)
+            content_start = end + len(self.end_marker)
             return text[start:end], text[content_start:], content_start
         if self.unclosed_is_reasoning:
-            return text[start:len(text) if final else len(text) - held_prefix(text, _END_THINK)], "", None
+            return text[start:len(text) if final else len(text) - held_prefix(text, self.end_marker)], "", None
         if final:
             return "", text, 0
         return "", "", None
