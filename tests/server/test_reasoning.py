@@ -189,18 +189,15 @@ def test_structured_output_holds_after_the_end_marker(r1: OpenAI, r1_server: Liv
     assert free.message.content is None and free.message.reasoning_content
 
 
-def test_responses_reasoning_item(r1: OpenAI, grammar_from_the_start: None) -> None:
-    kw = dict(model=MODEL, input="Hi", max_output_tokens=40, temperature=1.0,
-              extra_body={})  # the Responses request has no regex field: the chat body is planted below
-    del kw["extra_body"]
-    resp = r1.responses.create(**kw)
-    # The random model's whole text is reasoning (it never closes the thinking): a reasoning item only.
-    assert [item.type for item in resp.output][:1] == ["reasoning"]
+def test_responses_reasoning_item(r1: OpenAI) -> None:
+    """The random model never closes its thinking: its whole text is one reasoning item."""
+    resp = r1.responses.create(model=MODEL, input="Hi", max_output_tokens=12, temperature=0)
+    chat = r1.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                      temperature=0)
+    assert [item.type for item in resp.output] == ["reasoning"]
     item = resp.output[0]
-    assert item.summary == [] and item.content[0].type == "reasoning_text" and item.content[0].text
-    chat = r1.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
-                                      temperature=1.0, seed=None)
-    assert chat.choices[0].message.reasoning_content  # same path, also all reasoning
+    assert item.summary == [] and item.content[0].type == "reasoning_text"
+    assert item.content[0].text == chat.choices[0].message.reasoning_content and resp.output_text == ""
 
 
 def test_responses_reasoning_item_before_the_message(r1: OpenAI, grammar_from_the_start: None,

@@ -180,7 +180,8 @@ class _HarmonyToolStream:
         self.called = self.called or bool(calls)
         if parsed.complete_end > self.base:
             done, _ = _tool_split(self.text, parse_harmony(self.text[:parsed.complete_end], self.base, True))
-            self.sent, self.base = len(content) - len(done), parsed.complete_end
+            self.sent = len(content) - len(done)
+            self.text, self.base = self.text[parsed.complete_end:], 0  # complete pieces are never read again
         else:
             self.sent = len(content)
         # Calls are only ever in complete pieces, so each is handed out once: the base moves past it.

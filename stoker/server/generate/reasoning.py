@@ -138,7 +138,48 @@ class _ThinkParser:
         return _none(reasoning), _none(content)
 
     def stream(self) -> ReasoningStream:
-        return _SplitStream(self.partial)
+        return _ThinkStream(self)
+
+
+class _ThinkStream:
+    """`_ThinkParser.partial` kept incremental, as a model may think for tens of thousands of
+    tokens: after the opening is decided, only the unsent end of the text is kept (deepseek_r1:
+    the part that may begin `</think>`), or, while undecided (qwen3), the search for `</think>`
+    goes on from where it stopped."""
+
+    def __init__(self, parser: _ThinkParser) -> None:
+        self.parser = parser
+        self.text = ""  # not yet sent
+        self.start: int | None = None  # where the reasoning starts in self.text, once decided
+        self.searched = 0  # self.text[start:searched] holds no end marker start (qwen3)
+        self.through = False
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        if self.through:
+            return "", delta
+        self.text += delta
+        parser, text = self.parser, self.text
+        if self.start is None:
+            self.start = _think_start(text, parser.start_tag)
+            if self.start is None:
+                if not final:
+                    return "", ""
+                self.start = 0
+            self.searched = self.start
+        marker = parser.end_marker
+        end = text.find(marker, self.searched)
+        if end >= 0:
+            self.through, self.text = True, ""
+            return text[self.start:end], text[end + len(marker):]
+        if final:
+            self.through, self.text = True, ""
+            return (text[self.start:], "") if parser.unclosed_is_reasoning else ("", text)
+        self.searched = max(self.start, len(text) - len(marker) + 1)
+        if not parser.unclosed_is_reasoning:
+            return "", ""  # qwen3: undecided until </think> or the end
+        keep = len(text) - held_prefix(text, marker)
+        out, self.text, self.start, self.searched = text[self.start:keep], text[keep:], 0, 0
+        return out, ""
 
 
 class DeepSeekR1Parser(_ThinkParser):
@@ -231,7 +272,7 @@ class _HarmonyReasoningStream:
             done = parse_harmony(self.text[:parsed.complete_end], self.base, True)
             r, c = _harmony_split(self.text, done)
             self.sent_reasoning, self.sent_content = len(reasoning) - len(r), len(content) - len(c)
-            self.base = parsed.complete_end
+            self.text, self.base = self.text[parsed.complete_end:], 0  # complete messages are never read again
         else:
             self.sent_reasoning, self.sent_content = len(reasoning), len(content)
         return out
