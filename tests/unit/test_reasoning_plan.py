@@ -45,3 +45,18 @@ def test_a_prompt_that_closed_the_thinking_leaves_all_content() -> None:
     assert plan.end_marker is None  # structured outputs from the first token
     assert plan.fields(None) == {"reasoning_content": None, "reasoning": None}
     assert _streamed(plan, ["Hel", "lo"]) == ([], "Hello")
+
+
+def test_serve_flags() -> None:
+    import pytest
+
+    from stoker.cli import build_parser
+    from stoker.server.state import ServerSettings
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai"])
+    assert (args.reasoning_parser, args.tool_call_parser) == ("gpt_oss", "openai")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
+    with pytest.raises(ValueError, match="qwen3"):
+        ServerSettings(model_path="m", served_model_names=("m",), reasoning_parser="nope")
+    ServerSettings(model_path="m", served_model_names=("m",), reasoning_parser="qwen3", tool_call_parser="openai")
