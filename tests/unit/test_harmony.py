@@ -95,3 +95,22 @@ def test_openai_harmony_cannot_load_its_encoding_offline() -> None:
         assert "vocab" in str(exc) or "download" in str(exc)
     else:
         pytest.skip("openai-harmony loaded its encoding (a cached vocabulary): the text parser is still used")
+
+
+def test_random_texts_stream_as_whole() -> None:
+    import random
+
+    atoms = ["<|channel|>", "analysis", "final", "commentary", " to=functions.f", " to=browser.x", " <|constrain|>json",
+             "<|message|>", "<|end|>", "<|start|>", "assistant", "<|call|>", "<|return|>", "<|", "|>", "{}",
+             '{"a": 1}', "[1]", "hi ", "\n"]
+    rng = random.Random(7)
+    for _ in range(1500):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        whole = OPENAI.extract(text)
+        stream, content, calls = OPENAI.stream(), "", []
+        for i, chunk in enumerate(chunks):
+            found = stream.feed(chunk, final=i == len(chunks) - 1)
+            content, calls = content + (found.content or ""), calls + found.calls
+        assert (content, calls) == (whole.content or "", whole.calls), (text, chunks)

@@ -117,3 +117,23 @@ def test_end_markers() -> None:
     assert R1.end_marker == QWEN3.end_marker == "</think>"
     assert GRANITE.end_marker == "Here is my response:"
     assert GPT_OSS.end_marker == "<|channel|>final<|message|>"
+
+
+# Random texts built from the markers, their pieces and plain letters: every parser's stream must
+# agree with its whole-text split whatever the text and however it is cut.
+_ATOMS = ["<think>", "</think>", "</th", "<th", "a", "b ", "\n", " ", "Here is my thought process:",
+          "Here's my response:", "Here is my", "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
+          "<|message|>", "<|end|>", "<|start|>", "assistant", "<|call|>", "<|", "|>", "{}", '{"a": 1}']
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_random_texts_stream_as_whole(name: str) -> None:
+    import random
+
+    parser, rng = PARSERS[name], random.Random(name)
+    for _ in range(400):
+        text = "".join(rng.choice(_ATOMS) for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        reasoning, content = parser.extract(text)
+        assert _streamed(parser, chunks) == (reasoning or "", content or ""), (text, chunks)
