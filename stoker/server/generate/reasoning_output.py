@@ -30,7 +30,8 @@ class ReasoningPlan:
         if parser_name is None:
             return cls(None)
         parser = get_reasoning_parser(parser_name)
-        return cls(parser, include, prompt_text.rstrip().endswith(parser.end_marker))
+        tail = prompt_text[-4 * len(parser.end_marker) - 64:]  # no copy of a long prompt
+        return cls(parser, include, tail.rstrip().endswith(parser.end_marker))
 
     @property
     def active(self) -> bool:
