@@ -30,7 +30,7 @@ from tests.server.test_tool_calls import HERMES_TEMPLATE, TOOLS
 
 # The Hermes-style template, closing the thinking in the prompt when told `enable_thinking: false`
 # (as Qwen3's template does).
-THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
+THINKING_TEMPLATE = "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}" + HERMES_TEMPLATE.replace(
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
     "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
@@ -141,6 +141,15 @@ def test_chat_template_kwargs_reach_the_template(r1: OpenAI) -> None:
     assert direct.usage.prompt_tokens > thinking.usage.prompt_tokens  # <think>\n\n</think>\n\n was rendered
     message = direct.choices[0].message
     assert message.content and message.reasoning_content is None and message.reasoning is None
+
+
+def test_reasoning_effort_reaches_the_template(r1: OpenAI) -> None:
+    kw = dict(max_tokens=1, temperature=0)
+    plain = r1.chat.completions.create(model=MODEL, messages=MESSAGES, **kw)
+    high = r1.chat.completions.create(model=MODEL, messages=MESSAGES, reasoning_effort="high", **kw)
+    low = r1.chat.completions.create(model=MODEL, messages=MESSAGES, reasoning_effort="high", **kw,
+                                     extra_body={"chat_template_kwargs": {"reasoning_effort": "lo"}})
+    assert plain.usage.prompt_tokens < low.usage.prompt_tokens < high.usage.prompt_tokens  # chat_template_kwargs win
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tools", "bos_token"])

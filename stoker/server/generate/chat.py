@@ -37,7 +37,7 @@ class OpenAIServingChat(Serving):
             raise bad_request(str(exc), exc.param) from None
         plan = ToolPlan.of(req, self.state.settings)
         ids, prompt_text = await self.state.tokenization.render_chat_prompt(
-            req.messages, req.add_generation_prompt, req.template_tools(), req.chat_template_kwargs)
+            req.messages, req.add_generation_prompt, req.template_tools(), req.template_kwargs())
         thinking = ReasoningPlan.of(self.state.settings.reasoning_parser, req.include_reasoning, prompt_text)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -286,6 +286,8 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: StrictBool = True
     # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the template reads it as `reasoning_effort` (gpt-oss's does; others ignore it), as vLLM passes it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -295,6 +297,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"{clash} are set by the server itself (from messages, tools, add_generation_prompt and "
                              "the tokenizer), not through chat_template_kwargs")
         return value
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: reasoning_effort, then chat_template_kwargs (which win)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
