@@ -47,6 +47,8 @@ CASES = [
      "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}<|call|>"),
     (GPT_OSS, "<|channel|>analysis<|message|>t<|end|><|start|>assistant<|chan", "t", None),  # header cut off
     (GPT_OSS, "plain text, no harmony", None, "plain text, no harmony"),
+    (GPT_OSS, "<|channel|>analysis to=functions.f<|message|>{}<|call|>", None,
+     "<|channel|>analysis to=functions.f<|message|>{}<|call|>"),  # a call from analysis is still a call
     (GPT_OSS, "", None, None),
 ]
 

@@ -74,7 +74,6 @@ class Piece:
 class HarmonyParse:
     pieces: list[Piece] = field(default_factory=list)
     complete_end: int = 0  # text[:complete_end] is complete pieces: no later text changes them
-    has_analysis: bool = False
 
 
 def parse_harmony(text: str, pos: int = 0, final: bool = True) -> HarmonyParse:
@@ -113,7 +112,6 @@ def parse_harmony(text: str, pos: int = 0, final: bool = True) -> HarmonyParse:
             piece.body_end = piece.end = len(text) - _held(text, body_start, _BODY_STOPS)
             piece.complete = False
         out.pieces.append(piece)
-        out.has_analysis = out.has_analysis or piece.channel == "analysis"
         if not piece.complete:
             break
         pos = out.complete_end = piece.end

@@ -17,8 +17,8 @@ side (reasoning or content) no later text can change, and holds the rest.
   second (held back until then when streamed).
 * `gpt_oss`: OpenAI's harmony format (generate/harmony.py): `analysis` messages are reasoning,
   `final` messages (and `commentary` preambles) content; a message addressed to a recipient
-  (`to=functions.NAME`, a tool call) stays in the content as written, for `--tool-call-parser
-  openai` to parse.
+  (`to=functions.NAME`, a tool call, whatever its channel) stays in the content as written, for
+  `--tool-call-parser openai` to parse.
 
 Empty reasoning or content is None. `end_marker` is the text that ends the reasoning: structured
 outputs are enforced only once the output holds its tokens (see chat.py).
@@ -231,9 +231,8 @@ class GptOssParser:
     keeps_special_tokens = True  # <|channel|>, <|message|>, ... are special tokens
 
     def extract(self, text: str) -> Split:
-        parsed = parse_harmony(text, 0, final=True)
-        reasoning, content = _harmony_split(text, parsed)
-        return (reasoning if parsed.has_analysis else None), _none(content)
+        reasoning, content = _harmony_split(text, parse_harmony(text, 0, final=True))
+        return _none(reasoning), _none(content)
 
     def stream(self) -> ReasoningStream:
         return _HarmonyReasoningStream()
@@ -245,10 +244,10 @@ def _harmony_split(text: str, parsed: HarmonyParse) -> tuple[str, str]:
     for piece in parsed.pieces:
         if piece.is_text:
             content.append(text[piece.start:piece.end])
+        elif piece.recipient is not None:  # a call (gpt-oss may address one from analysis too)
+            content.append(text[piece.start:piece.end])  # as written, for the tool parser
         elif piece.channel == "analysis":
             reasoning.append(text[piece.body_start:piece.body_end])
-        elif piece.recipient is not None:
-            content.append(text[piece.start:piece.end])  # a call: as written, for the tool parser
         else:
             content.append(text[piece.body_start:piece.body_end])
     return "".join(reasoning), "".join(content)
