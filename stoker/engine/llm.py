@@ -186,16 +186,19 @@ def render_chat_text(
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
     documents: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation as the model's chat template writes it (BOS included where it wants one).
 
     tools: OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`,
     which HF chat templates read as `tools` (a template that does not use them ignores them).
     continue_final_message: the last message is left open (no end-of-turn after it), so the
-    model continues it; documents: RAG documents, which templates that take them render."""
+    model continues it; documents: RAG documents, which templates that take them render;
+    template_kwargs: more variables for the template (vLLM's chat_template_kwargs, e.g.
+    `{"enable_thinking": False}`); names the template call sets itself are the caller's to refuse."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     if continue_final_message:
         extra["continue_final_message"] = True
     if documents:

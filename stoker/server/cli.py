@@ -15,6 +15,7 @@ from typing import Any
 
 from stoker.engine.args import add_engine_args, engine_kwargs
 from stoker.server.pooling.cli import add_pooling_args, pooling_models_from_args
+from stoker.server.generate.reasoning import PARSERS as REASONING_PARSERS
 from stoker.server.generate.tools.parsers import PARSERS
 
 
@@ -60,10 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "<tool_call>{...}</tool_call>), llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...}), "
                         "mistral ([TOOL_CALLS]...), pythonic (Llama 3.2/4: [f(a=1)]), qwen3_coder (<function=f>"
                         "<parameter=a>...), deepseek_v3 (DeepSeek V3/V3.1), glm45 (GLM-4.5/4.6: <arg_key>...), "
-                        "kimi_k2 (Kimi K2); docs/server.md shows each")
+                        "kimi_k2 (Kimi K2), openai (gpt-oss harmony); docs/server.md shows each")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent in a request (vLLM's flag; off: such requests are refused, "
                         "a template is code the server runs)")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's thinking out of its text into reasoning_content / reasoning (as vLLM): "
+                        "deepseek_r1 and qwen3 (<think>...</think>), granite, gpt_oss (harmony)")
     s.add_argument("--roofline-profile", default=None, metavar="kernel|engine|FILE",
                    help="efficiencies the live wall verdict in /metrics predicts steps with (default: engine on a GPU; "
                         "on a CPU the roofs `stoker doctor --write-device-file` measured)")
@@ -201,6 +205,7 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=args.reasoning_parser,
         roofline_profile=args.roofline_profile,
         enable_request_timing=args.enable_request_timing,
         lora_modules=parse_lora_modules(args.lora_modules, enable_lora),

@@ -30,6 +30,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     trust_request_chat_template: bool = False  # a request's own chat_template is run (else a 400)
+    # chat: the model's thinking split out of its text by this parser (generate/reasoning.py)
+    reasoning_parser: str | None = None
     # The efficiency profile the live wall verdict predicts steps with (roofline/profiles.py:
     # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (server/observe/wall.py).
     roofline_profile: str | None = None
@@ -53,6 +55,10 @@ class ServerSettings:
             from stoker.server.generate.tools.parsers import get_parser
 
             get_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        if self.reasoning_parser is not None:
+            from stoker.server.generate.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
         if self.max_request_body_bytes < 1:

@@ -18,6 +18,11 @@ sequence, created on the sequence's first sampling step (a preempted sequence ke
 matcher: the tokens it accepted are still its output), advanced by the sampled token, dropped
 when the sequence is released. Its mask is applied to the rows that carry a grammar only
 (bitmask (S, ceil(V / 32)) int32), so constrained and free rows share one step.
+
+A spec with `enforce_after` (a reasoning end marker's token ids) gets no matcher until the
+sequence's sampled tokens hold that sequence: until then its row is left free (a `_Gate` follows
+the accepted tokens), and the grammar starts with the token after the marker. Specs without it
+never touch the gates.
 """
 
 from __future__ import annotations
@@ -78,26 +83,64 @@ _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
+class _Gate:
+    """Whether a token sequence (the marker) has appeared yet in the tokens fed one by one."""
+
+    __slots__ = ("marker", "recent", "open")
+
+    def __init__(self, marker: tuple[int, ...]) -> None:
+        self.marker = marker
+        self.recent: tuple[int, ...] = ()  # the last len(marker) - 1 tokens at most
+        self.open = False
+
+    def feed(self, token: int) -> None:
+        window = (*self.recent, token)[-len(self.marker):]
+        if window == self.marker:
+            self.open = True
+        self.recent = window[1:] if len(window) == len(self.marker) else window
+
+
 class GrammarMatchers:
     def __init__(self, cache: GrammarCache) -> None:
         self.cache = cache
         self.matchers: dict[int, Any] = {}
+        self.gates: dict[int, _Gate] = {}  # sequences whose grammar waits for its enforce_after marker
+
+    def _waiting(self, seq_id: int, spec: StructuredOutputs) -> bool:
+        """True while the sequence's grammar is not enforced yet (its marker not yet sampled)."""
+        if seq_id in self.matchers:
+            return False
+        gate = self.gates.get(seq_id)
+        if gate is None:
+            gate = self.gates[seq_id] = _Gate(spec.enforce_after)
+        return not gate.open
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, int, StructuredOutputs]]) -> None:
         """Mask `logits` (S, V) in place for the (row, seq_id, spec) rows that carry a grammar."""
+        if any(spec.enforce_after for _, _, spec in rows):
+            rows = [r for r in rows if not (r[2].enforce_after and self._waiting(r[1], r[2]))]
+            if not rows:
+                return
         xgr = self.cache.xgr
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.cache.info.vocab_size)
         for row, seq_id, spec in rows:
             matcher = self.matchers.get(seq_id)
             if matcher is None:
                 matcher = self.matchers[seq_id] = xgr.GrammarMatcher(self.cache.compile(spec))
+                self.gates.pop(seq_id, None)
             matcher.fill_next_token_bitmask(bitmask, row)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[r for r, _, _ in rows])
 
     def accept(self, seq_id: int, token: int) -> None:
         matcher = self.matchers.get(seq_id)
-        if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
+        if matcher is None:
+            gate = self.gates.get(seq_id)
+            if gate is not None:
+                gate.feed(token)  # the marker's last token opens it: the grammar starts with the next one
+            return
+        if not matcher.is_terminated() and not matcher.accept_token(token):
             raise RuntimeError(f"sequence {seq_id}: the grammar rejected token {token}, which its own mask allowed")
 
     def release(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        self.gates.pop(seq_id, None)

@@ -4,6 +4,10 @@ Exactly one of: `json` (a JSON schema, as text), `json_object` (any JSON object)
 `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect of GBNF). The names are
 vLLM's `structured_outputs` fields; OpenAI's `response_format` maps onto `json` /
 `json_object`. `key` identifies the compiled grammar (compiled once per key, then cached).
+
+`enforce_after`: token ids (a reasoning model's end-of-thinking marker) that must appear in the
+output before the grammar applies; the thinking before them is free, the rest follows the
+grammar from the token after them on (vLLM's structured outputs with a reasoning parser).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    enforce_after: tuple[int, ...] = ()  # not part of `key`: the same grammar, gated
 
     def __post_init__(self) -> None:
         set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (

@@ -277,6 +277,7 @@ def test_deeply_nested_arguments_never_fail_the_request(depth: int) -> None:
         "kimi_k2": f'{SB}{kimi("functions.f:0", "{" + chr(34) + "a" + chr(34) + ": " + deep + "}")}{SE}',
         "glm45": f"<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{deep}</arg_value>\n</tool_call>",
         "qwen3_coder": f"<tool_call>\n<function=f>\n<parameter=a>\n{deep}\n</parameter>\n</function>\n</tool_call>",
+        "openai": f'<|channel|>commentary to=functions.f <|constrain|>json<|message|>{{"a": {deep}}}<|call|>',
     }
     assert set(texts) == set(PARSERS)
     for name, text in texts.items():

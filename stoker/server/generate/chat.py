@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -15,6 +16,7 @@ from stoker.server.generate.completion import prompt_logprobs_json
 from stoker.server.generate.serving import (DONE, SYSTEM_FINGERPRINT, ChunkEncoder, DeltaTracker, Serving, now_s,
                                             response_id, running_usage, sse)
 from stoker.server.generate.tokenization import ChatRenderOptions
+from stoker.server.generate.reasoning_output import ReasoningPlan
 from stoker.server.generate.tools.calls import ToolPlan
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
@@ -37,13 +39,14 @@ class OpenAIServingChat(Serving):
             raise bad_request(str(exc), exc.param) from None
         plan = ToolPlan.of(req, self.state.settings)
         options = self._render_options(req)
-        ids = await self.state.tokenization.render_chat(
+        ids, prompt_text = await self.state.tokenization.render_chat_prompt(
             req.messages, req.add_generation_prompt and not req.continue_final_message, req.template_tools(), options)
         try:
             ids = req.truncated(ids, self.state.max_model_len)
         except ValueError as exc:
             raise bad_request(str(exc), "truncate_prompt_tokens") from None
         echo = _echoed(req)
+        thinking = ReasoningPlan.of(self.state.settings.reasoning_parser, req.include_reasoning, prompt_text)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), asked, param)
@@ -54,6 +57,12 @@ class OpenAIServingChat(Serving):
             # [TOOL_CALLS], ...) special would otherwise drop what the parser looks for (the EOS
             # adds no text either way).
             params.skip_special_tokens = False
+        if thinking.keeps_special_tokens:  # <think> or harmony's markers may be special tokens
+            params.skip_special_tokens = False
+        if thinking.end_marker is not None and params.structured_outputs is not None:
+            # The grammar is for the answer: the thinking before the end marker stays free.
+            marker = await self.state.tokenization.encode(thinking.end_marker, add_special_tokens=False)
+            params.structured_outputs = replace(params.structured_outputs, enforce_after=tuple(marker))
         request_id, engine_id = response_id("chatcmpl", req.request_id)
         try:
             streams = await self.add_all(engine_id, [(None, ids)], [params], lora_name=self.state.lora_name(req.model),
@@ -64,17 +73,20 @@ class OpenAIServingChat(Serving):
             raise
         created = now_s()
         if req.stream:
-            body = self._stream(request_id, model, created, streams, params, len(ids), req, plan, echo)
+            body = self._stream(request_id, model, created, streams, params, len(ids), req, plan, thinking, echo)
             return StreamingResponse(body, media_type="text/event-stream")
         (out,) = await self.until_disconnect(raw, self.collect(streams))
         choices = []
         for comp in out.outputs:
-            message, finish_reason = plan.message(comp.text, comp.finish_reason)
+            reasoning, content = thinking.split(comp.text)
+            message, finish_reason = plan.message(content or "", comp.finish_reason)
+            if content is None and plan.mode in ("plain", "auto") and message["content"] == "":
+                message["content"] = None  # all of it was thinking (vLLM: no content)
             if echo and isinstance(message.get("content"), str):
                 message["content"] = echo + message["content"]
             choices.append({
                 "index": comp.index,
-                "message": message,
+                "message": {**message, **thinking.fields(reasoning)},
                 "logprobs": self._logprobs(comp, 0, len(comp.token_ids), req) if req.logprobs else None,
                 "finish_reason": finish_reason,
                 "stop_reason": comp.stop_reason,
@@ -93,10 +105,11 @@ class OpenAIServingChat(Serving):
 
     async def _stream(
         self, request_id: str, model: str, created: int, streams: list, params: SamplingParams,
-        prompt_len: int, req: ChatCompletionRequest, plan: ToolPlan, echo: str = "",
+        prompt_len: int, req: ChatCompletionRequest, plan: ToolPlan, thinking: ReasoningPlan, echo: str = "",
     ) -> AsyncIterator[bytes]:
         trackers = [DeltaTracker(params) for _ in range(params.n)]
         tool_streams = [plan.stream() for _ in range(params.n)]
+        reasoning_streams = [thinking.stream() for _ in range(params.n)]
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
         encode = ChunkEncoder(head).choice
@@ -121,8 +134,12 @@ class OpenAIServingChat(Serving):
                     delta, start, end = trackers[comp.index].step(comp)
                     finished = comp.finish_reason is not None
                     tools = tool_streams[comp.index]
-                    # content and tool-call deltas; a tool stream may hold text back (a call not yet complete)
+                    # reasoning, then content and tool-call deltas from what follows the thinking; both
+                    # streams may hold text back (a marker or a call not yet complete)
+                    reasoning, delta = reasoning_streams[comp.index].step(delta, finished)
                     pieces = tools.step(delta, finished)
+                    if reasoning is not None:
+                        pieces.insert(0, reasoning)
                     want_lp = bool(req.logprobs) and end > start
                     if not pieces and not finished and not want_lp:
                         continue
@@ -168,7 +185,7 @@ class OpenAIServingChat(Serving):
                                   "continue_final_message")
         return ChatRenderOptions(continue_final_message=req.continue_final_message, documents=req.documents,
                                  chat_template=req.chat_template, add_special_tokens=req.add_special_tokens,
-                                 truncate_prompt_tokens=req.truncate_prompt_tokens)
+                                 truncate_prompt_tokens=req.truncate_prompt_tokens, template_kwargs=req.template_kwargs())
 
     @staticmethod
     def _logprobs(comp: CompletionOutput, start: int, end: int, req: ChatCompletionRequest) -> dict[str, list]:

@@ -86,7 +86,8 @@ RULES: tuple[FieldRule, ...] = (
         [{"name": "f", "parameters": {"type": "object"}}]),
     _no("function_call", ("chat",), "the deprecated function_call field is not supported; send tool_choice instead",
         {"name": "f"}, lambda v: v not in (None, "none")),
-    _no("reasoning_effort", ("chat",), "this server runs no reasoning-effort control; omit reasoning_effort", "low"),
+    _ok("reasoning_effort", ("chat",), "passed to the chat template as `reasoning_effort` (gpt-oss's template reads it)",
+        "low"),
     _no("audio", ("chat",), "audio output is not supported (text only)", {"voice": "alloy", "format": "wav"}),
     _no("modalities", ("chat",), "only text output is supported; send ['text'] or omit modalities", ["audio"],
         lambda v: _set(v) and v != ["text"]),
@@ -121,6 +122,9 @@ RULES: tuple[FieldRule, ...] = (
     _ok("continue_final_message", ("chat",), "the last (assistant) message is left open for the model to continue "
         "(not with add_generation_prompt)", True, add_generation_prompt=False,
         messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]),
+    _ok("chat_template_kwargs", ("chat",), "more variables for the chat template (e.g. enable_thinking); names the "
+        "server sets itself are refused", {"enable_thinking": False}),
+    _ok("include_reasoning", ("chat",), "false: the reasoning split out by --reasoning-parser is dropped", False),
     _ok("documents", ("chat",), "passed to the chat template as `documents` (RAG templates render them)",
         [{"title": "t", "text": "x"}]),
     _ok("chat_template", ("chat",), "a request's own Jinja template, only with --trust-request-chat-template "

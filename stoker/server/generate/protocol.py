@@ -12,7 +12,7 @@ import json
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, StrictBool, model_validator
+from pydantic import Field, Strict, StrictBool, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.sampling_params import SamplingParams
@@ -277,6 +277,17 @@ class ToolChoiceError(ValueError):
         self.param = param
 
 
+# What the chat template call sets itself (HF apply_chat_template's arguments and the variables it
+# gives the template): a chat_template_kwargs entry of one of these names would clash or override.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now",
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+})
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: SmallInt | None = None  # None: up to the context limit, as vLLM
@@ -293,6 +304,27 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # false: "required" constrained to one call, "auto" keeps the first
+    # vLLM's: with --reasoning-parser, false drops the reasoning from the answer
+    include_reasoning: StrictBool = True
+    # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the template reads it as `reasoning_effort` (gpt-oss's does; others ignore it), as vLLM passes it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = sorted(set(value or ()) & RESERVED_TEMPLATE_NAMES)
+        if clash:
+            raise ValueError(f"{clash} are set by the server itself (from messages, tools, add_generation_prompt and "
+                             "the tokenizer), not through chat_template_kwargs")
+        return value
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: reasoning_effort, then chat_template_kwargs (which win)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:

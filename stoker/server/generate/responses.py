@@ -6,6 +6,9 @@ enforced) exist once. Its answer is re-shaped: a chat.completion becomes a Respo
 message and function_call output items; a chat stream's chunks become Responses events
 (response.created, output_item.added, output_text.delta, function_call_arguments.delta, ...,
 response.completed), each with its sequence_number, as the `openai` SDK's stream reads them.
+With `--reasoning-parser`, the chat message's reasoning becomes a `reasoning` item before the
+message (`{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", ...}]}`,
+as OpenAI and vLLM return it), streamed as response.reasoning_text.delta events.
 The chat stream is read as the dicts its chunks encode (one json.loads per chunk, beside a
 forward pass per token: not the cost that matters).
 """
@@ -74,7 +77,9 @@ class _Shell:
         choice = body["choices"][0]
         message = choice["message"]
         output: list[dict[str, Any]] = []
-        if message.get("content") or not message.get("tool_calls"):
+        if message.get("reasoning_content"):
+            output.append(_reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
+        if message.get("content") or not (message.get("tool_calls") or output):
             output.append(_message_item(new_id("msg"), message.get("content") or "", "completed"))
         for call in message.get("tool_calls") or []:
             output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))
@@ -85,6 +90,11 @@ class _Shell:
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -131,6 +141,7 @@ async def _events(shell: _Shell, chat_stream: AsyncIterator[bytes | str]) -> Asy
     yield emit("response.in_progress", response=shell.response([], "in_progress"))
     output: list[dict[str, Any]] = []  # finished items
     text_item: dict[str, Any] | None = None  # the open message item
+    reasoning_item: dict[str, Any] | None = None  # the open reasoning item
     calls: dict[int, tuple[int, dict[str, Any]]] = {}  # chat tool-call index -> (output index, open item)
     finish_reason = None
     usage = None
@@ -147,6 +158,18 @@ async def _events(shell: _Shell, chat_stream: AsyncIterator[bytes | str]) -> Asy
         return [emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text,
                      logprobs=[]),
                 emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part),
+                emit("response.output_item.done", output_index=index, item=item)]
+
+    def close_reasoning() -> list[bytes]:
+        nonlocal reasoning_item
+        if reasoning_item is None:
+            return []
+        item, index = reasoning_item, len(output)
+        item["status"] = "completed"
+        output.append(item)
+        reasoning_item = None
+        return [emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                     text=item["content"][0]["text"]),
                 emit("response.output_item.done", output_index=index, item=item)]
 
     def close_calls() -> list[bytes]:
@@ -171,6 +194,19 @@ async def _events(shell: _Shell, chat_stream: AsyncIterator[bytes | str]) -> Asy
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if reasoning_item is None:
+                    for event in close_text() + close_calls():
+                        yield event
+                    reasoning_item = _reasoning_item(new_id("rs"), "", "in_progress")
+                    yield emit("response.output_item.added", output_index=len(output),
+                               item={**reasoning_item, "content": []})
+                reasoning_item["content"][0]["text"] += delta["reasoning_content"]
+                yield emit("response.reasoning_text.delta", item_id=reasoning_item["id"], output_index=len(output),
+                           content_index=0, delta=delta["reasoning_content"])
+            if delta.get("content") or delta.get("tool_calls"):
+                for event in close_reasoning():
+                    yield event
             if delta.get("content"):
                 for event in close_calls():
                     yield event
@@ -201,7 +237,7 @@ async def _events(shell: _Shell, chat_stream: AsyncIterator[bytes | str]) -> Asy
                                delta=fn["arguments"])
             if choice.get("finish_reason") is not None:
                 finish_reason = choice["finish_reason"]
-    for event in close_text() + close_calls():
+    for event in close_reasoning() + close_text() + close_calls():
         yield event
     if finish_reason is None:  # the stream ended without a finish: the client went away or it was aborted
         yield emit("response.failed", response=shell.response(output, "failed",

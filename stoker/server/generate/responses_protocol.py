@@ -31,7 +31,8 @@ _UNHONOURED = (
     ("background", lambda v: bool(v), "background responses need storage; omit background"),
     ("prompt", lambda v: v is not None, "stored prompt templates are not supported; send input and instructions"),
     ("reasoning", lambda v: bool(v) and any(x is not None for x in (v.values() if isinstance(v, dict) else [v])),
-     "this server runs no reasoning models; omit reasoning"),
+     "reasoning options (effort, summary) are not supported; omit reasoning (with --reasoning-parser the "
+     "reasoning comes back as a reasoning item)"),
     ("include", lambda v: bool(v), "no extra output data (logprobs, sources, encrypted reasoning) is produced; omit include"),
     ("truncation", lambda v: v not in (None, "disabled"), "input is never truncated here (too long is a 400); send 'disabled'"),
     ("max_tool_calls", lambda v: v is not None, "max_tool_calls is not enforced; omit it"),

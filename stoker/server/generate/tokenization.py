@@ -40,6 +40,8 @@ class ChatRenderOptions:
     chat_template: str | None = None  # the request's own (the server allows it or refuses first)
     add_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # set: the prompt is not refused for length before truncation
+    # more variables for the template: chat_template_kwargs and reasoning_effort (vLLM's)
+    template_kwargs: dict[str, Any] | None = None
 
 
 class ServerTokenizer:
@@ -75,16 +77,18 @@ class ServerTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None, options: ChatRenderOptions | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None,
+                     options: ChatRenderOptions | None = None) -> tuple[list[int], str]:
         o = options or ChatRenderOptions()
         try:
             text = render_chat_text(self.tokenizer, message_dicts(messages), add_generation_prompt, o.chat_template,
-                                    tools=tools, continue_final_message=o.continue_final_message, documents=o.documents)
+                                    tools=tools, continue_final_message=o.continue_final_message, documents=o.documents,
+                                    template_kwargs=o.template_kwargs)
         except Exception as exc:  # unsupported parts, jinja2 TemplateError (raise_exception in templates), ValueError
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
         # The template writes BOS itself where the model wants one (add_special_tokens: on top of it).
         return self.encode_bounded(text, add_special_tokens=o.add_special_tokens, param="messages",
-                                   bounded=o.truncate_prompt_tokens is None)
+                                   bounded=o.truncate_prompt_tokens is None), text
 
     # ------------------------------------------------------------------ from the event loop
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
@@ -97,6 +101,13 @@ class ServerTokenizer:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, options: ChatRenderOptions | None = None) -> list[int]:
         """tools: OpenAI's tool definitions, for templates that render them."""
+        ids, _ = await self._run(self._render_chat, messages, add_generation_prompt, tools, options)
+        return ids
+
+    async def render_chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                                 tools: list[dict[str, Any]] | None = None,
+                                 options: ChatRenderOptions | None = None) -> tuple[list[int], str]:
+        """(ids, text) of the rendered prompt (a reasoning parser reads how the prompt ends)."""
         return await self._run(self._render_chat, messages, add_generation_prompt, tools, options)
 
     async def decode(self, ids: list[int]) -> str:

@@ -23,12 +23,13 @@ from stoker.server.generate.tools.parsers.mistral import MistralParser
 from stoker.server.generate.tools.parsers.pythonic import PythonicParser
 from stoker.server.generate.tools.parsers.qwen3_coder import Qwen3CoderParser
 from stoker.server.generate.tools.parsers.required import RequiredParser
+from stoker.server.generate.tools.parsers.openai import HarmonyToolParser
 
 __all__ = ["PARSERS", "REQUIRED", "Extracted", "ToolCall", "ToolCallStream", "ToolParser", "ToolSchemas", "get_parser"]
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser(), Qwen3CoderParser(), DeepSeekV3Parser(),
-    Glm45Parser(), KimiK2Parser(),
+    Glm45Parser(), KimiK2Parser(), HarmonyToolParser(),
 )}
 REQUIRED: ToolParser = RequiredParser()
 
