@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("stoker.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("stoker.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("stoker.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("stoker.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
