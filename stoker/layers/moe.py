@@ -125,6 +125,9 @@ class MoEMethod:
     """Base: float experts, one GEMM pair per expert over the tokens routed to it."""
 
     kind = "float"
+    #: False: `apply` reads each expert's token count on the host (a sync), so a CUDA graph
+    #: cannot hold it; the runner then decodes eagerly
+    graph_capturable = False
 
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
