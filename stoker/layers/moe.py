@@ -27,7 +27,7 @@ from torch import nn
 
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
-from stoker.layers.activation import get_gated_activation
+from stoker.layers.activation import SiluAndMul, get_gated_activation
 from stoker.layers.weight_method import expect_shape
 from stoker.quantization.formats import FLOAT_CHECKPOINT_DTYPES
 
@@ -67,6 +67,11 @@ class FusedMoE(nn.Module):
     @property
     def is_split(self) -> bool:
         return not self.split.is_whole
+
+    @property
+    def is_silu(self) -> bool:
+        """SiLU-gated (what the fused CPU kernel can apply in the gate/up GEMM)."""
+        return isinstance(self.act, SiluAndMul)
 
     def checkpoint_slice(self, shard: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
         """The part of one expert's checkpoint tensor `shard` ("w1", "w2", "w3") this rank reads:
@@ -183,3 +188,37 @@ class MoEMethod:
 
 class TorchMoEMethod(MoEMethod):
     """Float experts through torch matmuls: CUDA (cuBLAS), CPU without the C kernels, any dtype."""
+
+
+class PackedCpuMoEMethod(MoEMethod):
+    """CPU float32 with the C kernels: each expert's w13 and w2 as the linear kernel's panels
+    (kernels/cpu/linear.c), SiLU-and-mul fused into the gate/up GEMM when I fits whole panels.
+
+    The kernel sums each output in one fixed order whatever the number of rows, so with the
+    fixed per-token order of `MoEMethod.apply` a token's result does not depend on its batch,
+    as on the dense path. After loading: w13 (E, P13, H, NR), w2 (E, P2, I, NR).
+    """
+
+    def __init__(self, fuse_silu_and_mul: bool) -> None:
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        self.fuse_silu_and_mul = fuse_silu_and_mul
+        self.kernel = cpu_linear.linear  # or its twin reference.linear_packed, for tests
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        w13, w2 = layer.w13.data, layer.w2.data
+        layer.w13 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w, gate_up=self.fuse_silu_and_mul)
+                                              for w in w13]), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w) for w in w2]), requires_grad=False)
+
+    def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        i = layer.intermediate_size
+        h = self.kernel(rows, layer.w13[e], 2 * i, None, self.fuse_silu_and_mul)  # (n, I) or (n, 2I)
+        if not self.fuse_silu_and_mul:
+            h = layer.act(h)
+        return self.kernel(h, layer.w2[e], layer.hidden_size, None, False)
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}(fused silu)" if self.fuse_silu_and_mul else type(self).__name__

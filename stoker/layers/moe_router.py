@@ -10,34 +10,56 @@ Here: softmax over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
 k weights renormalised to sum to one or not (`norm_topk_prob`). Later routers (gpt-oss's
 biased logits, DeepSeek's grouped sigmoid with a correction bias) are further classes here
 with the same `forward`.
+
+The router's logits are a projection like any other (a `Linear`, its weight method chosen at
+build: the C kernel's panels on CPU float32, which keep a token's logits independent of its
+batch as the dense path's are), only always float32: `attach` creates the parameters in
+float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from stoker.layers.linear import Linear
+from stoker.layers.weight_method import LinearMethod
 
 
-class SoftmaxTopKRouter(nn.Module):
-    """Checkpoint tensor `gate.weight` (E, H), a linear layer without bias."""
+class RouterLinear(Linear):
+    """A router's (E, H) projection, replicated, without bias, its parameters float32."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__(hidden_size, num_experts)
+
+    def attach(self, method: LinearMethod) -> None:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            super().attach(method)
+        finally:
+            torch.set_default_dtype(previous)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) any dtype -> (T, E) float32
+        return super().forward(x.float())
+
+
+class SoftmaxTopKRouter(RouterLinear):
+    """Checkpoint tensor `gate.weight` (E, H)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
-        super().__init__()
+        super().__init__(hidden_size, num_experts)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, H) -> topk_weights (T, k) float32, topk_ids (T, k) int64."""
-        logits = F.linear(x.float(), self.weight)  # (T, E)
-        return softmax_topk(logits, self.top_k, self.renormalize)
+        return softmax_topk(self(x), self.top_k, self.renormalize)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}"
+        return f"{super().extra_repr()}, top_k={self.top_k}, renormalize={self.renormalize}"
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.layers.activation import sigmoid_per_row
 from stoker.layers.linear import Linear
 from stoker.layers.moe import FusedMoE
 from stoker.layers.moe_router import SoftmaxTopKRouter
@@ -63,8 +64,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1)  # replicated: one logit per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        topk_weights, topk_ids = self.gate(x)  # (T, k) float32, (T, k)
+        topk_weights, topk_ids = self.gate.route(x)  # (T, k) float32, (T, k)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + sigmoid_per_row(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) gate
         return out

@@ -73,11 +73,19 @@ def test_a_token_alone_equals_its_row_in_a_batch() -> None:
 
 
 def test_bfloat16_model_routes_in_float32() -> None:
-    router = SoftmaxTopKRouter(16, 4, 2, renormalize=True)
+    from stoker.layers.weight_method import TorchLinearMethod
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as build_model does for a bf16 model
+    try:
+        router = SoftmaxTopKRouter(16, 4, 2, renormalize=True)
+        router.attach(TorchLinearMethod())
+    finally:
+        torch.set_default_dtype(previous)
     assert router.weight.dtype == torch.float32
     with torch.no_grad():
         router.weight.copy_(torch.randn(4, 16))
-    weights, ids = router(torch.randn(5, 16, dtype=torch.bfloat16))
+    weights, ids = router.route(torch.randn(5, 16, dtype=torch.bfloat16))
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     torch.testing.assert_close(weights.sum(-1), torch.ones(5))
 
@@ -124,3 +132,41 @@ def test_a_tensor_parallel_rank_reads_its_columns_of_i() -> None:
     assert layer.checkpoint_slice("w2", (8, 6)) == (slice(None), slice(3, 6))
     with pytest.raises(ValueError, match="shape mismatch"):
         layer.checkpoint_slice("w3", (8, 6))
+
+
+@pytest.mark.parametrize("inter, fuse", [(32, True), (40, False), (17, False)], ids=["fused-silu", "unfused", "odd-I"])
+@pytest.mark.parametrize("twin", [False, True], ids=["c-kernel", "torch-twin"])
+def test_packed_cpu_method_matches_the_loop(inter: int, fuse: bool, twin: bool) -> None:
+    from stoker.kernels.cpu import build
+
+    if not build.available():
+        pytest.skip("the C kernels are not built on this machine")
+    from stoker.kernels.cpu import linear as cpu_linear
+    from stoker.layers.moe import PackedCpuMoEMethod
+
+    if fuse and not cpu_linear.gate_up_fusable(inter):
+        pytest.skip(f"I = {inter} does not fill whole panels of this build")
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(6, 2 * inter, 48) * 0.2, torch.randn(6, 48, inter) * 0.2
+    layer = FusedMoE(6, 48, inter)
+    method = PackedCpuMoEMethod(fuse)
+    if twin:
+        method.kernel = reference.linear_packed
+    layer.attach(method)
+    for e in range(6):
+        method.load(layer, e, "w1", w13[e, :inter])
+        method.load(layer, e, "w3", w13[e, inter:])
+        method.load(layer, e, "w2", w2[e])
+    method.process_after_loading(layer)
+    x = torch.randn(11, 48)
+    weights, ids = random_routing(11, 6, 2, seed=5)
+    torch.testing.assert_close(layer(x, weights, ids), reference.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_the_shared_expert_gate_is_the_same_bits_alone_and_in_a_batch() -> None:
+    from stoker.layers.activation import sigmoid_per_row
+
+    g = torch.randn(37, 1) * 4
+    full = sigmoid_per_row(g)
+    torch.testing.assert_close(full, torch.sigmoid(g))
+    assert all(torch.equal(sigmoid_per_row(g[i : i + n]), full[i : i + n]) for n in (1, 7) for i in range(30))
