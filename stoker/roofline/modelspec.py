@@ -85,8 +85,9 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_dense_layers: int = 0  # layers of a MoE model whose MLP is dense
-    attention_bias: bool = False
+    attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
+    qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE)
     published_params: float | None = None
     source: str = ""
 
@@ -109,6 +110,10 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def qk_norm_params(self) -> int:
+        return 2 * self.head_dim if self.qk_norm_per_head else self.q_dim + self.kv_dim
 
     # ---- Mixture-of-Experts shape ------------------------------------------------------------
     @property
@@ -152,7 +157,7 @@ class ModelSpec:
             "router": router,
             "mlp_gate_up": gate_up,
             "mlp_down": down,
-            "norms": 2 * h + (2 * self.head_dim if self.qk_norm else 0),
+            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0),
         }
 
     def param_counts(self) -> dict[str, int]:
@@ -259,6 +264,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
     try:
         h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 1)
+        model_type = config.get("model_type")
         return ModelSpec(
             name=name,
             hidden_size=h,
@@ -274,13 +280,23 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if num_experts > 1 else 0,
             shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0) if num_experts > 1 else 0,
             num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
-            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            qk_norm=bool(config.get("qk_norm", config.get("model_type") in ("qwen3", "qwen3_moe"))),
+            attention_bias=qkv_bias(config),
+            qk_norm=bool(config.get("qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe"))),
+            qk_norm_per_head=model_type != "olmoe",
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
     except KeyError as exc:
         raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+
+
+def qkv_bias(config: dict) -> bool:
+    """Biases on q, k and v: Qwen2 always (no field), Qwen2-MoE by `qkv_bias` (transformers 5;
+    true when absent), the others by `attention_bias`."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2_moe" and config.get("qkv_bias") is not None:
+        return bool(config["qkv_bias"])
+    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))
 
 
 def num_dense_layers(config: dict) -> int:

@@ -89,3 +89,16 @@ def test_the_block_is_chosen_per_layer(tiny_checkpoints) -> None:
     layers = llm.engine.executor.driver_runner.model.model.layers
     assert isinstance(layers[0].mlp, LlamaMLP)  # mlp_only_layers=[0]
     assert all(isinstance(layer.mlp.experts, FusedMoE) and layer.mlp.shared_expert is not None for layer in layers[1:])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch) -> None:
+    """The model describes itself (seam 16): the spec parsed from config.json counts every
+    parameter the engine holds (routers, shared expert and its gate, dense layers, q/k norms)."""
+    from stoker.roofline.modelspec import spec_from_config
+
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # no panel padding
+    arch, overrides = CONFIGS[name]
+    llm = LLM(str(tiny_checkpoints(arch, **overrides)), max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.driver_runner
+    assert runner.weight_bytes_held() == spec_from_config(runner.hf_config).weight_bytes("fp32", rest_dtype="fp32")
