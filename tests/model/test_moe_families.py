@@ -2,7 +2,7 @@
 
 Per configuration: prefill logits within float32 tolerance; greedy output of one mixed batch
 (lengths 1 to 180, shared prefixes, chunked prefill forced by a 64-token budget, prefix-cache
-hits) equal, prompt by prompt, to HF's greedy path for that prompt alone; the logprob of each
+hits, preemption forced by a small KV cache) equal, prompt by prompt, to HF's greedy path for that prompt alone; the logprob of each
 generated token within 1e-4 of HF's; the block manager whole afterwards.
 """
 
@@ -65,11 +65,14 @@ def test_prefill_logits_match_hf(name, tiny_checkpoints, prompts) -> None:
 def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) -> None:
     arch, overrides = CONFIGS[name]
     path = tiny_checkpoints(arch, **overrides)
-    llm = LLM(str(path), max_model_len=512, block_size=16, num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    # 24 blocks x 16 = 384 tokens of KV for ~600: preemption is certain; a 64-token budget
+    # splits every long prompt into chunks.
+    llm = LLM(str(path), max_model_len=256, block_size=16, num_gpu_blocks_override=24, max_num_batched_tokens=64)
     max_new = 16
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
+    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
     hf = load_hf(path)
     for ids, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
@@ -77,7 +80,7 @@ def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) ->
         ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
         assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
     llm.engine.check_integrity()
-    assert llm.engine.block_manager.num_free_blocks == 64
+    assert llm.engine.block_manager.num_free_blocks == 24
 
 
 def test_the_block_is_chosen_per_layer(tiny_checkpoints) -> None:
