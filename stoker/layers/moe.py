@@ -100,7 +100,7 @@ class FusedMoE(nn.Module):
 class ExpertGroups:
     """The step's (token, choice) pairs grouped by expert, computed once per layer call.
 
-    Each token's choices are first put in ascending expert order (`slot_weights` follows), so
+    Each token's choices are first put in ascending expert order (their weights with them), so
     the k contributions of a token are later summed in that order, whatever the batch: the
     same order as an expert-by-expert loop (reference.fused_moe, transformers' eager path).
     """
@@ -116,7 +116,7 @@ def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_expe
     ids, perm = topk_ids.sort(dim=1)  # (T, k) ascending expert per token
     weights = topk_weights.gather(1, perm).reshape(-1)  # (T * k,)
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # a counting sort by expert; tokens stay in order within one
+    order = torch.argsort(flat, stable=True)  # by expert, as a counting sort: tokens in order within one
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync: the GEMM sizes
     segments, first = [], 0
     for e, n in enumerate(counts):
