@@ -361,3 +361,23 @@ def lora_segments(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, segments: 
     for slot, t0, t1 in segments:
         out[t0:t1, :n].addmm_(x[t0:t1] @ a[slot].T, bt[slot])
     return out
+
+
+def fused_moe(
+    x: torch.Tensor,  # (T, H)
+    w13: torch.Tensor,  # (E, 2I, H): [gate; up] of each expert
+    w2: torch.Tensor,  # (E, H, I)
+    topk_weights: torch.Tensor,  # (T, k) routing weights (float32)
+    topk_ids: torch.Tensor,  # (T, k) expert of each choice
+    activation=silu_and_mul,  # (n, 2I) [gate | up] -> (n, I)
+) -> torch.Tensor:  # (T, H)
+    """Mixture-of-Experts feed-forward, one expert at a time over the tokens that chose it (as
+    transformers' eager experts loop): the twin of layers/moe.py's sorted, grouped method."""
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        token_idx, slot = torch.where(topk_ids == e)
+        if token_idx.numel() == 0:
+            continue
+        h = activation(x[token_idx] @ w13[e].t()) @ w2[e].t()  # (n, H)
+        out.index_add_(0, token_idx, (h * topk_weights[token_idx, slot, None]).to(x.dtype))
+    return out

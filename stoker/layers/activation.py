@@ -50,3 +50,17 @@ def get_gated_activation(hidden_act: str) -> nn.Module:
     if hidden_act in _GATE_FNS:
         return GateAndMul(_GATE_FNS[hidden_act])
     raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {', '.join(_SUPPORTED)}")
+
+
+# Lanes of the widest vector loop torch's CPU elementwise kernels run (2 x 16 floats with AVX-512).
+_VECTOR_LANES = 64
+
+
+def sigmoid_per_row(x: torch.Tensor) -> torch.Tensor:  # (T, 1) -> (T, 1)
+    """sigmoid of one value per row, the same bits whatever T: torch's CPU kernel runs the
+    elements of a (T, 1) tensor that fill whole vectors through its vector exp and the tail
+    through the scalar one, which may differ in the last bit, so a token's gate would depend on
+    how many rows precede it. Each value is widened to a row of whole vectors instead."""
+    if x.device.type != "cpu":
+        return torch.sigmoid(x)
+    return torch.sigmoid(x.expand(-1, _VECTOR_LANES).contiguous())[:, :1]

@@ -96,11 +96,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
+    """Attention then a feed-forward block; the block is the family's choice (`mlp`: a dense
+    LlamaMLP when not given, a Mixture-of-Experts block in the MoE families)."""
+
+    def __init__(self, self_attn: nn.Module, cfg: dict[str, Any], tp: TensorParallelGroup,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -114,7 +118,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        """Hook for a family whose checkpoint names the block otherwise (Mixtral: block_sparse_moe)."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):
@@ -143,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -150,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         layers = [
-            LlamaDecoderLayer(
-                self.attention_cls(cfg, i, self.rotary, self.qkv_bias(cfg), self.sliding_window(cfg, i), tp), cfg, tp
+            self.decoder_layer_cls(
+                self.attention_cls(cfg, i, self.rotary, self.qkv_bias(cfg), self.sliding_window(cfg, i), tp), cfg, tp,
+                self.mlp_block(cfg, i, tp),
             )
             for i in range(cfg["num_hidden_layers"])
         ]
@@ -161,6 +171,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     # ---- family hooks
+    @classmethod
+    def mlp_block(cls, cfg: dict[str, Any], layer_idx: int, tp: TensorParallelGroup) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block (mini-sglang's MLP / MoE swap): dense here."""
+        return LlamaMLP(cfg, tp)
+
     @classmethod
     def qkv_bias(cls, cfg: dict[str, Any]) -> bool:
         return bool(cfg.get("attention_bias", False))

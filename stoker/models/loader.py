@@ -23,7 +23,9 @@ from torch import nn
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.embedding import VocabEmbedding
 from stoker.layers.linear import Linear
+from stoker.layers.moe import FusedMoE
 from stoker.layers.rotary import rope_parameters
+from stoker.models import moe_loading
 from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
 from stoker.quantization.config import QuantConfig
@@ -96,6 +98,8 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
             for name, module in list(model.named_modules()):
                 if isinstance(module, Linear):
                     module.attach(chooser(name, module))
+                elif isinstance(module, FusedMoE):
+                    module.attach(chooser.moe(name, module))
     finally:
         torch.set_default_dtype(previous)
     kernels = bind_kernels(model, device, dtype)
@@ -111,6 +115,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     embeddings = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, VocabEmbedding)}
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    expert_params: dict[str, str] = getattr(model, "expert_params", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
     filled: set[str] = set()
     for file in safetensors_files(model_dir):
@@ -121,8 +127,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 if name.endswith(_KV_SCALE_SUFFIXES):
                     _load_kv_scale(model, name, f.get_tensor(name))
                     continue
+                experts = moe_loading.load_expert_tensor(moes, expert_params, name, f) if moes else None
+                if experts is not None:
+                    filled.update(experts)
+                    continue
                 filled.add(_load_one(params, linears, embeddings, packed, name, f))
-    expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in linears)}
+    expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in (*linears, *moes))}
+    for module_name, moe in moes.items():
+        expected.update(moe_loading.expected_keys(module_name, moe))
     for module_name, layer in linears.items():
         assert layer.method is not None
         names = layer.method.checkpoint_params(layer) + (("bias",) if layer.has_bias else ())
@@ -132,6 +144,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     if missing:
         named = []
         for key in missing[:10]:
+            if key.partition("#")[0] in moes:
+                named.append(moe_loading.checkpoint_name(key, expert_params))
+                continue
             base, _, shard = key.partition("#")
             module_name, _, param = base.rpartition(".")
             named.append(f"{checkpoint_module_name(model, module_name, shard or None)}.{param}" if base.rpartition(".")[0] in linears else base)
@@ -139,6 +154,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for layer in linears.values():
         assert layer.method is not None
         layer.method.process_after_loading(layer)
+    for moe in moes.values():
+        assert moe.method is not None
+        moe.method.process_after_loading(moe)
 
 
 def _shape(f: Any, name: str) -> tuple[int, ...]:

@@ -4,11 +4,13 @@
 projection, before its parameters exist:
 
   * the LM head: tied to the embedding (TiedMethod), else float like the rest;
+  * a MoE router (float32 whatever the model dtype): float, never quantized;
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
     with its backend (stoker/layers/quantized_method.py lists them);
   * float projections: the C kernels' packed panels on CPU float32 when they are built
     (PackedCpuMethod, with SiLU-and-mul fused into a SiLU-gated [gate; up] layer),
     MKL's column-major layout on CPU without them, F.linear otherwise.
+`LinearMethodChooser.moe(name, layer)` gives every FusedMoE its MoEMethod (layers/moe.py).
 `bind_kernels` gives every attention, norm, rotary and activation layer the kernel set of the
 model's device and dtype (kernels/ops.py: Triton, the C kernels or the torch twins).
 The environment (STOKER_DISABLE_CPU_KERNELS, STOKER_DISABLE_TRITON) is read here, once.
@@ -28,6 +30,8 @@ from stoker.kernels.cpu import build as cpu_kernels
 from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead
 from stoker.layers.linear import GateUpLinear, Linear
+from stoker.layers.moe import FusedMoE, MoEMethod, PackedCpuMoEMethod, TorchMoEMethod
+from stoker.layers.moe_router import RouterLinear
 from stoker.layers.weight_method import ColumnMajorMethod, LinearMethod, PackedCpuMethod, TiedMethod, TorchLinearMethod
 from stoker.models.packed import checkpoint_module_name
 from stoker.quantization.config import QuantConfig, QuantizationError, WeightScheme
@@ -77,6 +81,8 @@ class LinearMethodChooser:
             if layer.tied_embedding is not None:
                 return TiedMethod(layer.tied_embedding.weight)
             return self._float(name, layer)
+        if isinstance(layer, RouterLinear):
+            return self._float(name, layer)  # a discrete choice: never quantized, always float32
         if self.quant is not None:
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
@@ -112,6 +118,28 @@ class LinearMethodChooser:
         if backend not in ("cpu", "cpu_q8") or not isinstance(layer, GateUpLinear) or not layer.is_silu:
             return False
         return cpu_linear.gate_up_fusable(layer.out_features // 2)
+
+    def moe(self, name: str, layer: FusedMoE) -> MoEMethod:
+        """A FusedMoE's method: float experts, on CPU float32 through the C kernels' panels (SiLU
+        fused when I fills whole panels), else plain torch."""
+        if self.quant is not None:
+            # Refused, not ignored: the experts are most of the model's bytes, and a pre-quantized
+            # checkpoint's expert tensors would need their scales.
+            raise QuantizationError(
+                f"{self.quant.method} quantization ({self.quant.source}) of Mixture-of-Experts experts is not supported yet "
+                f"({name}); "
+                "run this model unquantized"
+            )
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        method: MoEMethod
+        if self.cpu_kernels:
+            fuse = layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            method = PackedCpuMoEMethod(fuse)
+        else:
+            method = TorchMoEMethod()
+        self.chosen[method.describe()] += 1
+        return method
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {m}" for m, n in sorted(self.chosen.items()))

@@ -9,8 +9,12 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("stoker.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("stoker.models.mistral", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("stoker.models.mixtral", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("stoker.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("stoker.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("stoker.models.qwen3", "Qwen3ForCausalLM"),
+    "OlmoeForCausalLM": ("stoker.models.olmoe", "OlmoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("stoker.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -217,8 +217,9 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     fpt = m.flops_per_token(attn_ctx)
     lp, L = m.layer_params, m.num_layers
     wb, peak, bw = dtype_bytes(wd), g.peak_flops(compute_dtype(wd, g)), g.hbm_bytes_per_s
-    # MoE: experts some token in the step picked, in expectation, E x (1 - (1 - k/E)^tokens).
-    frac = 1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens if m.is_moe else 1.0
+    # MoE: per sparse layer only the experts some token in the step picked, in expectation
+    # E x (1 - (1 - k/E)^tokens) (ModelSpec.mlp_params_read, the spec's decode_weight_bytes).
+    mlp_read = m.mlp_params_read(tokens)
 
     act_peak = g.peak_flops(compute_dtype(normalize_dtype(act_dtype), g))
 
@@ -231,16 +232,16 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
         return _op(name, "gemm", rows * fpt[name] / tp, w + act, peak if weight_math else act_peak,
                    bw, share, eff.memory, w=w)
 
-    h, i_active = m.hidden_size, m.intermediate_size * (m.num_experts_per_tok if m.is_moe else 1)
+    h, i_active = m.hidden_size, m.active_intermediate_size()
     ops = [
         gemm("qkv_proj", L * lp["qkv_proj"], h, m.q_dim + 2 * m.kv_dim, wb),
         gemm("o_proj", L * lp["o_proj"], m.q_dim, h, wb),
     ]
     if m.is_moe:
-        ops.append(gemm("router", L * lp["router"], h, m.num_experts, act_bytes))
+        ops.append(gemm("router", m.num_sparse_layers * lp["router"], h, m.num_experts, act_bytes))
     ops += [
-        gemm("mlp_gate_up", L * lp["mlp_gate_up"] * frac, h, 2 * i_active, wb),
-        gemm("mlp_down", L * lp["mlp_down"] * frac, i_active, h, wb),
+        gemm("mlp_gate_up", mlp_read["mlp_gate_up"], h, 2 * i_active, wb),
+        gemm("mlp_down", mlp_read["mlp_down"], i_active, h, wb),
         gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=logit_rows),
     ]
     if lora is not None:

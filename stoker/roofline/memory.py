@@ -62,7 +62,7 @@ def activation_peak_bytes(model: ModelSpec | str, num_tokens: int = DEFAULT_MAX_
     """Largest live tensors of one forward over `num_tokens`: gate+up output, QKV and two residual
     copies in bf16, plus fp32 logits for up to 256 sampled rows. An estimate, not a profile."""
     m = _model(model)
-    per_token = (2 * m.intermediate_size * m.num_experts_per_tok + m.q_dim + 2 * m.kv_dim) / tp + 2 * m.hidden_size
+    per_token = (2 * m.active_intermediate_size() + m.q_dim + 2 * m.kv_dim) / tp + 2 * m.hidden_size
     return num_tokens * per_token * 2.0 + min(num_tokens, 256) * m.vocab_size / tp * 4.0
 
 

@@ -62,7 +62,14 @@ def dtype_bytes(dtype: str) -> float:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Decoder-only transformer shape (Llama/Qwen/Mixtral family: GQA attention, gated MLP)."""
+    """Decoder-only transformer shape (Llama/Qwen/Mixtral family: GQA attention, gated MLP).
+
+    Mixture-of-Experts: `num_experts` routed experts of `moe_intermediate_size` (0: of
+    `intermediate_size`, as Mixtral's config says it) on `num_layers - num_dense_layers`
+    sparse layers, `num_experts_per_tok` of them per token, plus an always-taken shared expert
+    of `shared_expert_intermediate_size` with a one-logit sigmoid gate (Qwen2-MoE); the dense
+    layers (Qwen-MoE's `mlp_only_layers` / `decoder_sparse_step`) have an MLP of `intermediate_size`.
+    """
 
     name: str
     hidden_size: int
@@ -70,13 +77,17 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int  # per expert for MoE
+    intermediate_size: int  # the dense MLP's; per expert for MoE when moe_intermediate_size is 0
     vocab_size: int
     tie_word_embeddings: bool = False
     num_experts: int = 1  # 1 = dense
     num_experts_per_tok: int = 1
-    attention_bias: bool = False
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_dense_layers: int = 0  # layers of a MoE model whose MLP is dense
+    attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
+    qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE)
     published_params: float | None = None
     source: str = ""
 
@@ -85,6 +96,8 @@ class ModelSpec:
             raise ValueError(f"{self.name}: num_heads {self.num_heads} not a multiple of kv heads {self.num_kv_heads}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"{self.name}: num_experts_per_tok must be in [1, num_experts]")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(f"{self.name}: num_dense_layers must be in [0, num_layers]")
 
     @property
     def is_moe(self) -> bool:
@@ -98,31 +111,69 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def qk_norm_params(self) -> int:
+        return 2 * self.head_dim if self.qk_norm_per_head else self.q_dim + self.kv_dim
+
+    # ---- Mixture-of-Experts shape ------------------------------------------------------------
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert of one layer: gate, up and down."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def experts_touched(self, tokens: float) -> float:
+        """Experts of one sparse layer that at least one of `tokens` tokens picks, in expectation,
+        each token choosing k of E uniformly: E x (1 - (1 - k/E)^tokens) (a real router is
+        skewed, so this is an upper bound on the mean). 1 for a dense model."""
+        if not self.is_moe:
+            return 1.0
+        e, k = self.num_experts, self.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
     # ---- parameters, per layer and by component -------------------------------------------
     @property
     def layer_params(self) -> dict[str, int]:
-        """Parameters of one decoder layer by matmul (+ norms), all experts counted."""
-        h, i = self.hidden_size, self.intermediate_size
+        """Parameters of one decoder layer by matmul (+ norms); a MoE model's sparse layer, all
+        experts counted, with its shared expert in the mlp entries."""
+        h = self.hidden_size
         qkv = h * (self.q_dim + 2 * self.kv_dim) + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
+        if self.is_moe:
+            e, i, s = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
+            gate_up, down = 2 * h * (i * e + s), h * (i * e + s)
+            router = h * e + (h if s else 0)  # the shared expert's gate: one logit per token
+        else:
+            gate_up, down, router = 2 * h * self.intermediate_size, h * self.intermediate_size, 0
         return {
             "qkv_proj": qkv,
             "o_proj": self.q_dim * h,
-            "router": h * self.num_experts if self.is_moe else 0,
-            "mlp_gate_up": 2 * h * i * self.num_experts,
-            "mlp_down": i * h * self.num_experts,
-            "norms": 2 * h + (2 * self.head_dim if self.qk_norm else 0),
+            "router": router,
+            "mlp_gate_up": gate_up,
+            "mlp_down": down,
+            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0),
         }
 
     def param_counts(self) -> dict[str, int]:
-        """Whole-model parameters by component: embedding, attention, mlp, router, norms, lm_head."""
-        lp = self.layer_params
-        emb = self.vocab_size * self.hidden_size
+        """Whole-model parameters by component: embedding, attention, mlp (dense MLPs and shared
+        experts), experts (routed), router, norms, lm_head."""
+        lp, h = self.layer_params, self.hidden_size
+        emb = self.vocab_size * h
+        sparse, dense = self.num_sparse_layers, self.num_layers - self.num_sparse_layers
+        experts = sparse * self.num_experts * self.expert_params if self.is_moe else 0
         return {
             "embedding": emb,
             "attention": self.num_layers * (lp["qkv_proj"] + lp["o_proj"]),
-            "mlp": self.num_layers * (lp["mlp_gate_up"] + lp["mlp_down"]),
-            "router": self.num_layers * lp["router"],
-            "norms": self.num_layers * lp["norms"] + self.hidden_size,
+            "mlp": dense * 3 * h * self.intermediate_size + sparse * 3 * h * self.shared_expert_intermediate_size,
+            "experts": experts,
+            "router": sparse * lp["router"],
+            "norms": self.num_layers * lp["norms"] + h,
             "lm_head": 0 if self.tie_word_embeddings else emb,
         }
 
@@ -134,25 +185,52 @@ class ModelSpec:
     def num_active_params(self) -> int:
         """Parameters one token touches (MoE: only its top-k experts)."""
         # Counted as Mistral counts Mixtral's "12.9B active": everything but the idle experts.
-        c = self.param_counts()
-        idle_experts = c["mlp"] * (self.num_experts - self.num_experts_per_tok) // self.num_experts
-        return self.num_params - idle_experts
+        idle = self.num_sparse_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params
+        return self.num_params - idle
+
+    def mlp_params_read(self, tokens: float) -> dict[str, float]:
+        """MLP weights a step of `tokens` tokens reads, by matmul (mlp_gate_up, mlp_down): the
+        dense layers' and shared experts' whole, and per sparse layer the experts it touches."""
+        h, sparse = self.hidden_size, self.num_sparse_layers
+        dense_cols = (self.num_layers - sparse) * self.intermediate_size + sparse * self.shared_expert_intermediate_size
+        expert_cols = sparse * self.experts_touched(tokens) * self.expert_intermediate_size if self.is_moe else 0.0
+        cols = dense_cols + expert_cols
+        return {"mlp_gate_up": 2.0 * h * cols, "mlp_down": 1.0 * h * cols}
+
+    def active_intermediate_size(self) -> float:
+        """MLP columns one token computes, averaged over layers (k experts plus the shared one)."""
+        sparse = self.num_sparse_layers
+        cols = ((self.num_layers - sparse) * self.intermediate_size
+                + sparse * (self.num_experts_per_tok * self.expert_intermediate_size + self.shared_expert_intermediate_size))
+        return cols / self.num_layers
 
     # ---- bytes ---------------------------------------------------------------------------
     @property
     def projection_rows(self) -> int:
         """Output rows of all transformer-block projections (each carries one scale when quantized)."""
-        per_layer = (self.q_dim + 2 * self.kv_dim) + self.hidden_size + 3 * self.intermediate_size * self.num_experts
-        return self.num_layers * per_layer
+        c, h = self.param_counts(), self.hidden_size
+        mlp_rows = (c["mlp"] + c["experts"]) // h  # gate, up and down: one row per column of I, each
+        return self.num_layers * ((self.q_dim + 2 * self.kv_dim) + h) + mlp_rows
 
     def weight_bytes(self, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
         """Bytes of all weights: transformer-block matmuls in `dtype` (plus one float32 scale per
-        output row when quantized to fp8/int8), embeddings, LM head and norms in `rest_dtype`."""
+        output row when quantized to fp8/int8), embeddings, LM head, routers and norms in `rest_dtype`."""
         c = self.param_counts()
-        quantized = c["attention"] + c["mlp"]
+        quantized = c["attention"] + c["mlp"] + c["experts"]
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
         scales = self.projection_rows * SCALE_BYTES_PER_ROW.get(normalize_dtype(dtype), 0.0)
         return quantized * dtype_bytes(dtype) + scales + rest * dtype_bytes(rest_dtype)
+
+    def decode_weight_bytes(self, batch: int, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
+        """Weight bytes one decode step of `batch` sequences reads (no scales): attention, the
+        MLPs `mlp_params_read(batch)` says (a MoE layer only the experts its tokens touch), the
+        routers and the LM head; the embedding is a gather of `batch` rows, not counted. A dense
+        model's is the same at every batch. The cost model's decode step reads exactly this."""
+        lp, L = self.layer_params, self.num_layers
+        mlp = self.mlp_params_read(batch)
+        projections = L * (lp["qkv_proj"] + lp["o_proj"]) + mlp["mlp_gate_up"] + mlp["mlp_down"]
+        rest = self.num_sparse_layers * lp["router"] + self.vocab_size * self.hidden_size
+        return projections * dtype_bytes(dtype) + rest * dtype_bytes(rest_dtype)
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16", tp: int = 1) -> float:
         """K and V of every layer for one token; per GPU when tp > 1 (KV heads split, or replicated
@@ -164,18 +242,19 @@ class ModelSpec:
     def flops_per_token(self, context_len: float) -> dict[str, float]:
         """Forward FLOPs for one token attending to `context_len` positions, by operation.
 
-        2 FLOPs per multiply-accumulate on active weights, plus attention 4 x layers x heads x
-        head_dim x context (QK^T and PV), the formula in facts.md (Kaplan et al. 2020, sec. 2.1).
+        2 FLOPs per multiply-accumulate on active weights (MoE: the token's k experts and the
+        shared one), plus attention 4 x layers x heads x head_dim x context (QK^T and PV), the
+        formula in facts.md (Kaplan et al. 2020, sec. 2.1).
         """
-        lp, L, k = self.layer_params, self.num_layers, self.num_experts_per_tok
-        per_expert = lambda n: n * k / self.num_experts  # noqa: E731
+        lp, L, h = self.layer_params, self.num_layers, self.hidden_size
+        cols = L * self.active_intermediate_size()
         return {
             "qkv_proj": 2.0 * L * lp["qkv_proj"],
             "attention": 4.0 * L * self.q_dim * context_len,
             "o_proj": 2.0 * L * lp["o_proj"],
-            "router": 2.0 * L * lp["router"],
-            "mlp_gate_up": 2.0 * L * per_expert(lp["mlp_gate_up"]),
-            "mlp_down": 2.0 * L * per_expert(lp["mlp_down"]),
+            "router": 2.0 * self.num_sparse_layers * lp["router"],
+            "mlp_gate_up": 2.0 * 2 * h * cols,
+            "mlp_down": 2.0 * h * cols,
             "lm_head": 2.0 * self.vocab_size * self.hidden_size,
         }
 
@@ -184,6 +263,8 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
     """Build a ModelSpec from HF config.json fields (Llama, Mistral, Mixtral, Qwen2/3 names)."""
     try:
         h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 1)
+        model_type = config.get("model_type")
         return ModelSpec(
             name=name,
             hidden_size=h,
@@ -191,18 +272,41 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or h // heads),
-            intermediate_size=int(config.get("moe_intermediate_size") if config.get("num_experts") else config["intermediate_size"]),
+            intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 1),
-            num_experts_per_tok=int(config.get("num_experts_per_tok") or 1),
-            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            qk_norm=bool(config.get("qk_norm", config.get("model_type") in ("qwen3", "qwen3_moe"))),
+            num_experts=num_experts,
+            num_experts_per_tok=int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1,
+            moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if num_experts > 1 else 0,
+            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0) if num_experts > 1 else 0,
+            num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
+            attention_bias=qkv_bias(config),
+            qk_norm=bool(config.get("qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe"))),
+            qk_norm_per_head=model_type != "olmoe",
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
     except KeyError as exc:
         raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+
+
+def qkv_bias(config: dict) -> bool:
+    """Biases on q, k and v: Qwen2 always (no field), Qwen2-MoE by `qkv_bias` (transformers 5;
+    true when absent), the others by `attention_bias`."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2_moe" and config.get("qkv_bias") is not None:
+        return bool(config["qkv_bias"])
+    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))
+
+
+def num_dense_layers(config: dict) -> int:
+    """Layers of a MoE config whose MLP is dense: Qwen-MoE's `mlp_only_layers` and the layers
+    `decoder_sparse_step` skips; DeepSeek's `first_k_dense_replace` first ones."""
+    layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or [])
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    return sum(1 for i in range(layers) if i in dense_only or (i + 1) % step or i < first_dense)
 
 
 def list_models() -> list[str]:

@@ -18,6 +18,7 @@ from torch import nn
 from stoker.core.step import SeqStep
 from stoker.layers.linear import Linear
 from stoker.layers.lora import LoRAMapping, LoRAMethod, LoRASlots, segments_of
+from stoker.layers.moe import FusedMoE
 from stoker.lora.adapter import LoRAAdapter
 
 _TARGET = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
@@ -29,6 +30,12 @@ class ModelLoRASlots:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        moe = next((name for name, m in model.named_modules() if isinstance(m, FusedMoE)), None)
+        if moe is not None:
+            # Refused whole rather than half-served: an adapter's expert or MLP targets would be
+            # dropped silently (FusedMoE has no LoRA method yet).
+            raise ValueError(f"LoRA (--enable-lora) is not supported on Mixture-of-Experts models yet ({moe} is a "
+                             "FusedMoE layer); serve this model without --enable-lora")
         shard_names = {(merged, shard): name for name, (merged, shard) in getattr(model, "packed_modules", {}).items()}
         self.layers: list[LoRASlots] = []
         for name, module in model.named_modules():

@@ -17,6 +17,7 @@ from stoker.config import EngineConfig
 from stoker.core.step import SampledTokens, SampleSpec, SeqStep, StepMessage, StepResult
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.forward_context import ForwardContext, set_forward_context
+from stoker.layers.moe import FusedMoE
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
 from stoker.quantization import config as quant_config
@@ -193,6 +194,11 @@ class ModelRunner:
             return
         if self.lora is not None:
             logger.warning("CUDA graphs off with LoRA (the per-step adapter mapping is not captured yet)")
+            return
+        moe = [m.method for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if any(not method.graph_capturable for method in moe):
+            logger.warning("CUDA graphs off, decode runs eagerly: the Mixture-of-Experts method (%s) sizes its "
+                           "per-expert GEMMs on the host", moe[0].describe())
             return
         if self.tp.world_size > 1:
             # Capturing NCCL collectives is possible (vLLM does) but not yet verified here.

@@ -21,6 +21,10 @@ _ARCH = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).

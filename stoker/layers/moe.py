@@ -1,0 +1,224 @@
+"""The Mixture-of-Experts feed-forward: `FusedMoE` holds every expert's weights stacked,
+and a `MoEMethod` (the weight-method seam's four verbs, layers/weight_method.py) stores,
+loads and applies them.
+
+    w13 (E, 2I, H)   each expert's [gate; up] rows (checkpoint w1 = gate_proj, w3 = up_proj)
+    w2  (E, H, I)    each expert's down projection (checkpoint w2 = down_proj)
+
+The router is not part of the layer (layers/moe_router.py): `forward(x, topk_weights,
+topk_ids)` takes the choices already made, so a router with a bias, groups or a sigmoid
+slots in without touching the experts.
+
+Tensor parallelism cuts I (Megatron's MLP layout, expert by expert): each rank holds its
+columns of every expert's gate and up and the matching rows of its down projection, its
+output is a partial sum, and `forward` all-reduces it after the method, as the dense MLP's
+down projection does. Expert parallelism (cutting E) is not built yet.
+
+Loading: the checkpoint keeps one tensor per expert and projection; a shard key is
+`(expert, "w1" | "w2" | "w3")` (models/moe_loading.py maps the checkpoint's names onto it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.distributed.partition import WHOLE, Partition
+from stoker.layers.activation import SiluAndMul, get_gated_activation
+from stoker.layers.weight_method import expect_shape
+from stoker.quantization.formats import FLOAT_CHECKPOINT_DTYPES
+
+EXPERT_SHARDS = ("w1", "w2", "w3")
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        *,
+        split: Partition = WHOLE,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not split.is_whole and tp is None:
+            raise ValueError("a tensor-parallel FusedMoE needs its group (for the all-reduce)")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.checkpoint_intermediate_size = intermediate_size
+        self.split = split
+        self.intermediate_size = split.size(intermediate_size)  # this rank's I
+        self.reduce = tp if not split.is_whole else None
+        self.act = get_gated_activation(hidden_act)  # (n, 2I) [gate | up] -> (n, I); kernels bound at build
+        self.method: MoEMethod | None = None
+
+    def attach(self, method: MoEMethod) -> None:
+        """Give this layer its method; the method creates the parameters (build time)."""
+        if self.method is not None:
+            raise RuntimeError("a FusedMoE's method is chosen once, when the model is built")
+        self.method = method
+        method.create_weights(self)
+
+    @property
+    def is_split(self) -> bool:
+        return not self.split.is_whole
+
+    @property
+    def is_silu(self) -> bool:
+        """SiLU-gated (what the fused CPU kernel can apply in the gate/up GEMM)."""
+        return isinstance(self.act, SiluAndMul)
+
+    def checkpoint_slice(self, shard: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of one expert's checkpoint tensor `shard` ("w1", "w2", "w3") this rank reads:
+        its rows of gate and up, its columns of down; None (all of it) when not split."""
+        i, h = self.checkpoint_intermediate_size, self.hidden_size
+        expect_shape(shape, (h, i) if shard == "w2" else (i, h), "expert weight", shard)
+        if not self.is_split:
+            return None
+        cut = slice(*self.split.range(i))
+        return (slice(None), cut) if shard == "w2" else (cut,)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # (T, H), (T, k) float32, (T, k) int64 -> (T, H)
+        if self.method is None:
+            raise RuntimeError("this FusedMoE has no method: build models with models.loader.build_model")
+        out = self.method.apply(self, x, topk_weights, topk_ids)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"method={self.method.describe() if self.method else None}")
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The step's (token, choice) pairs grouped by expert, computed once per layer call.
+
+    Each token's choices are first put in ascending expert order (their weights with them), so
+    the k contributions of a token are later summed in that order, whatever the batch: the
+    same order as an expert-by-expert loop (reference.fused_moe, transformers' eager path).
+    """
+
+    order: torch.Tensor  # (T * k,) flat (token, slot) index of each pair, pairs sorted by expert (stable)
+    token_of: torch.Tensor  # (T * k,) the token of each sorted pair
+    weights: torch.Tensor  # (T * k,) float32 routing weight of each sorted pair
+    segments: list[tuple[int, int, int]]  # (expert, first, stop) of each expert with tokens
+
+
+def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    k = topk_ids.shape[1]
+    ids, perm = topk_ids.sort(dim=1)  # (T, k) ascending expert per token
+    weights = topk_weights.gather(1, perm).reshape(-1)  # (T * k,)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, as a counting sort: tokens in order within one
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync: the GEMM sizes
+    segments, first = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            segments.append((e, first, first + n))
+            first += n
+    return ExpertGroups(order, order // k, weights[order], segments)
+
+
+class MoEMethod:
+    """Base: float experts, one GEMM pair per expert over the tokens routed to it."""
+
+    kind = "float"
+    #: False: `apply` reads each expert's token count on the host (a sync), so a CUDA graph
+    #: cannot hold it; the runner then decodes eagerly
+    graph_capturable = False
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [gate; up] per expert
+        layer.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint tensor (this rank's part of it, `layer.checkpoint_slice`)."""
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert {expert} does not exist: the config has num_experts {layer.num_experts}")
+        if tensor.dtype not in FLOAT_CHECKPOINT_DTYPES:
+            raise ValueError(f"expert {expert} {shard} is {tensor.dtype}; the experts run unquantized, so an 8-bit "
+                             "weight would be read without its scale")
+        i = layer.intermediate_size
+        target = {"w1": layer.w13[expert, :i], "w3": layer.w13[expert, i:], "w2": layer.w2[expert]}[shard]
+        expect_shape(tuple(tensor.shape), tuple(target.shape), f"expert {expert}", shard)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        pass
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # (T, H) -> (T, H), this rank's partial sum under tensor parallelism
+        num_tokens, k = topk_ids.shape
+        if num_tokens == 0:
+            return torch.zeros_like(x)
+        groups = group_by_expert(topk_weights, topk_ids, layer.num_experts)
+        xs = x.index_select(0, groups.token_of)  # (T * k, H) grouped by expert
+        ys = torch.empty_like(xs)
+        for e, first, stop in groups.segments:
+            ys[first:stop] = self.expert_forward(layer, e, xs[first:stop])
+        ys = (ys * groups.weights[:, None]).to(x.dtype)
+        # Back to (T, k, H), each token's choices in ascending expert order, and summed in that
+        # order: a fixed order per token, where index_add_ on CUDA (atomics) would not be.
+        per_choice = torch.empty_like(ys)
+        per_choice[groups.order] = ys
+        per_choice = per_choice.view(num_tokens, k, -1)
+        out = per_choice[:, 0].clone()
+        for j in range(1, k):
+            out += per_choice[:, j]
+        return out
+
+    def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        return layer.act(rows @ layer.w13[e].t()) @ layer.w2[e].t()
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class TorchMoEMethod(MoEMethod):
+    """Float experts through torch matmuls: CUDA (cuBLAS), CPU without the C kernels, any dtype."""
+
+
+class PackedCpuMoEMethod(MoEMethod):
+    """CPU float32 with the C kernels: each expert's w13 and w2 as the linear kernel's panels
+    (kernels/cpu/linear.c), SiLU-and-mul fused into the gate/up GEMM when I fits whole panels.
+
+    The kernel sums each output in one fixed order whatever the number of rows, so with the
+    fixed per-token order of `MoEMethod.apply` a token's result does not depend on its batch,
+    as on the dense path. After loading: w13 (E, P13, H, NR), w2 (E, P2, I, NR).
+    """
+
+    def __init__(self, fuse_silu_and_mul: bool) -> None:
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        self.fuse_silu_and_mul = fuse_silu_and_mul
+        self.kernel = cpu_linear.linear  # or its twin reference.linear_packed, for tests
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        w13, w2 = layer.w13.data, layer.w2.data
+        layer.w13 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w, gate_up=self.fuse_silu_and_mul)
+                                              for w in w13]), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w) for w in w2]), requires_grad=False)
+
+    def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        i = layer.intermediate_size
+        h = self.kernel(rows, layer.w13[e], 2 * i, None, self.fuse_silu_and_mul)  # (n, I) or (n, 2I)
+        if not self.fuse_silu_and_mul:
+            h = layer.act(h)
+        return self.kernel(h, layer.w2[e], layer.hidden_size, None, False)
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}(fused silu)" if self.fuse_silu_and_mul else type(self).__name__

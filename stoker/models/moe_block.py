@@ -1,0 +1,71 @@
+"""The sparse feed-forward block the MoE families share: a router, the experts, and an
+optional shared expert with its sigmoid gate (Qwen2-MoE).
+
+Parameter names follow the Qwen/Mixtral checkpoints: `gate.weight` (the router),
+`experts.{e}.{gate_proj|up_proj|down_proj}` or `experts.{e}.{w1|w3|w2}` (stacked into
+`experts.w13` / `experts.w2` by models/moe_loading.py), `shared_expert.{gate,up,down}_proj`,
+`shared_expert_gate.weight`.
+
+Which layers are sparse is the family's `mlp_block` hook (models/llama.LlamaForCausalLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.layers.activation import sigmoid_per_row
+from stoker.layers.linear import Linear
+from stoker.layers.moe import FusedMoE
+from stoker.layers.moe_router import SoftmaxTopKRouter
+from stoker.models.llama import LlamaMLP, split_evenly
+
+
+def dense_mlp(cfg: dict[str, Any], intermediate_size: int, tp: TensorParallelGroup) -> LlamaMLP:
+    """A gated MLP of `intermediate_size` columns (a MoE model's dense layers, its shared expert)."""
+    return LlamaMLP({**cfg, "intermediate_size": intermediate_size, "mlp_bias": False}, tp)
+
+
+def num_experts_of(cfg: dict[str, Any]) -> int:
+    """The Hub's Qwen-MoE and OLMoE configs say `num_experts`, Mixtral's `num_local_experts`;
+    transformers 5 writes `num_local_experts` for Qwen3-MoE too."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def is_sparse_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
+    """Qwen-MoE's rule: layers not in `mlp_only_layers`, every `decoder_sparse_step`-th one."""
+    if not num_experts_of(cfg) or layer_idx in (cfg.get("mlp_only_layers") or []):
+        return False
+    return (layer_idx + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        tp: TensorParallelGroup,
+        *,
+        num_experts: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_expert_size: int = 0,
+    ) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.gate = SoftmaxTopKRouter(hidden, num_experts, cfg["num_experts_per_tok"], renormalize)
+        part = split_evenly(intermediate_size, "moe_intermediate_size", tp)
+        self.experts = FusedMoE(num_experts, hidden, intermediate_size, cfg.get("hidden_act", "silu"), split=part, tp=tp)
+        self.shared_expert: LlamaMLP | None = None
+        if shared_expert_size:
+            self.shared_expert = dense_mlp(cfg, shared_expert_size, tp)
+            self.shared_expert_gate = Linear(hidden, 1)  # replicated: one logit per token
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        topk_weights, topk_ids = self.gate.route(x)  # (T, k) float32, (T, k)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + sigmoid_per_row(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) gate
+        return out

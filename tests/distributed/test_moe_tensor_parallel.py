@@ -1,0 +1,39 @@
+"""Mixture-of-Experts under tensor parallelism on CPU over gloo: each rank holds its columns of
+every expert's I (and of the shared expert's), all-reduces its partial sum, and a TP=2 engine
+gives TP=1's tokens. OLMoE's whole-projection q/k norm is refused, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stoker import LLM
+from tests.distributed.test_tensor_parallel import GREEDY, KV, engine, run
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16,
+                           norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+        ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+        ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                           shared_expert_intermediate_size=40)),
+    ],
+    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared"],
+)
+def test_moe_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> None:
+    path = tiny_checkpoints(arch, **overrides)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        experts = [m for m in llm.engine.executor.driver_runner.model.modules() if type(m).__name__ == "FusedMoE"]
+        assert experts and all(m.intermediate_size == m.checkpoint_intermediate_size // 2 for m in experts)
+
+
+def test_olmoe_tp_is_refused(tiny_checkpoints) -> None:
+    path = tiny_checkpoints("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    with pytest.raises(ValueError, match=r"tensor parallelism \(--tensor-parallel-size\) is not supported for OLMoE"):
+        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
