@@ -8,7 +8,8 @@ Entry points (the fleet planner sizes memory with the first two):
 Throughput for a deployment is `costmodel.decode_tokens_per_s(...)`.
 
 Dtypes: bf16/fp16 2 bytes; fp8/int8 1 byte; int4 0.5 byte + one 16-bit scale per group of 128
-(GPTQ/AWQ's common group size). Quantized checkpoints keep embeddings and lm_head in 16 bits
+(GPTQ/AWQ's common group size); mxfp4 4.25 bits (4-bit E2M1 values + one 8-bit E8M0 scale per
+block of 32, the OCP Microscaling format gpt-oss ships its experts in: (32 x 4 + 8) / 32 bits). Quantized checkpoints keep embeddings and lm_head in 16 bits
 (vLLM's FP8 and GPTQ/AWQ checkpoints leave them unquantized), so `weight_bytes` does too.
 """
 
@@ -22,9 +23,11 @@ from pathlib import Path
 from stoker.roofline.presets import ALIASES, PRESETS
 
 INT4_GROUP_SIZE = 128
+MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
     "int4": 0.5 + 2.0 / INT4_GROUP_SIZE,
+    "mxfp4": 0.5 + 1.0 / MX_BLOCK_SIZE,  # 4.25 bits
 }
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
 KV_DTYPES = ("bf16", "fp8")
@@ -88,6 +91,13 @@ class ModelSpec:
     attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
     qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE)
+    # Sliding-window attention on `num_sliding_layers` of the layers (gpt-oss: every other one,
+    # config.json `layer_types`): those layers attend to, and hold K/V of, at most `sliding_window` tokens.
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
+    # Routed experts stored in their own dtype whatever the rest (gpt-oss: "mxfp4", from
+    # quantization_config.quant_method; attention, router, embeddings and LM head stay 16-bit).
+    expert_dtype: str = ""
     published_params: float | None = None
     source: str = ""
 
@@ -98,6 +108,10 @@ class ModelSpec:
             raise ValueError(f"{self.name}: num_experts_per_tok must be in [1, num_experts]")
         if not 0 <= self.num_dense_layers <= self.num_layers:
             raise ValueError(f"{self.name}: num_dense_layers must be in [0, num_layers]")
+        if not 0 <= self.num_sliding_layers <= self.num_layers or (self.num_sliding_layers and self.sliding_window < 1):
+            raise ValueError(f"{self.name}: sliding layers must be in [0, num_layers], with a window >= 1")
+        if self.expert_dtype:
+            dtype_bytes(self.expert_dtype)
 
     @property
     def is_moe(self) -> bool:
@@ -188,14 +202,22 @@ class ModelSpec:
         idle = self.num_sparse_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params
         return self.num_params - idle
 
-    def mlp_params_read(self, tokens: float) -> dict[str, float]:
+    def mlp_params_read(self, tokens: float, part: str = "all") -> dict[str, float]:
         """MLP weights a step of `tokens` tokens reads, by matmul (mlp_gate_up, mlp_down): the
-        dense layers' and shared experts' whole, and per sparse layer the experts it touches."""
+        dense layers' and shared experts' whole, and per sparse layer the experts it touches.
+        `part`: "dense" (dense MLPs and shared experts only), "experts" (routed experts only) or "all"."""
+        if part not in ("all", "dense", "experts"):
+            raise ValueError(f"part must be all, dense or experts, not {part!r}")
         h, sparse = self.hidden_size, self.num_sparse_layers
         dense_cols = (self.num_layers - sparse) * self.intermediate_size + sparse * self.shared_expert_intermediate_size
         expert_cols = sparse * self.experts_touched(tokens) * self.expert_intermediate_size if self.is_moe else 0.0
-        cols = dense_cols + expert_cols
+        cols = {"all": dense_cols + expert_cols, "dense": dense_cols, "experts": expert_cols}[part]
         return {"mlp_gate_up": 2.0 * h * cols, "mlp_down": 1.0 * h * cols}
+
+    def expert_bytes_per_param(self, dtype: str) -> float:
+        """Bytes of one routed-expert weight when the rest is stored in `dtype`: the checkpoint's
+        own expert dtype where it has one (gpt-oss: mxfp4, 4.25 bits), else `dtype`."""
+        return dtype_bytes(self.expert_dtype or dtype)
 
     def active_intermediate_size(self) -> float:
         """MLP columns one token computes, averaged over layers (k experts plus the shared one)."""
@@ -216,10 +238,13 @@ class ModelSpec:
         """Bytes of all weights: transformer-block matmuls in `dtype` (plus one float32 scale per
         output row when quantized to fp8/int8), embeddings, LM head, routers and norms in `rest_dtype`."""
         c = self.param_counts()
-        quantized = c["attention"] + c["mlp"] + c["experts"]
+        quantized = c["attention"] + c["mlp"] + (0 if self.expert_dtype else c["experts"])
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
-        scales = self.projection_rows * SCALE_BYTES_PER_ROW.get(normalize_dtype(dtype), 0.0)
-        return quantized * dtype_bytes(dtype) + scales + rest * dtype_bytes(rest_dtype)
+        rows = self.projection_rows - (c["experts"] // self.hidden_size if self.expert_dtype else 0)
+        scales = rows * SCALE_BYTES_PER_ROW.get(normalize_dtype(dtype), 0.0)
+        # Experts in their own dtype (mxfp4's scales are in its 4.25 bits): gpt-oss.
+        experts = c["experts"] * self.expert_bytes_per_param(dtype) if self.expert_dtype else 0.0
+        return quantized * dtype_bytes(dtype) + scales + experts + rest * dtype_bytes(rest_dtype)
 
     def decode_weight_bytes(self, batch: int, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
         """Weight bytes one decode step of `batch` sequences reads (no scales): attention, the
@@ -227,10 +252,24 @@ class ModelSpec:
         routers and the LM head; the embedding is a gather of `batch` rows, not counted. A dense
         model's is the same at every batch. The cost model's decode step reads exactly this."""
         lp, L = self.layer_params, self.num_layers
-        mlp = self.mlp_params_read(batch)
-        projections = L * (lp["qkv_proj"] + lp["o_proj"]) + mlp["mlp_gate_up"] + mlp["mlp_down"]
+        dense, experts = self.mlp_params_read(batch, "dense"), self.mlp_params_read(batch, "experts")
+        projections = L * (lp["qkv_proj"] + lp["o_proj"]) + dense["mlp_gate_up"] + dense["mlp_down"]
         rest = self.num_sparse_layers * lp["router"] + self.vocab_size * self.hidden_size
-        return projections * dtype_bytes(dtype) + rest * dtype_bytes(rest_dtype)
+        return (projections * dtype_bytes(dtype) + (experts["mlp_gate_up"] + experts["mlp_down"])
+                * self.expert_bytes_per_param(dtype) + rest * dtype_bytes(rest_dtype))
+
+    def kv_context(self, context_len: float) -> float:
+        """Tokens of K/V a sequence of `context_len` tokens holds (and a decode step reads), averaged
+        over layers: all of them on full-attention layers, at most `sliding_window` on sliding ones.
+        x kv_bytes_per_token = the sequence's KV bytes. `context_len` for a model with no window."""
+        if not self.num_sliding_layers:
+            return float(context_len)
+        full = self.num_layers - self.num_sliding_layers
+        return (full * context_len + self.num_sliding_layers * min(context_len, self.sliding_window)) / self.num_layers
+
+    def kv_bytes_per_seq(self, context_len: float, kv_dtype: str = "bf16", tp: int = 1) -> float:
+        """KV bytes of one sequence of `context_len` tokens (per GPU when tp > 1), windows honoured."""
+        return self.kv_context(context_len) * self.kv_bytes_per_token(kv_dtype, tp)
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16", tp: int = 1) -> float:
         """K and V of every layer for one token; per GPU when tp > 1 (KV heads split, or replicated
@@ -250,7 +289,7 @@ class ModelSpec:
         cols = L * self.active_intermediate_size()
         return {
             "qkv_proj": 2.0 * L * lp["qkv_proj"],
-            "attention": 4.0 * L * self.q_dim * context_len,
+            "attention": 4.0 * L * self.q_dim * self.kv_context(context_len),  # a window caps its layers
             "o_proj": 2.0 * L * lp["o_proj"],
             "router": 2.0 * self.num_sparse_layers * lp["router"],
             "mlp_gate_up": 2.0 * 2 * h * cols,
@@ -283,11 +322,27 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             attention_bias=qkv_bias(config),
             qk_norm=bool(config.get("qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe"))),
             qk_norm_per_head=model_type != "olmoe",
+            sliding_window=int(config.get("sliding_window") or 0) if sliding_layers(config) else 0,
+            num_sliding_layers=sliding_layers(config),
+            expert_dtype=expert_dtype(config) if num_experts > 1 else "",
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
     except KeyError as exc:
         raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+
+
+def sliding_layers(config: dict) -> int:
+    """Layers config.json's `layer_types` marks "sliding_attention" (gpt-oss: every other one)."""
+    return sum(1 for t in config.get("layer_types") or [] if t == "sliding_attention")
+
+
+def expert_dtype(config: dict) -> str:
+    """The routed experts' own storage dtype: "mxfp4" where quantization_config says so (gpt-oss's
+    checkpoints: the experts in MXFP4, self_attn, router, embeddings and lm_head left in bf16 by
+    `modules_to_not_convert`); "" (the weights' dtype) otherwise."""
+    q = config.get("quantization_config") or {}
+    return "mxfp4" if str(q.get("quant_method", "")).lower() == "mxfp4" else ""
 
 
 def qkv_bias(config: dict) -> bool:

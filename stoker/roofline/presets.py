@@ -2,6 +2,13 @@
 
 `published_params` is the size the model card or paper states; tests hold our parameter count to
 within 1% of it. Llama-2 presets exist because gpt-fast's published batch-1 runs use them.
+
+MoE presets (issue 33): the config.json values of each model's Hugging Face repo, cross-checked
+against a public repository that vendors the same shape (named in each `source`). gpt-oss's
+experts are MXFP4 in the released checkpoints (quantization_config.quant_method "mxfp4", with
+self_attn, router, embed_tokens and lm_head in `modules_to_not_convert`): `expert_dtype`
+"mxfp4" prices them at 4.25 bits. Not modelled for gpt-oss: the projection and expert biases,
+the router bias and the attention sinks (~40M of 117B parameters, 0.03%).
 """
 
 from __future__ import annotations
@@ -35,6 +42,42 @@ PRESETS: dict[str, dict[str, Any]] = {
         published_params=46.7e9, published_active_params=12.9e9,
         source="huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json; Mistral blog: 46.7B total, 12.9B active",
     ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, model_type="qwen3_moe",
+        published_params=30.5e9, published_active_params=3.3e9,
+        source="huggingface.co/Qwen/Qwen3-30B-A3B config.json (the same shape: THUDM/slime "
+               "scripts/models/qwen3-30B-A3B.sh); model card: 30.5B total, 3.3B activated",
+    ),
+    "qwen3-235b-a22b": dict(
+        hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, model_type="qwen3_moe",
+        published_params=235e9, published_active_params=22e9,
+        source="huggingface.co/Qwen/Qwen3-235B-A22B config.json (the same shape: zyzshishui/slime "
+               "scripts/models/qwen3-235B-A22B.sh); model card: 235B total, 22B activated",
+    ),
+    "gpt-oss-20b": dict(
+        hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        attention_bias=True, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+        quantization_config={"quant_method": "mxfp4"}, model_type="gpt_oss",
+        published_params=20.91e9, published_active_params=3.61e9, published_checkpoint_gib=12.8,
+        source="huggingface.co/openai/gpt-oss-20b config.json (the same fields: EchoCog/gpt-oss-20b "
+               "docs/gpt-oss-20b-architecture.md); gpt-oss model card (arXiv 2508.10925) Table 1: "
+               "20.91B total, 3.61B active, 12.8 GiB checkpoint",
+    ),
+    "gpt-oss-120b": dict(
+        hidden_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
+        attention_bias=True, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18,
+        quantization_config={"quant_method": "mxfp4"}, model_type="gpt_oss",
+        published_params=116.83e9, published_active_params=5.13e9, published_checkpoint_gib=60.8,
+        source="huggingface.co/openai/gpt-oss-120b config.json (the 20b's fields with 36 layers and 128 "
+               "experts); gpt-oss model card (arXiv 2508.10925) Table 1: 116.83B total, 5.13B active, "
+               "60.8 GiB checkpoint",
+    ),
     "qwen2.5-7b": dict(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         intermediate_size=18944, vocab_size=152064, attention_bias=True,
@@ -67,5 +110,6 @@ ALIASES: dict[str, str] = {
     "meta-llama-3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b",
     "meta-llama-3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b", "meta-llama-3.1-70b": "llama-3-70b",
     "llama-3.3-70b": "llama-3-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
-    "mixtral-8x7b-v0.1": "mixtral-8x7b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
 }

@@ -90,3 +90,61 @@ def test_the_cost_model_decode_step_reads_the_specs_bytes(model: str, batch: int
     spec = get_model_spec(model)
     step = step_cost(spec, "h100", batch=batch, context_len=1024, weight_dtype="fp8")
     assert step.weight_bytes == pytest.approx(spec.decode_weight_bytes(batch, "fp8", rest_dtype="bf16"))
+
+
+# ---- MoE presets (issue 33): published totals, actives and checkpoint sizes -----------------------
+@pytest.mark.parametrize(
+    "name, total, active, embedding_counted",
+    [
+        ("mixtral-8x7b", 46.7e9, 12.9e9, True),  # Mistral: 46.7B total, 12.9B active
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9, True),  # model card: 30.5B total, 3.3B activated
+        ("qwen3-235b-a22b", 235e9, 22e9, True),  # model card: 235B total, 22B activated
+        # gpt-oss model card (arXiv 2508.10925) Table 1: 20.91B / 3.61B and 116.83B / 5.13B; its
+        # active count leaves out the input embedding (a gather), so ours is compared without it.
+        ("gpt-oss-20b", 20.91e9, 3.61e9, False),
+        ("gpt-oss-120b", 116.83e9, 5.13e9, False),
+    ],
+)
+def test_moe_presets_match_their_published_sizes(name: str, total: float, active: float,
+                                                 embedding_counted: bool) -> None:
+    spec = get_model_spec(name)
+    assert spec.is_moe
+    assert spec.num_params == pytest.approx(total, rel=0.01)
+    act = spec.num_active_params - (0 if embedding_counted else spec.param_counts()["embedding"])
+    assert act == pytest.approx(active, rel=0.02)
+
+
+@pytest.mark.parametrize("name, gib", [("gpt-oss-20b", 12.8), ("gpt-oss-120b", 60.8)])
+def test_gpt_oss_mxfp4_experts_give_the_published_checkpoint_size(name: str, gib: float) -> None:
+    # Experts at 4.25 bits (MXFP4: 4-bit values + one E8M0 scale per 32), the rest bf16: the model
+    # card's checkpoint sizes (12.8 GiB and 60.8 GiB) within 1%.
+    spec = get_model_spec(name)
+    assert spec.expert_dtype == "mxfp4"
+    assert spec.expert_bytes_per_param("bf16") == 4.25 / 8
+    assert spec.weight_bytes("bf16") / 2**30 == pytest.approx(gib, rel=0.01)
+    # An fp8 request quantizes what is not already MXFP4; the experts keep their 4.25 bits.
+    c = spec.param_counts()
+    assert spec.weight_bytes("bf16") - spec.weight_bytes("fp8") == pytest.approx(
+        (c["attention"] + c["mlp"]) * 1.0 - (spec.projection_rows - c["experts"] // spec.hidden_size) * 4.0)
+
+
+def test_gpt_oss_sliding_layers_hold_at_most_the_window() -> None:
+    spec = get_model_spec("gpt-oss-120b")
+    assert (spec.num_sliding_layers, spec.sliding_window, spec.num_layers) == (18, 128, 36)
+    per_token = spec.kv_bytes_per_token("bf16")
+    assert per_token == 2 * 36 * 8 * 64 * 2
+    assert spec.kv_bytes_per_seq(100) == pytest.approx(100 * per_token)  # under the window: every layer
+    # 8192 tokens: 18 full layers hold 8192, 18 sliding layers 128.
+    assert spec.kv_bytes_per_seq(8192) == pytest.approx(per_token * (18 * 8192 + 18 * 128) / 36)
+    # Attention FLOPs follow the same cap; a model without a window is unchanged.
+    f = spec.flops_per_token(8192)["attention"]
+    assert f == pytest.approx(4 * 36 * spec.q_dim * (8192 + 128) / 2)
+    llama = get_model_spec("llama-3-8b")
+    assert llama.kv_bytes_per_seq(8192) == 8192 * llama.kv_bytes_per_token()
+
+
+def test_decode_step_reads_window_capped_kv() -> None:
+    spec = get_model_spec("gpt-oss-120b")
+    step = step_cost(spec, "h100", batch=16, context_len=8192)
+    assert step.kv_bytes == pytest.approx(16 * spec.kv_bytes_per_seq(8192))
+    assert step.weight_bytes == pytest.approx(spec.decode_weight_bytes(16, "bf16"))
