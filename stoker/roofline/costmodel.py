@@ -25,7 +25,24 @@ one more op, `lora` (roofline/lora.py).
 `kv_per_query_head=True`: the decode attention kernel reads each KV head's cache once per query
 head of its group instead of once per group (`kv_read_factor`: an older kernel's traffic, a
 property of the workload; today's engines share the reads, the default). The floor keeps one read.
-Not modelled: pipeline/expert parallelism, the logits gather, speculative decoding.
+Mixture-of-Experts: a step of T tokens reads, per sparse layer, the E x (1 - (1 - k/E)^T) experts
+its tokens pick in expectation (ModelSpec.mlp_params_read), each in the checkpoint's expert dtype
+(gpt-oss: MXFP4, 4.25 bits, weight-only: bf16 math on GPUs without FP4 cores). Parallel layouts of
+the experts (`ep`, `moe_scheme`; docs/roofline.md "Mixture of Experts"):
+  ep=1 (the engine's layout, docs/moe.md): tensor parallelism cuts every expert's I over the TP
+      ranks, so each rank reads 1/tp of every touched expert; the partial sums ride the two
+      all-reduces per layer a dense model has.
+  ep=tp, moe_scheme="tp" (TP-replicated expert parallelism): every rank holds E/ep whole experts
+      and sees every token (replicated activations); it reads only its touched experts, the step
+      waits for the rank that touched most (expected maximum of ep binomials, experts_per_rank),
+      and the combine is the same all-reduce of tokens x hidden that TP already pays.
+  tp=1, ep=N, moe_scheme="dp_attention": attention and dense weights replicated, each rank decoding
+      its own `batch`; the experts split over N ranks see all N x batch tokens; dispatch and
+      combine are two all-to-alls per sparse layer of batch x k x hidden x 2 bytes per rank
+      (collectives.py, nccl-tests' (n-1)/n bus factor). Figures are one rank's (the group's
+      tokens/s is N x).
+Not modelled: pipeline parallelism, the logits gather, speculative decoding; under EP the FLOPs of
+the busiest rank (its share of the tokens' expert work is taken as the mean).
 """
 
 from __future__ import annotations
@@ -33,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stoker.roofline.collectives import all_reduce_time
+from stoker.roofline.collectives import all_reduce_time, collective_time
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GPUSpec, Interconnect, get_gpu, get_link
 from stoker.roofline.lora import LoRACost, LoRASpec
@@ -79,6 +96,8 @@ class StepCost:
     ops: tuple[OpCost, ...]
     floor_ops: tuple[OpCost, ...]  # the same step at 100% of every peak, no gaps
     chunk_tokens: int | None = None  # prefill: a chunk of this many tokens instead of whole prompts
+    ep: int = 1  # expert-parallel ranks (1: experts cut by TP)
+    moe_scheme: str = "tp"
 
     @property
     def tokens_per_step(self) -> int:
@@ -183,6 +202,27 @@ def kv_read_factor(m: ModelSpec, tp: int = 1, per_query_head: bool = False) -> f
     return (m.num_heads / tp) / math.ceil(m.num_kv_heads / tp)
 
 
+MOE_SCHEMES = ("tp", "dp_attention")
+
+
+def experts_per_rank(m: ModelSpec, tokens: float, ep: int) -> float:
+    """Touched experts of one sparse layer on the busiest of `ep` ranks, each holding E/ep whole
+    experts, for a step of `tokens` tokens: each expert is touched with p = 1 - (1 - k/E)^tokens
+    (ModelSpec.experts_touched / E), taken independently, so a rank's count is Binomial(E/ep, p)
+    and the step waits on the expected maximum over ranks, sum_j P(max >= j) = sum_j 1 - F(j-1)^ep.
+    ep=1: experts_touched(tokens)."""
+    if ep == 1 or not m.is_moe:
+        return m.experts_touched(tokens)
+    n = m.num_experts // ep
+    p = min(1.0, max(0.0, m.experts_touched(tokens) / m.num_experts))
+    pmf = [math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(n + 1)]
+    cdf, expected_max = 0.0, 0.0
+    for j in range(1, n + 1):
+        cdf += pmf[j - 1]  # P(count <= j - 1)
+        expected_max += 1.0 - min(1.0, cdf) ** ep
+    return expected_max
+
+
 def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: float,
         eff_c: float, eff_m: float, w: float = 0.0, kv: float = 0.0) -> OpCost:
     t_c, t_m = flops / (peak * eff_c), nbytes / (bw * eff_m)
@@ -192,39 +232,53 @@ def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: 
 def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
          link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
          act_dtype: str = "bf16", last_token_logits: bool = False, lora: LoRASpec | None = None,
-         kv_per_query_head: bool = False) -> tuple[OpCost, ...]:
+         kv_per_query_head: bool = False, ep: int = 1, moe_scheme: str = "tp") -> tuple[OpCost, ...]:
     tokens = batch if phase == "decode" else (chunk or batch * ctx)
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
     # Decode reads every sequence's whole KV (once per query head with an older kernel: kv_read_factor);
     # prefill writes it (flash-attention keeps scores on chip).
-    kv_tokens = batch * ctx * kv_read_factor(m, tp, kv_per_query_head) if phase == "decode" else tokens
+    # A sliding-window layer holds and reads at most its window (ModelSpec.kv_context).
+    kv_tokens = batch * m.kv_context(ctx) * kv_read_factor(m, tp, kv_per_query_head) if phase == "decode" else tokens
     # Sequences in the step (each on its own adapter): a chunk holds chunk / ctx prompts, at least one.
     seqs = max(batch, -(-chunk // ctx)) if chunk else batch
     lora_cost = LoRACost.of(m, lora, tp=tp, seqs=seqs, tokens=tokens, act_dtype=act_dtype) if lora else None
     return _token_ops(m, g, tokens, attn_ctx, kv_tokens, batch if last_token_logits else tokens, wd, kvd, tp, link,
-                      eff, overlap, act_dtype, prefill=phase == "prefill", lora=lora_cost)
+                      eff, overlap, act_dtype, prefill=phase == "prefill", lora=lora_cost, ep=ep, moe_scheme=moe_scheme)
 
 
 def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens: float, logit_rows: int, wd: str,
                kvd: str, tp: int, link: Interconnect, eff: Efficiencies, overlap: bool = False,
-               act_dtype: str = "bf16", *, prefill: bool = False, lora: LoRACost | None = None) -> tuple[OpCost, ...]:
+               act_dtype: str = "bf16", *, prefill: bool = False, lora: LoRACost | None = None,
+               ep: int = 1, moe_scheme: str = "tp") -> tuple[OpCost, ...]:
     """The ops of a step computing `tokens` tokens that attend to `attn_ctx` positions on average,
     moving `kv_tokens` tokens' K/V, with `logit_rows` rows of logits. `prefill`: the step holds
     prompt (context) tokens, and pays the per-layer context setup (eff.prefill_layer_overhead_s).
-    `lora`: the step's adapters (roofline/lora.py), one more op."""
+    `lora`: the step's adapters (roofline/lora.py), one more op. `ep`, `moe_scheme`: the experts'
+    layout (module docstring); under "dp_attention" `tokens` are one rank's."""
     act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
     fpt = m.flops_per_token(attn_ctx)
     lp, L = m.layer_params, m.num_layers
     wb, peak, bw = dtype_bytes(wd), g.peak_flops(compute_dtype(wd, g)), g.hbm_bytes_per_s
     # MoE: per sparse layer only the experts some token in the step picked, in expectation
     # E x (1 - (1 - k/E)^tokens) (ModelSpec.mlp_params_read, the spec's decode_weight_bytes).
-    mlp_read = m.mlp_params_read(tokens)
+    dense_read = m.mlp_params_read(tokens, "dense")
+    # The tokens the experts see: under DP attention every rank's (ep x tokens), else the step's.
+    routed = tokens * ep if moe_scheme == "dp_attention" else tokens
+    expert_read = m.mlp_params_read(routed, "experts")
+    eb = m.expert_bytes_per_param(wd)
+    if ep > 1:
+        # Whole experts per rank: the busiest rank's touched experts, read by it alone (no 1/tp cut).
+        busiest = experts_per_rank(m, routed, ep) / m.experts_touched(routed) if m.is_moe else 0.0
+        expert_w = {k: v * busiest * eb for k, v in expert_read.items()}
+    else:
+        expert_w = {k: v * eb / tp for k, v in expert_read.items()}  # TP cuts every expert's I
 
     act_peak = g.peak_flops(compute_dtype(normalize_dtype(act_dtype), g))
 
-    def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float, rows: float = tokens) -> OpCost:
-        w = params * bytes_per_param / tp
+    def gemm(name: str, params: float, d_in: float, d_out: float, bytes_per_param: float, rows: float = tokens,
+             extra_w: float = 0.0) -> OpCost:
+        w = params * bytes_per_param / tp + extra_w  # extra_w: routed experts' bytes on this rank
         act = rows * (d_in + d_out) * act_bytes / tp
         weight_math = bytes_per_param != act_bytes
         # The share of peak is per tensor-core dtype (Efficiencies.gemm_share: 8-bit cores have their own).
@@ -240,8 +294,8 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     if m.is_moe:
         ops.append(gemm("router", m.num_sparse_layers * lp["router"], h, m.num_experts, act_bytes))
     ops += [
-        gemm("mlp_gate_up", mlp_read["mlp_gate_up"], h, 2 * i_active, wb),
-        gemm("mlp_down", mlp_read["mlp_down"], i_active, h, wb),
+        gemm("mlp_gate_up", dense_read["mlp_gate_up"], h, 2 * i_active, wb, extra_w=expert_w["mlp_gate_up"]),
+        gemm("mlp_down", dense_read["mlp_down"], i_active, h, wb, extra_w=expert_w["mlp_down"]),
         gemm("lm_head", m.vocab_size * h, h, m.vocab_size, act_bytes, rows=logit_rows),
     ]
     if lora is not None:
@@ -266,6 +320,14 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
             # try): only the part longer than the step's other work is exposed.
             comm_s = max(0.0, comm_s - sum(op.time_s for op in ops))
         ops.append(OpCost("all_reduce", "comm", 0.0, 2 * L * ar.size_bytes, comm_s, "communication"))
+    if moe_scheme == "dp_attention" and ep > 1 and m.is_moe:
+        # DP attention + EP: each rank sends its tokens' k copies of the hidden state to the experts'
+        # ranks and gets them back: two all-to-alls per sparse layer of tokens x k x hidden x 2 bytes.
+        a2a = collective_time("all_to_all", tokens * m.num_experts_per_tok * h * act_bytes, ep, link,
+                              efficiency=eff.comm)
+        comm_s = 2 * m.num_sparse_layers * (a2a.time_s + eff.comm_latency_s)
+        ops.append(OpCost("all_to_all", "comm", 0.0, 2 * m.num_sparse_layers * a2a.size_bytes, comm_s,
+                          "communication"))
     gaps = L * eff.layer_overhead_s + eff.step_overhead_s
     if gaps > 0:
         ops.append(OpCost("launch_gaps", "overhead", 0.0, 0.0, gaps, "overhead"))
@@ -297,6 +359,8 @@ def step_cost(
     lora: LoRASpec | None = None,
     kv_per_query_head: bool = False,
     with_floor: bool = True,
+    ep: int = 1,
+    moe_scheme: str = "tp",
 ) -> StepCost:
     """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
     (`batch` prompts of `context_len` tokens; with `chunk_tokens`, one chunk of that many prompt
@@ -307,8 +371,11 @@ def step_cost(
     step): the adapters' weight reads and FLOPs are one more op (roofline/lora.py).
     `kv_per_query_head`: decode attention reads each KV head once per query head (kv_read_factor:
     an older kernel, e.g. TensorRT-LLM v0.6.1's masked MHA); the floor keeps one read per group.
-    `with_floor=False`: floor_ops left empty (half the work; for callers that read only the time)."""
+    `with_floor=False`: floor_ops left empty (half the work; for callers that read only the time).
+    `ep`, `moe_scheme`: expert parallelism (module docstring): "tp" needs ep 1 or ep == tp;
+    "dp_attention" needs tp 1, and prices one rank of `ep`, each decoding `batch` sequences."""
     m, g = _resolve(model, gpu)
+    _check_ep(m, tp, ep, moe_scheme)
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, not {phase!r}")
     if batch < 1 or context_len < 1 or tp < 1:
@@ -319,17 +386,36 @@ def step_cost(
     kvd = kv_dtype or "bf16"
     dtype_bytes(kvd)
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
-    if tp > 1 and lnk.kind == "none":
+    if max(tp, ep) > 1 and lnk.kind == "none":
         raise ValueError(f"{g.name} has no GPU-GPU link for --tp {tp}; pass --link (e.g. pcie4) or use tp 1")
     if chunk_tokens is not None and (phase != "prefill" or chunk_tokens < 1):
         raise ValueError("chunk_tokens applies to prefill and must be >= 1")
     dtype_bytes(act_dtype)
     args = (m, g, phase, batch, context_len, normalize_dtype(weight_dtype), kvd, tp, lnk)
     extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits, lora)
+    moe = dict(ep=ep, moe_scheme=moe_scheme)
     # The floor reads each KV byte once (repeats a kernel makes may come from L2): it stays a wall.
     return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
-                    _ops(*args, eff or Efficiencies(), *extra, kv_per_query_head),
-                    _ops(*args, Efficiencies.ideal(), *extra) if with_floor else (), chunk_tokens)
+                    _ops(*args, eff or Efficiencies(), *extra, kv_per_query_head, **moe),
+                    _ops(*args, Efficiencies.ideal(), *extra, **moe) if with_floor else (), chunk_tokens,
+                    ep, moe_scheme)
+
+
+def _check_ep(m: ModelSpec, tp: int, ep: int, scheme: str) -> None:
+    if scheme not in MOE_SCHEMES:
+        raise ValueError(f"moe_scheme must be one of {MOE_SCHEMES}, not {scheme!r}")
+    if ep < 1:
+        raise ValueError("ep must be >= 1")
+    if ep == 1:
+        return
+    if not m.is_moe:
+        raise ValueError(f"--ep {ep}: {m.name} has no experts")
+    if m.num_experts % ep:
+        raise ValueError(f"--ep {ep} does not divide {m.name}'s {m.num_experts} experts")
+    if scheme == "tp" and ep != tp:
+        raise ValueError(f"TP-replicated expert parallelism runs on the TP group: ep ({ep}) must equal tp ({tp})")
+    if scheme == "dp_attention" and tp != 1:
+        raise ValueError("DP attention replicates attention on every expert-parallel rank: tp must be 1")
 
 
 def decode_tokens_per_s(model: ModelSpec | str, gpu: GPUSpec | str, *, batch: int, context_len: int,
@@ -400,7 +486,9 @@ def mixed_step_cost(
     if tokens < 1 or logits_rows < 0:
         raise ValueError("a step computes at least one token")
     attn_ctx = (prefill_attended + decode_context) / tokens
-    kv_tokens = prefill_tokens + decode_context  # prefill writes its tokens' K/V; decodes read theirs
+    # Prefill writes its tokens' K/V; decodes read theirs (a sliding-window layer at most its window,
+    # the mean context per sequence taken for every sequence).
+    kv_tokens = prefill_tokens + (decode_seqs * m.kv_context(decode_context / decode_seqs) if decode_seqs else decode_context)
     kvd = kv_dtype or "bf16"
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
     wd = normalize_dtype(weight_dtype)

@@ -148,3 +148,71 @@ def test_decode_step_reads_window_capped_kv() -> None:
     step = step_cost(spec, "h100", batch=16, context_len=8192)
     assert step.kv_bytes == pytest.approx(16 * spec.kv_bytes_per_seq(8192))
     assert step.weight_bytes == pytest.approx(spec.decode_weight_bytes(16, "bf16"))
+
+
+# ---- expert parallelism -----------------------------------------------------------------------------
+def test_experts_per_rank_is_the_busiest_ranks_share() -> None:
+    from stoker.roofline.costmodel import experts_per_rank
+
+    spec = get_model_spec("qwen3-235b-a22b")  # 128 experts, 8 per token
+    assert experts_per_rank(spec, 4, 1) == pytest.approx(spec.experts_touched(4))
+    for b in (1, 8, 64):
+        busiest = experts_per_rank(spec, b, 8)
+        # at least the mean share, at most a rank's 16 experts
+        assert spec.experts_touched(b) / 8 <= busiest <= 16
+    assert experts_per_rank(spec, 4096, 8) == pytest.approx(16, rel=1e-6)  # every expert touched
+    # A lone token's 8 experts land on ~2.5 of 8 ranks' busiest, not the mean 1.
+    assert 2 < experts_per_rank(spec, 1, 8) < 3
+
+
+def test_tp_replicated_ep_reads_only_each_ranks_experts() -> None:
+    spec = get_model_spec("qwen3-235b-a22b")
+    kw = dict(context_len=2048, weight_dtype="fp8", tp=8)
+    for b in (1, 16, 512):
+        cut = step_cost(spec, "H100", batch=b, **kw)
+        ep = step_cost(spec, "H100", batch=b, ep=8, **kw)
+        lp = spec.layer_params
+        dense = (spec.num_layers * (lp["qkv_proj"] + lp["o_proj"])) / 8 + spec.vocab_size * spec.hidden_size * 2 / 8 \
+            + spec.num_sparse_layers * lp["router"] * 2 / 8
+        from stoker.roofline.costmodel import experts_per_rank
+        experts = spec.num_sparse_layers * experts_per_rank(spec, b, 8) * spec.expert_params  # fp8: 1 B each
+        assert ep.weight_bytes == pytest.approx(dense + experts)
+        # The same all-reduces as TP (the combine rides them), and never fewer bytes than the TP cut.
+        assert [o.bytes for o in ep.ops if o.op_class == "comm"] == [o.bytes for o in cut.ops if o.op_class == "comm"]
+        assert ep.weight_bytes >= cut.weight_bytes * (1 - 1e-9)
+    # At a large batch every rank touches all its experts: EP and the TP cut read the same bytes.
+    assert step_cost(spec, "H100", batch=4096, ep=8, **kw).weight_bytes == pytest.approx(
+        step_cost(spec, "H100", batch=4096, **kw).weight_bytes)
+
+
+def test_dp_attention_ep_prices_the_all_to_all() -> None:
+    from stoker.roofline.collectives import collective_time
+    from stoker.roofline.hardware import get_gpu
+
+    spec = get_model_spec("qwen3-235b-a22b")
+    step = step_cost(spec, "H100", batch=32, context_len=1024, weight_dtype="fp8", ep=8, moe_scheme="dp_attention")
+    comm = [o for o in step.ops if o.op_class == "comm"]
+    assert [o.name for o in comm] == ["all_to_all"]  # no TP all-reduce: attention is replicated
+    size = 32 * 8 * spec.hidden_size * 2  # a rank's tokens x k x hidden x bf16
+    assert comm[0].bytes == pytest.approx(2 * spec.num_sparse_layers * size)
+    from stoker.roofline.profiles import KERNEL
+    a2a = collective_time("all_to_all", size, 8, get_gpu("H100").link, efficiency=KERNEL.comm)
+    assert comm[0].time_s == pytest.approx(2 * spec.num_sparse_layers * (a2a.time_s + KERNEL.comm_latency_s))
+    # The experts see all 8 ranks' tokens: 256 tokens touch nearly every expert.
+    assert step.weight_bytes > spec.num_layers * (spec.layer_params["qkv_proj"] + spec.layer_params["o_proj"])
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(tp=8, ep=4), "must equal tp"),
+        (dict(tp=2, ep=2, moe_scheme="dp_attention"), "tp must be 1"),
+        (dict(tp=1, ep=3, moe_scheme="dp_attention"), "does not divide"),
+        (dict(tp=8, ep=8, moe_scheme="alltoall"), "moe_scheme"),
+    ],
+)
+def test_ep_layouts_that_do_not_exist_are_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        step_cost("qwen3-235b-a22b", "H100", batch=8, **kw)
+    with pytest.raises(ValueError, match="no experts"):
+        step_cost("llama-3-70b", "H100", batch=8, tp=8, ep=8)
