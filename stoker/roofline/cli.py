@@ -60,8 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--link", default=None, help="GPU-GPU link override (e.g. pcie4 to price a PCIe box)")
     p.add_argument("--top", type=int, default=10, help="feasible plans to print (default 10)")
-    p.add_argument("--weight-dtypes", default="bf16,fp8,int8",
-                   help="weight dtypes to search (default: the ones stoker serve runs; add int4 to price W4A16 engines)")
+    p.add_argument("--weight-dtypes", default=None,
+                   help="weight dtypes to search (default: the ones stoker serve runs for the model: bf16,fp8,int8, "
+                        "bf16 for a MoE model; add int4 to price W4A16 engines)")
     p.add_argument("--json", action="store_true", help='print {"feasible": [...], "rejected": [...]}')
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="scheduler token budget per step: decode batch + prefill chunk (default 8192, vLLM's)")
@@ -226,7 +227,7 @@ def run_plan(args: argparse.Namespace) -> int:
         prompt_len=args.prompt_len, output_len=args.output_len, max_gpus=args.max_gpus,
         gpu_hour_price=args.gpu_hour_price, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens or memory.DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    weight_dtypes = tuple(d.strip() for d in args.weight_dtypes.split(",") if d.strip())
+    weight_dtypes = tuple(d.strip() for d in (args.weight_dtypes or "").split(",") if d.strip()) or None
     result = planner.plan(args.model, args.gpu, targets, link=args.link, eff=eff, overlap_comm=args.overlap_comm,
                           weight_dtypes=weight_dtypes)
     if args.json:

@@ -65,6 +65,8 @@ class KVCapacity:
     kv_bytes: float  # per GPU, for KV blocks (0 when nothing is left)
     kv_bytes_per_token: float  # per GPU (the token's KV split over TP ranks)
     block_size: int
+    sliding_window: int = 0  # tokens a sliding-window layer holds at most (gpt-oss: 128)
+    sliding_share: float = 0.0  # share of the layers with a window (gpt-oss: 1/2)
 
     @property
     def num_blocks(self) -> int:
@@ -84,7 +86,14 @@ class KVCapacity:
         """Sequences of `seq_len` tokens whose blocks all fit at once (vLLM's "maximum concurrency")."""
         if seq_len < 1:
             raise ValueError("seq_len must be >= 1")
-        return self.num_blocks // math.ceil(seq_len / self.block_size)
+        if not self.sliding_share:
+            return self.num_blocks // math.ceil(seq_len / self.block_size)
+        # Sliding-window layers keep at most their window's blocks (vLLM's hybrid KV manager frees the
+        # rest): a sequence takes, averaged over layers, full-layer blocks for all its tokens and
+        # window-layer blocks for min(seq_len, window) of them.
+        full = math.ceil(seq_len / self.block_size)
+        window = math.ceil(min(seq_len, self.sliding_window) / self.block_size)
+        return math.floor(self.num_blocks / ((1 - self.sliding_share) * full + self.sliding_share * window))
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -140,7 +149,8 @@ def kv_capacity(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, weig
     extra = overheads(m, tp, max_num_batched_tokens)
     kv = usable * gpu_memory_utilization - weights - sum(o.bytes for o in extra)
     return KVCapacity(m.name, g.name, tp, weight_dtype, kv_dtype, gpu_memory_utilization, usable, src, weights,
-                      extra, max(0.0, kv), m.kv_bytes_per_token(kv_dtype, tp), block_size)
+                      extra, max(0.0, kv), m.kv_bytes_per_token(kv_dtype, tp), block_size,
+                      m.sliding_window, m.num_sliding_layers / m.num_layers)
 
 
 def format_report(cap: KVCapacity) -> list[str]:

@@ -73,7 +73,7 @@ def vram(model: ModelSpec | str, *, batch: int, context_len: int, weight_dtype: 
     m = _model(model)
     return MemoryBreakdown(
         weights_bytes=weights_per_gpu(m, weight_dtype, tp),
-        kv_bytes=batch * context_len * m.kv_bytes_per_token(kv_dtype, tp),
+        kv_bytes=batch * m.kv_bytes_per_seq(context_len, kv_dtype, tp),  # a sliding window caps its layers
         activation_bytes=activation_peak_bytes(m, max_num_batched_tokens, tp),
         overhead_bytes=overhead_bytes,
     )

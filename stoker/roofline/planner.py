@@ -173,15 +173,25 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
 # The weight dtypes Stoker's engine serves (--quantization fp8|int8, or float): a plan prints the
 # `stoker serve` command that runs it, so int4 (W4A16, not served yet) is only searched when asked.
 SERVABLE_WEIGHT_DTYPES = ("bf16", "fp8", "int8")
+# A MoE model runs its experts unquantized: `--quantization fp8|int8` on one is refused when the
+# model is built (docs/moe.md, "Refused, by name"), so a MoE plan searches bf16 unless told otherwise.
+MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
+
+
+def servable_weight_dtypes(m: ModelSpec) -> tuple[str, ...]:
+    """The weight dtypes a default plan searches for `m`: what `stoker serve` runs for it."""
+    return MOE_SERVABLE_WEIGHT_DTYPES if m.is_moe else SERVABLE_WEIGHT_DTYPES
 
 
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
-         link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] = SERVABLE_WEIGHT_DTYPES,
+         link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] | None = None,
          kv_dtypes: tuple[str, ...] = KV_DTYPES, tp_degrees: tuple[int, ...] = TP_DEGREES,
          batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None, overlap_comm: bool = False) -> Plan:
-    """Cheapest plans; `eff` None predicts with the "engine" profile (profiles.ENGINE)."""
+    """Cheapest plans; `eff` None predicts with the "engine" profile (profiles.ENGINE); `weight_dtypes`
+    None searches what the engine serves for the model (servable_weight_dtypes)."""
     eff = eff or ENGINE
     m = get_model_spec(model) if isinstance(model, str) else model
+    weight_dtypes = weight_dtypes or servable_weight_dtypes(m)
     g = get_gpu(gpu) if isinstance(gpu, str) else gpu
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
     feasible: list[Candidate] = []
@@ -243,8 +253,19 @@ def serve_command(model: str, c: Candidate) -> str:
     from pathlib import Path
 
     parts = ["stoker serve", model if Path(model).is_dir() else f"<{model} checkpoint folder>"]
-    if c.weight_dtype not in _ENGINE_QUANTIZATION:
-        parts.append(f"# {c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
+    notes: list[str] = []  # what the engine cannot run yet: after the flags, as a shell comment
+    try:
+        spec: ModelSpec | None = get_model_spec(model)
+    except ValueError:
+        spec = None
+    moe = spec is not None and spec.is_moe
+    if spec is not None and spec.expert_dtype:
+        # gpt-oss ships MXFP4 experts; the engine refuses a pre-quantized MoE checkpoint (docs/moe.md).
+        notes.append(f"{spec.expert_dtype} experts: the engine refuses pre-quantized MoE checkpoints today (docs/moe.md)")
+    if moe and c.weight_dtype != "bf16":
+        notes.append(f"{c.weight_dtype} experts: the engine has no quantized MoE method yet (docs/moe.md)")
+    elif c.weight_dtype not in _ENGINE_QUANTIZATION:
+        notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
     elif _ENGINE_QUANTIZATION[c.weight_dtype]:
         parts.append(f"--quantization {_ENGINE_QUANTIZATION[c.weight_dtype]}")
     if c.kv_dtype == "fp8":
@@ -252,4 +273,6 @@ def serve_command(model: str, c: Candidate) -> str:
     parts.append(f"--max-num-seqs {c.max_batch}")
     if c.tp > 1:
         parts.append(f"--tensor-parallel-size {c.tp}")
+    if notes:
+        parts.append("  # " + "; ".join(notes))
     return " ".join(parts)

@@ -8,7 +8,17 @@ import math
 from stoker.roofline.hardware import get_gpu
 from stoker.roofline.kvcapacity import kv_capacity
 from stoker.roofline.modelspec import get_model_spec
-from stoker.roofline.planner import BATCHES, SERVABLE_WEIGHT_DTYPES, PlanTargets, plan, serving_times
+import pytest
+
+from stoker.roofline.planner import (
+    BATCHES,
+    SERVABLE_WEIGHT_DTYPES,
+    PlanTargets,
+    plan,
+    serve_command,
+    servable_weight_dtypes,
+    serving_times,
+)
 from stoker.roofline.profiles import ENGINE
 
 # The running example (docs/walkthrough.md): Llama-3-70B chat on H100s, 2000 output tokens/s,
@@ -16,12 +26,12 @@ from stoker.roofline.profiles import ENGINE
 TARGETS = PlanTargets(2000, ttft_p50_ms=1000, prompt_len=1024, output_len=256, max_gpus=8)
 
 
-def _brute_force_min_gpus(t: PlanTargets) -> int | None:
+def _brute_force_min_gpus(t: PlanTargets, model: str = "llama-3-70b", gpu: str = "H100") -> int | None:
     """Every dtype x KV dtype x TP x batch x replicas, each point's KV capacity and times taken
     from kvcapacity / serving_times directly (what the planner's search must not miss)."""
-    m, g = get_model_spec("llama-3-70b"), get_gpu("H100")
+    m, g = get_model_spec(model), get_gpu(gpu)
     best = None
-    for wd in SERVABLE_WEIGHT_DTYPES:  # what plan() searches by default
+    for wd in servable_weight_dtypes(m):  # what plan() searches by default
         for kvd in ("bf16", "fp8"):
             for tp in (1, 2, 4, 8):
                 kv = kv_capacity(m, g, tp=tp, weight_dtype=wd, kv_dtype=kvd,
@@ -79,3 +89,45 @@ def test_int4_is_searched_only_when_asked() -> None:
     assert all(c.weight_dtype != "int4" for c in plan("llama-3-70b", "H100", t).feasible)
     wide = plan("llama-3-70b", "H100", t, weight_dtypes=("bf16", "fp8", "int8", "int4"))
     assert any(c.weight_dtype == "int4" for c in wide.feasible)
+
+
+
+# ---- MoE (issue 33): the walkthrough's successors sized on H100 and H200 ---------------------------
+MOE_PLANS = [
+    # (model, target output tokens/s, H100 GPUs, H200 GPUs): 1024-token prompts, 256-token answers,
+    # first token within 1 s. gpt-oss-120b's MXFP4 experts (61 GiB) fit one GPU of either; a bf16
+    # Qwen3-235B-A22B (438 GiB) needs TP8 on H100, TP4 on H200.
+    ("gpt-oss-120b", 5000, 2, 1),
+    ("qwen3-235b-a22b", 1500, 8, 4),
+]
+
+
+@pytest.mark.parametrize("model, target, h100_gpus, h200_gpus", MOE_PLANS)
+def test_moe_plans_on_h100_and_h200_are_minimal(model: str, target: float, h100_gpus: int, h200_gpus: int) -> None:
+    t = PlanTargets(target, ttft_p50_ms=1000, prompt_len=1024, output_len=256, max_gpus=8)
+    for gpu, want in (("H100", h100_gpus), ("H200", h200_gpus)):
+        result = plan(model, gpu, t)
+        assert result.feasible, gpu
+        winner = result.feasible[0]
+        assert winner.tokens_per_s >= target and winner.ttft_ms <= 1000
+        assert winner.gpus == want == _brute_force_min_gpus(t, model, gpu), gpu
+        # The engine runs MoE experts unquantized: a default MoE plan searches bf16 weights only.
+        assert {c.weight_dtype for c in result.feasible} == {"bf16"}
+        assert {r.weight_dtype for r in result.rejected} <= {"bf16"}
+
+
+def test_moe_serve_lines() -> None:
+    t = PlanTargets(1500, ttft_p50_ms=1000, prompt_len=1024, output_len=256, max_gpus=8)
+    best = plan("qwen3-235b-a22b", "H200", t).feasible[0]
+    assert serve_command("qwen3-235b-a22b", best) == (
+        f"stoker serve <qwen3-235b-a22b checkpoint folder>{' --kv-cache-dtype fp8' if best.kv_dtype == 'fp8' else ''}"
+        f" --max-num-seqs {best.max_batch} --tensor-parallel-size 4")
+    # gpt-oss's MXFP4 experts: the engine refuses a pre-quantized MoE checkpoint today; the line says so
+    # after the flags (a shell comment), and fp8 weights on a MoE model are priced only when asked.
+    oss = plan("gpt-oss-120b", "H100", PlanTargets(5000, ttft_p50_ms=1000)).feasible[0]
+    line = serve_command("gpt-oss-120b", oss)
+    assert line.startswith("stoker serve <gpt-oss-120b checkpoint folder> ") and "--tensor-parallel-size 2" in line
+    assert line.index("--max-num-seqs") < line.index("#") and "mxfp4 experts" in line.split("#", 1)[1]
+    fp8 = plan("qwen3-235b-a22b", "H100", t, weight_dtypes=("fp8",)).feasible[0]
+    assert "--quantization" not in serve_command("qwen3-235b-a22b", fp8)
+    assert "fp8 experts: the engine has no quantized MoE method" in serve_command("qwen3-235b-a22b", fp8)

@@ -131,3 +131,15 @@ def test_plan_prints_the_serve_command_and_the_engine_takes_it(capsys, tiny_llam
     kwargs = _llm_kwargs(build_parser().parse_args(argv + ["--kv-cache-memory-bytes", str(4 << 20), "--device", "cpu"]))
     llm = LLM(argv[1], **kwargs)
     assert llm.engine.executor.driver_runner.quant.method == "fp8" and llm.engine.executor.driver_runner.kv_spec.dtype == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("model, gpu, target, tp", [("gpt-oss-120b", "H200", "5000", None),
+                                                    ("qwen3-235b-a22b", "H100", "1500", 8)])
+def test_plan_cli_sizes_moe_models_and_prints_the_serve_line(model: str, gpu: str, target: str, tp: int | None,
+                                                            capsys) -> None:
+    assert main(["plan", "--model", model, "--gpu", gpu, "--target-tokens-per-s", target, "--ttft-p50-ms", "1000"]) == 0
+    out = capsys.readouterr().out
+    run = next(line for line in out.splitlines() if line.startswith("run ("))
+    assert f"stoker serve <{model} checkpoint folder>" in run and "--max-num-seqs" in run
+    assert (f"--tensor-parallel-size {tp}" in run) if tp else ("--tensor-parallel-size" not in run)
+    assert " fp8 weights" not in out and " int8 " not in out  # MoE: bf16 weights only, as the engine runs them

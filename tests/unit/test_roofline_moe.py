@@ -216,3 +216,19 @@ def test_ep_layouts_that_do_not_exist_are_refused(kw: dict, match: str) -> None:
         step_cost("qwen3-235b-a22b", "H100", batch=8, **kw)
     with pytest.raises(ValueError, match="no experts"):
         step_cost("llama-3-70b", "H100", batch=8, tp=8, ep=8)
+
+
+def test_kv_capacity_counts_window_layers_at_their_window() -> None:
+    import dataclasses
+    import math
+
+    from stoker.roofline.kvcapacity import kv_capacity
+
+    cap = kv_capacity("gpt-oss-120b", "H200")
+    assert (cap.sliding_window, cap.sliding_share) == (128, 0.5)
+    blocks = cap.num_blocks
+    # 8192 tokens: 512 blocks on the 18 full layers, 8 on the 18 window layers -> 260 on average.
+    assert cap.max_seqs(8192) == math.floor(blocks / 260)
+    no_window = dataclasses.replace(cap, sliding_share=0.0)
+    assert no_window.max_seqs(8192) == blocks // 512 < cap.max_seqs(8192)
+    assert cap.max_seqs(100) == no_window.max_seqs(100)  # under the window both hold every token
