@@ -86,3 +86,35 @@ def test_the_log_line_says_the_wall_in_words() -> None:
     for _ in range(10):  # most steps of the window now take 10x their prediction: overhead
         metrics.observe(StepShape(0, 0, 4, 4096, 4), 10 * predicted)
     assert metrics.summary().startswith("decode: overhead-bound; ")
+
+
+def test_the_live_wall_prices_moe_steps_by_the_experts_the_batch_touches() -> None:
+    # Issue 33: the server builds its WallModel from the checkpoint's config.json (server/observe/wall.py,
+    # a fake engine here: no torch), and every step's decode count is the B of E x (1 - (1 - k/E)^B).
+    from types import SimpleNamespace
+
+    from stoker.roofline.presets import PRESETS
+    from stoker.server.observe.wall import build_wall_model
+
+    config = {k: v for k, v in PRESETS["qwen3-30b-a3b"].items() if not k.startswith("published") and k != "source"}
+    info = SimpleNamespace(runner=SimpleNamespace(device_type="cuda", device_name="NVIDIA H100 80GB HBM3",
+                                                  dtype="torch.bfloat16", quantization=None),
+                           cache_config=SimpleNamespace(fp8_kv=False), hf_config=config, model_path="/ckpt/qwen3-moe",
+                           tensor_parallel_size=1)
+    wall = build_wall_model(info)
+    assert wall is not None and wall.spec.is_moe and wall.spec.num_experts == 128
+    spec, g = wall.spec, get_gpu("H100")
+
+    def judged(b: int) -> float:
+        shape = StepShape(num_prefill_tokens=0, prefill_attended=0, num_decode_seqs=b, decode_context=b * 512,
+                          num_sampled=b)
+        v = wall.judge(shape, 0.01)
+        cost = mixed_step_cost(spec, g, prefill_tokens=0, prefill_attended=0, decode_seqs=b, decode_context=b * 512,
+                               logits_rows=b, eff=wall.eff)
+        assert v.bytes == pytest.approx(cost.bytes) and v.predicted_s == pytest.approx(cost.step_time_s)
+        assert cost.weight_bytes == pytest.approx(spec.decode_weight_bytes(b, "bf16"))  # the step's B
+        return cost.weight_bytes
+
+    one, many = judged(1), judged(64)
+    assert one < many  # 8 experts a layer at B=1, ~126 of 128 at B=64
+    assert many < spec.weight_bytes("bf16")  # 64 tokens touch ~126 of 128 experts, never more than all
