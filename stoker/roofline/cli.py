@@ -38,6 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "holds min(N, b)")
     r.add_argument("--lora-targets", default=None, metavar="q_proj,k_proj,...",
                    help="projections the adapters target (default all seven: q,k,v,o,gate,up,down_proj)")
+    r.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
+                   help="MoE: experts split whole over this many ranks (1: TP cuts every expert, as the engine runs)")
+    r.add_argument("--moe-scheme", choices=("tp", "dp_attention"), default="tp",
+                   help="with --ep: 'tp' (ep = tp, tokens replicated, combine in the TP all-reduce) or 'dp_attention' "
+                        "(tp 1, attention replicated, all-to-all dispatch and combine; figures per rank)")
     _profile_flags(r)
     r.set_defaults(func=run_roofline)
     sub = r.add_subparsers(dest="roofline_command", metavar="{kv,calibrate}")
@@ -162,7 +167,8 @@ def run_roofline(args: argparse.Namespace) -> int:
     fp32 = modelspec.normalize_dtype(args.dtype) == "fp32"  # a float32 engine: Stoker on CPU
     kw = dict(phase=args.phase, context_len=args.context, weight_dtype=args.dtype,
               kv_dtype=args.kv_dtype or ("fp32" if fp32 else None), tp=tp, link=args.link, eff=eff,
-              overlap_comm=args.overlap_comm, act_dtype="fp32" if fp32 else "bf16", last_token_logits=fp32)
+              overlap_comm=args.overlap_comm, act_dtype="fp32" if fp32 else "bf16", last_token_logits=fp32,
+              ep=args.ep, moe_scheme=args.moe_scheme)
     modelspec.dtype_bytes(args.dtype)
     lora = _lora_spec(args)
     steps = [costmodel.step_cost(spec, gpu, batch=b, lora=lora, **kw) for b in _batches(args.batch)]  # type: ignore[arg-type]
@@ -196,6 +202,18 @@ def run_roofline(args: argparse.Namespace) -> int:
           f"on {gpu.name}: {gpu.peak_flops(cdt) / 1e12:.0f} TFLOP/s {cdt}, {gpu.hbm_gb_per_s:.0f} GB/s, "
           f"ridge {gpu.ridge_point(cdt):.0f} FLOP/B; link {steps[0].tp > 1 and (args.link or gpu.link.name) or '-'}; "
           f"predicted with the {args.profile} profile{', comm overlapped' if args.overlap_comm else ''}")
+    if spec.is_moe:
+        c = spec.param_counts()
+        print(f"MoE: {spec.num_experts} experts, {spec.num_experts_per_tok} per token on {spec.num_sparse_layers} layers; "
+              f"{(spec.num_active_params - c['embedding']) / 1e9:.2f}B active (no embedding); experts in "
+              f"{spec.expert_dtype or args.dtype}; "
+              + (f"EP{args.ep} ({args.moe_scheme}); " if args.ep > 1 else "experts cut by TP; ")
+              + "experts read per layer: "
+              + ", ".join(f"B={s.batch} {costmodel.experts_per_rank(spec, s.batch * (args.ep if args.moe_scheme == 'dp_attention' else 1), args.ep):.1f}"
+                          for s in steps) + (" (busiest rank)" if args.ep > 1 else ""))
+    if spec.num_sliding_layers:
+        print(f"sliding window: {spec.num_sliding_layers} of {spec.num_layers} layers hold at most {spec.sliding_window} "
+              f"tokens: {spec.kv_bytes_per_seq(args.context, args.kv_dtype or 'bf16'):,.0f} B KV per sequence of {args.context}")
     for s in steps:
         print()
         print(report.step_header(s))

@@ -143,3 +143,14 @@ def test_plan_cli_sizes_moe_models_and_prints_the_serve_line(model: str, gpu: st
     assert f"stoker serve <{model} checkpoint folder>" in run and "--max-num-seqs" in run
     assert (f"--tensor-parallel-size {tp}" in run) if tp else ("--tensor-parallel-size" not in run)
     assert " fp8 weights" not in out and " int8 " not in out  # MoE: bf16 weights only, as the engine runs them
+
+
+def test_roofline_cli_moe_header_and_ep(capsys) -> None:
+    assert main(["roofline", "--model", "gpt-oss-120b", "--gpu", "H100", "--batch", "1,64"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE: 128 experts, 4 per token on 36 layers; 5.13B active" in out and "experts in mxfp4" in out
+    assert "B=1 4.0" in out and "sliding window: 18 of 36 layers" in out
+    assert main(["roofline", "--model", "qwen3-235b-a22b", "--gpu", "H100", "--tp", "8", "--ep", "8", "--batch", "1",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["tp"] == 8
+    assert main(["roofline", "--model", "qwen3-235b-a22b", "--gpu", "H100", "--tp", "8", "--ep", "4"]) == 2
