@@ -60,6 +60,27 @@ def main() -> None:
     print("L1 log loss (fitted / held out): " + "; ".join(f"{k} {a:.3f} / {b:.3f}" for k, (a, b) in losses.items()))
     refit = fit_points(published.fit_points())
     print(f"re-fitted engine profile: {refit}\nmatches profiles.ENGINE: {refit == ENGINE}")
+    moe_table()
+
+
+_MOE_SOURCES = {published.GPT_FAST_MIXTRAL: "gpt-fast mixtral-moe README", published.TT_QWEN3: "tt-inference-server #340"}
+
+
+def moe_table() -> None:
+    """The Mixture-of-Experts points (published.MOE_POINTS, issue 33): out of the fit, out of sample."""
+    print("\nMixture-of-Experts points (published.MOE_POINTS, not fitted):\n")
+    print("| point | kind | source | measured | kernel pred. | ratio | engine pred. | ratio | ceiling ratio | note |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for p in published.MOE_POINTS:
+        src = _MOE_SOURCES.get(p.source, "vLLM nightly " + p.source.split("/builds/")[1].split()[0] if "/builds/" in p.source
+                               else p.source)
+        print(f"| {p.label} | {p.kind} | {src} | {_fmt(p, p.measured)} | {_fmt(p, published.predict(p, KERNEL))} | "
+              f"{published.speed_ratio(p, KERNEL):.2f} | {_fmt(p, published.predict(p, ENGINE))} | "
+              f"{published.speed_ratio(p, ENGINE):.2f} | {published.ceiling_ratio(p):.2f} | {p.note} |")
+    k, e = published.summary(published.MOE_POINTS, KERNEL), published.summary(published.MOE_POINTS, ENGINE)
+    print(f"\nMoE points: {e['n']}; kernel profile median {k['median_ratio']:.2f}, {k['within']} within 25%; engine "
+          f"profile median {e['median_ratio']:.2f}, {e['within']} within 25%; ceiling at or above every one: "
+          f"{all(published.ceiling_ratio(p) >= 1 for p in published.MOE_POINTS)}")
 
 
 if __name__ == "__main__":
