@@ -47,7 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, model_type="qwen3_moe",
         published_params=30.5e9, published_active_params=3.3e9,
-        source="huggingface.co/Qwen/Qwen3-30B-A3B config.json (the same shape: THUDM/slime "
+        source="huggingface.co/Qwen/Qwen3-30B-A3B config.json (the same shape: zyzshishui/slime "
                "scripts/models/qwen3-30B-A3B.sh); model card: 30.5B total, 3.3B activated",
     ),
     "qwen3-235b-a22b": dict(
