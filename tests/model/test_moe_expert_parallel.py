@@ -135,3 +135,77 @@ def test_a_layer_counts_its_routing() -> None:
     ids = torch.tensor([[0, 3], [3, 1]])
     layer(torch.randn(2, 16), torch.full((2, 2), 0.5), ids)
     assert layer.expert_tokens.read() == [1, 1, 0, 2]
+
+
+class _ReadSpy:
+    """Wraps safetensors' handle: records each tensor whose bytes are read, and which part."""
+
+    def __init__(self, handle, reads: list) -> None:  # type: ignore[no-untyped-def]
+        self.handle, self.reads = handle, reads
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        return self.handle.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        self.reads.append((name, None))
+        return self.handle.get_tensor(name)
+
+    def get_slice(self, name: str):  # type: ignore[no-untyped-def]
+        spy, part = self, self.handle.get_slice(name)
+
+        class Slice:
+            def get_shape(self):  # type: ignore[no-untyped-def]
+                return part.get_shape()
+
+            def __getitem__(self, index):  # type: ignore[no-untyped-def]
+                spy.reads.append((name, index))
+                return part[index]
+
+        return Slice()
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+def test_a_rank_reads_only_its_experts(tiny_checkpoints, tmp_path, monkeypatch, layout: str) -> None:
+    from contextlib import contextmanager
+
+    from stoker.distributed.parallel_state import TensorParallelGroup
+    from stoker.models import loader
+    from tests.model.test_moe_loading import QWEN3_MOE, rewrite, stack_experts
+
+    path = tiny_checkpoints("qwen3_moe", **QWEN3_MOE)
+    if layout == "stacked":
+        path = rewrite(path, tmp_path / "stacked", lambda t: stack_experts(t, 4))
+    hf = loader.read_hf_config(path)
+    whole = loader.build_model(hf, 128, torch.float32, torch.device("cpu"))
+    loader.load_weights(whole, path)
+
+    reads: list = []
+    real_open = loader.safe_open
+
+    @contextmanager
+    def spying_open(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with real_open(*args, **kwargs) as f:
+            yield _ReadSpy(f, reads)
+
+    monkeypatch.setattr(loader, "safe_open", spying_open)
+    tp = TensorParallelGroup(rank=1, world_size=2)  # no collective runs: build and load only
+    tp.expert_parallel = True
+    rank1 = loader.build_model(hf, 128, torch.float32, torch.device("cpu"), tp=tp)
+    loader.load_weights(rank1, path)
+
+    expert_reads = [(n, i) for n, i in reads if ".experts." in n]
+    if layout == "per-expert":  # experts 2 and 3 only, each whole (not cut along I)
+        assert expert_reads and all(n.split(".experts.")[1][0] in "23" and i is None for n, i in expert_reads)
+    else:  # the stacked tensors through a slice of rows 2:4
+        assert expert_reads and all(i == slice(2, 4) for _, i in expert_reads)
+    pairs = [(a, b) for a, b in zip(whole.modules(), rank1.modules()) if isinstance(a, FusedMoE)]
+    assert pairs and all(torch.equal(b.w13, a.w13[2:4]) and torch.equal(b.w2, a.w2[2:4]) for a, b in pairs)
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(tiny_checkpoints) -> None:
+    from stoker import LLM
+
+    with pytest.raises(ValueError, match=r"expert parallelism \(--enable-expert-parallel\) is for Mixture-of-Experts "
+                                         r"models; LlamaForCausalLM has no experts"):
+        LLM(str(tiny_checkpoints("llama")), max_model_len=128, kv_cache_memory_bytes=1 << 20, device="cpu",
+            enable_expert_parallel=True)
