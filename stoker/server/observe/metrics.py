@@ -316,6 +316,7 @@ class EngineLogLine:
         last = self._last
         self._last = (now, s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits)
         if last is None:
+            self._last_load = engine.expert_load()  # the baseline of the first interval (MoE only)
             return None
         dt = max(now - last[0], 1e-9)
         prompt_rate = (s.prompt_tokens - last[1]) / dt
