@@ -70,6 +70,10 @@ class ModelRunner:
             # refused, not ignored: the flag would change nothing, and the user believes it did
             raise ValueError(f"expert parallelism (--enable-expert-parallel) is for Mixture-of-Experts models; "
                              f"{', '.join(hf_config.get('architectures') or ['this model'])} has no experts")
+        if self.tp.expert_parallel and self.tp.world_size > 1:
+            held = next(m.expert_split for m in self.model.modules() if isinstance(m, FusedMoE))
+            logger.info("expert parallelism: rank %d holds experts [%d, %d) of %d in each MoE layer, whole",
+                        self.tp.rank, held.start, held.stop, held.num_experts)
         load_weights(self.model, config.model_config.model)
         # Multi-LoRA: slots on every attention and MLP projection, filled by load_lora
         self.lora = ModelLoRASlots(self.model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device) if lora else None
