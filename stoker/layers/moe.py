@@ -69,7 +69,7 @@ class FusedMoE(nn.Module):
         self.split = split
         self.intermediate_size = split.size(intermediate_size)  # this rank's I
         self.reduce = tp if not (split.is_whole and experts.is_whole) else None
-        # tokens routed per expert (all E), on the device; read by the engine at its log interval
+        # tokens routed per expert (all E), on the device; the engine reads it at its log interval and on a scrape
         self.expert_tokens = ExpertTokenCounter(num_experts)
         self.act = get_gated_activation(hidden_act)  # (n, 2I) [gate | up] -> (n, I); kernels bound at build
         self.method: MoEMethod | None = None

@@ -1,11 +1,12 @@
 """The model's per-layer expert token counters (`FusedMoE.expert_tokens`), read as one
 `ExpertLoad` when the engine asks (its log interval, a /metrics scrape): one device-to-host
-copy per MoE layer then, none per step."""
+copy then, none per step."""
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from stoker.core.expert_load import ExpertLoad
@@ -33,7 +34,14 @@ class ExpertLoadReader:
         """None for a dense model."""
         if not self.counters:
             return None
-        return ExpertLoad({layer: tuple(c.read()) for layer, c in sorted(self.counters.items())})
+        layers = sorted(self.counters)
+        flat = torch.cat([self.counters[layer].counts for layer in layers]).tolist()  # one device-to-host copy
+        out, first = {}, 0
+        for layer in layers:  # layers may differ in E
+            size = self.counters[layer].num_experts
+            out[layer] = tuple(flat[first:first + size])
+            first += size
+        return ExpertLoad(out)
 
     def reset(self) -> None:
         for c in self.counters.values():

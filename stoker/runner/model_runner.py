@@ -231,8 +231,8 @@ class ModelRunner:
         self.expert_load_reader.reset()  # the capture's warm-up forwards are no traffic
 
     def expert_load(self) -> ExpertLoad | None:
-        """Tokens routed per expert per MoE layer since start (None for a dense model): one
-        device-to-host copy per MoE layer, so the engine calls it at its log interval, not per step."""
+        """Tokens routed per expert per MoE layer since start (None for a dense model): a
+        device-to-host copy, so the engine reads it at its log interval and on a scrape, not per step."""
         return self.expert_load_reader.read()
 
     # ------------------------------------------------------------------ step
