@@ -62,6 +62,11 @@ def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_lay
         assert moes and all((m.num_experts, m.global_num_experts, m.expert_split.start) == (2, 4, 0) for m in moes)
         assert all(m.intermediate_size == m.checkpoint_intermediate_size for m in moes)
         assert all(m.w13.shape[0] == 2 for m in moes)
+        # the collectives of tensor parallelism, no more: per step one after the embedding, one after
+        # each o_proj, one per feed-forward block (the experts' combine), one per shared expert
+        monitor = llm.engine.executor.collectives
+        per_layer = 2 + ("shared_expert_intermediate_size" in overrides)
+        assert monitor.steps > 0 and monitor.calls == monitor.steps * (1 + overrides.get("num_hidden_layers", 2) * per_layer)
         load = llm.engine.expert_load()
     # every (token, expert) pair counted once, on every sparse layer, whatever the parallelism
     k = overrides["num_experts_per_tok"]
