@@ -127,6 +127,9 @@ class ParallelConfig:
     master_port: int | None = None
     # A collective (or a worker's wait for the next step) longer than this marks the engine dead.
     distributed_timeout_s: float = 600.0
+    # vLLM's --enable-expert-parallel: MoE layers hold whole experts, dealt out over the
+    # tensor-parallel ranks (EP = TP; attention stays tensor-parallel). Refused on a dense model.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -54,6 +54,10 @@ class TensorParallelGroup:
         self.time_collectives = time_collectives
         self.is_cuda = device_group is not None and dist.get_backend(device_group) == "nccl"
         self.log = CollectiveLog()
+        # --enable-expert-parallel: the MoE layers deal their experts out over these same ranks
+        # (EP = TP) instead of cutting each expert's I; set by the runner from the engine config
+        # before the model is built, read by the MoE blocks (models/moe_block.moe_partitions).
+        self.expert_parallel = False
 
     @classmethod
     def single(cls) -> TensorParallelGroup:

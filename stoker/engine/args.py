@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     d.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (MASTER_PORT; default on one node: a free port)")
     d.add_argument("--distributed-timeout", type=float, default=600.0,
                    help="seconds a collective may wait for a rank before the engine is declared dead (default 600)")
+    d.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="MoE models: deal whole experts out over the --tensor-parallel-size ranks instead of cutting "
+                        "each expert (attention stays tensor-parallel; docs/moe.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         master_addr=args.master_addr,
         master_port=args.master_port,
         distributed_timeout_s=args.distributed_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         enable_lora=args.enable_lora,

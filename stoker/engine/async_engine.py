@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stoker.config import CacheConfig
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepShape
 from stoker.engine.input_processor import EngineRequest, InputProcessor
 from stoker.engine.llm_engine import EngineStats, LLMEngine, StepFailed
@@ -286,6 +287,12 @@ class AsyncEngine:
     def collective_summary(self) -> str | None:
         """A line on the all-reduces since the last call (tensor parallelism; None otherwise)."""
         return self._engine.executor.collective_summary()
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Tokens per expert per MoE layer since start (None for a dense model), read from rank
+        0's device counters off the engine thread: a racy read is off by a step at most, and it
+        costs one device-to-host copy, so it is read at the log interval and on a scrape only."""
+        return self._engine.expert_load()
 
     # ------------------------------------------------------------------ inputs (any thread)
     def input_processor(self, tokenizer: Any) -> InputProcessor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stoker.config import EngineConfig
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.block_manager import BlockManager
 from stoker.core.scheduler import Scheduler
 from stoker.core.sequence import Sequence, SequenceStatus
@@ -282,6 +283,11 @@ class LLMEngine:
             running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
             waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
         )
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Tokens routed per expert per MoE layer since start; None for a dense model. A device
+        read: call it now and then (the server does at its log interval and on a scrape), not per step."""
+        return self.executor.expert_load()
 
     def check_health(self) -> None:
         """Raise WorkerFailedError when a tensor-parallel rank is gone (the idle loop asks)."""

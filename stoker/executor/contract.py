@@ -13,6 +13,8 @@ seam 23); it never reaches into a runner:
     enable_structured_outputs(grammars)  the grammar cache the sampling rank masks logits with
     check_health()                       raise WorkerFailedError if a rank is gone
     collective_summary()                 a line on the all-reduces since the last call (TP only)
+    expert_load() -> ExpertLoad | None   tokens per expert per MoE layer since start (rank 0's
+                                         counts: the router is replicated); None for a dense model
     shutdown()                           stop every worker; no process is left behind
 
 `InProcessExecutor` (executor/in_process.py) is TP=1; `DistributedExecutor`
@@ -25,6 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepMessage, StepResult
 from stoker.runner.info import RunnerInfo
 
@@ -65,6 +68,9 @@ class Executor(ABC):
         pass
 
     def collective_summary(self) -> str | None:
+        return None
+
+    def expert_load(self) -> ExpertLoad | None:
         return None
 
     def shutdown(self) -> None:

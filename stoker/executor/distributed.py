@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from stoker.config import EngineConfig
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepMessage, StepResult
 from stoker.executor import launch
 from stoker.executor.collective_stats import CollectiveMonitor, calibrate
@@ -147,6 +148,9 @@ class DistributedExecutor(Executor):
 
     def enable_structured_outputs(self, grammars: Any) -> None:
         self.driver_runner.enable_structured_outputs(grammars)  # rank 0 alone samples
+
+    def expert_load(self) -> ExpertLoad | None:
+        return self.driver_runner.expert_load()  # rank 0's counters: every rank routes every token
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Every rank copies its part of the adapter into the slot (the whole adapter travels:

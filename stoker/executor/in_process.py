@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.config import EngineConfig
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepMessage, StepResult
 from stoker.executor.contract import Executor, RunnerInfo
 from stoker.runner.model_runner import ModelRunner
@@ -42,3 +43,6 @@ class InProcessExecutor(Executor):
 
     def enable_structured_outputs(self, grammars: Any) -> None:
         self.driver_runner.enable_structured_outputs(grammars)
+
+    def expert_load(self) -> ExpertLoad | None:
+        return self.driver_runner.expert_load()  # rank 0's counters: every rank routes every token

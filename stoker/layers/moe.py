@@ -12,7 +12,11 @@ slots in without touching the experts.
 Tensor parallelism cuts I (Megatron's MLP layout, expert by expert): each rank holds its
 columns of every expert's gate and up and the matching rows of its down projection, its
 output is a partial sum, and `forward` all-reduces it after the method, as the dense MLP's
-down projection does. Expert parallelism (cutting E) is not built yet.
+down projection does. Expert parallelism (`--enable-expert-parallel`) cuts E instead: each
+rank holds whole experts, a run of them (distributed/expert_partition.py), computes their
+share of every token (layers/moe_expert_parallel.py) and `forward` all-reduces the same way.
+`num_experts` is then this rank's count (what the method creates), as `intermediate_size` is
+this rank's I; `global_num_experts` is the model's.
 
 Loading: the checkpoint keeps one tensor per expert and projection; a shard key is
 `(expert, "w1" | "w2" | "w3")` (models/moe_loading.py maps the checkpoint's names onto it).
@@ -25,9 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stoker.distributed.expert_partition import ExpertPartition, whole_experts
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.activation import SiluAndMul, get_gated_activation
+from stoker.layers.moe_expert_parallel import apply_held_experts
+from stoker.layers.moe_load import ExpertTokenCounter
 from stoker.layers.weight_method import expect_shape
 from stoker.quantization.formats import FLOAT_CHECKPOINT_DTYPES
 
@@ -44,16 +51,26 @@ class FusedMoE(nn.Module):
         *,
         split: Partition = WHOLE,
         tp: TensorParallelGroup | None = None,
+        experts: ExpertPartition | None = None,
     ) -> None:
         super().__init__()
-        if not split.is_whole and tp is None:
-            raise ValueError("a tensor-parallel FusedMoE needs its group (for the all-reduce)")
-        self.num_experts = num_experts
+        experts = experts or whole_experts(num_experts)
+        if experts.num_experts != num_experts:
+            raise ValueError(f"the expert partition is of {experts.num_experts} experts; the layer has {num_experts}")
+        if not split.is_whole and not experts.is_whole:
+            raise ValueError("a FusedMoE cuts either its experts (expert parallelism) or their I (tensor parallelism), not both")
+        if (not split.is_whole or not experts.is_whole) and tp is None:
+            raise ValueError("a tensor- or expert-parallel FusedMoE needs its group (for the all-reduce)")
+        self.global_num_experts = num_experts
+        self.expert_split = experts
+        self.num_experts = experts.size  # this rank's experts: what the method creates and loads
         self.hidden_size = hidden_size
         self.checkpoint_intermediate_size = intermediate_size
         self.split = split
         self.intermediate_size = split.size(intermediate_size)  # this rank's I
-        self.reduce = tp if not split.is_whole else None
+        self.reduce = tp if not (split.is_whole and experts.is_whole) else None
+        # tokens routed per expert (all E), on the device; the engine reads it at its log interval and on a scrape
+        self.expert_tokens = ExpertTokenCounter(num_experts)
         self.act = get_gated_activation(hidden_act)  # (n, 2I) [gate | up] -> (n, I); kernels bound at build
         self.method: MoEMethod | None = None
 
@@ -88,11 +105,17 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # (T, H), (T, k) float32, (T, k) int64 -> (T, H)
         if self.method is None:
             raise RuntimeError("this FusedMoE has no method: build models with models.loader.build_model")
-        out = self.method.apply(self, x, topk_weights, topk_ids)
+        self.expert_tokens.record(topk_ids)
+        if self.expert_split.is_whole:
+            out = self.method.apply(self, x, topk_weights, topk_ids)
+        else:  # this rank's experts only; every rank joins the all-reduce, chosen or not
+            out = apply_held_experts(self.method, self, x, topk_weights, topk_ids)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+        held = self.expert_split
+        experts = f"{self.num_experts}" if held.is_whole else f"[{held.start}, {held.stop}) of {self.global_num_experts}"
+        return (f"experts={experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"method={self.method.describe() if self.method else None}")
 
 

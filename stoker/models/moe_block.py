@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from stoker.distributed.expert_partition import ExpertPartition
 from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.activation import sigmoid_per_row
 from stoker.layers.linear import Linear
 from stoker.layers.moe import FusedMoE
@@ -42,6 +44,15 @@ def is_sparse_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
     return (layer_idx + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
 
 
+def moe_partitions(num_experts: int, intermediate_size: int, field: str,
+                   tp: TensorParallelGroup) -> tuple[Partition, ExpertPartition | None]:
+    """How a FusedMoE is cut over the group: each expert's I (tensor parallelism), or whole
+    experts dealt out to the ranks (--enable-expert-parallel; I need not divide then)."""
+    if tp.expert_parallel:
+        return WHOLE, ExpertPartition(num_experts, tp.world_size, tp.rank)
+    return split_evenly(intermediate_size, field, tp), None
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(
         self,
@@ -56,8 +67,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.gate = SoftmaxTopKRouter(hidden, num_experts, cfg["num_experts_per_tok"], renormalize)
-        part = split_evenly(intermediate_size, "moe_intermediate_size", tp)
-        self.experts = FusedMoE(num_experts, hidden, intermediate_size, cfg.get("hidden_act", "silu"), split=part, tp=tp)
+        part, experts = moe_partitions(num_experts, intermediate_size, "moe_intermediate_size", tp)
+        self.experts = FusedMoE(num_experts, hidden, intermediate_size, cfg.get("hidden_act", "silu"), split=part, tp=tp,
+                                experts=experts)
         self.shared_expert: LlamaMLP | None = None
         if shared_expert_size:
             self.shared_expert = dense_mlp(cfg, shared_expert_size, tp)

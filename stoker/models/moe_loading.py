@@ -11,6 +11,11 @@ leaf is which shard in `expert_params` ({"gate_proj": "w1", "up_proj": "w3", "do
 transformers 5 holds the experts stacked in memory (`{moe}.gate_up_proj` (E, 2I, H),
 `{moe}.down_proj` (E, H, I)); a checkpoint saved in that layout loads too.
 Each tensor goes through the layer's method as shard `(expert, "w1" | "w2" | "w3")`.
+
+Under expert parallelism a rank reads only the experts it holds (`FusedMoE.expert_split`):
+another rank's expert tensor is recognised and skipped unread, and the stacked layout is read
+through `get_slice` for this rank's run of experts only. Keys name experts by their global
+index (the checkpoint's); the method sees the local index (its row in the stacked weights).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ QWEN_EXPERT_PARAMS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 def expected_keys(module_name: str, layer: FusedMoE) -> set[str]:
     """The keys `load_expert_tensor` returns once every expert's three tensors came."""
-    return {key(module_name, e, s) for e in range(layer.num_experts) for s in EXPERT_SHARDS}
+    held = layer.expert_split
+    return {key(module_name, e, s) for e in range(held.start, held.stop) for s in EXPERT_SHARDS}
 
 
 def key(module_name: str, expert: int, shard: str) -> str:
@@ -48,7 +54,7 @@ def load_expert_tensor(
     returns the keys it filled, None if it is no expert weight."""
     head, _, last = name.rpartition(".")
     if head in moes and last in ("gate_up_proj", "down_proj"):
-        return _load_stacked(moes[head], head, last, f.get_tensor(name))
+        return _load_stacked(moes[head], head, last, f, name)
     if last != "weight":
         return None
     rest, _, leaf = head.rpartition(".")
@@ -57,28 +63,37 @@ def load_expert_tensor(
         return None
     layer, shard = moes[module_name], expert_params[leaf]
     assert layer.method is not None
+    if int(expert) >= layer.global_num_experts:
+        raise ValueError(f"checkpoint tensor {name}: expert {expert} does not exist (the config has "
+                         f"{layer.global_num_experts} experts)")
+    if not layer.expert_split.holds(int(expert)):
+        return []  # another rank's expert (expert parallelism): not read here
     try:
         part = layer.checkpoint_slice(shard, tuple(f.get_slice(name).get_shape()))
         tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
-        layer.method.load(layer, int(expert), shard, tensor)
+        layer.method.load(layer, layer.expert_split.local(int(expert)), shard, tensor)
     except ValueError as exc:
         raise ValueError(f"{exc} (checkpoint tensor {name})") from None
     return [key(module_name, int(expert), shard)]
 
 
-def _load_stacked(layer: FusedMoE, module_name: str, which: str, tensor: torch.Tensor) -> list[str]:
-    """transformers 5's in-memory layout: every expert in one tensor; split it per expert."""
+def _load_stacked(layer: FusedMoE, module_name: str, which: str, f: Any, name: str) -> list[str]:
+    """transformers 5's in-memory layout: every expert in one tensor; split it per expert
+    (reading only this rank's experts under expert parallelism)."""
     assert layer.method is not None
-    if tensor.dim() != 3 or tensor.shape[0] != layer.num_experts:
-        raise ValueError(f"{module_name}.{which}: expected ({layer.num_experts}, ...) stacked experts, "
-                         f"got {tuple(tensor.shape)}")
+    shape = tuple(f.get_slice(name).get_shape())
+    if len(shape) != 3 or shape[0] != layer.global_num_experts:
+        raise ValueError(f"{module_name}.{which}: expected ({layer.global_num_experts}, ...) stacked experts, "
+                         f"got {shape}")
+    held = layer.expert_split
+    tensor: torch.Tensor = f.get_tensor(name) if held.is_whole else f.get_slice(name)[held.start:held.stop]
     i = layer.checkpoint_intermediate_size
     pieces = {"w1": lambda t: t[:i], "w3": lambda t: t[i:]} if which == "gate_up_proj" else {"w2": lambda t: t}
     filled = []
-    for e in range(layer.num_experts):
+    for e in range(held.start, held.stop):
         for shard, cut in pieces.items():
-            whole = cut(tensor[e])
+            whole = cut(tensor[e - held.start])
             part = layer.checkpoint_slice(shard, tuple(whole.shape))
-            layer.method.load(layer, e, shard, whole if part is None else whole[part])
+            layer.method.load(layer, held.local(e), shard, whole if part is None else whole[part])
             filled.append(key(module_name, e, shard))
     return filled

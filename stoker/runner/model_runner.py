@@ -14,6 +14,7 @@ import torch
 
 from stoker import cpu_runtime
 from stoker.config import EngineConfig
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import SampledTokens, SampleSpec, SeqStep, StepMessage, StepResult
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.forward_context import ForwardContext, set_forward_context
@@ -25,6 +26,7 @@ from stoker.runner.lora import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.device import resolve_device, resolve_dtype
+from stoker.runner.expert_load import ExpertLoadReader
 from stoker.runner.info import RunnerInfo
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.sampling.prompt_logprobs import score_prompt
@@ -61,7 +63,17 @@ class ModelRunner:
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
         lora = config.lora_config
+        self.tp.expert_parallel = config.parallel_config.enable_expert_parallel  # read by the MoE blocks at build
         self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
+        self.expert_load_reader = ExpertLoadReader(self.model)
+        if config.parallel_config.enable_expert_parallel and not self.expert_load_reader.is_moe:
+            # refused, not ignored: the flag would change nothing, and the user believes it did
+            raise ValueError(f"expert parallelism (--enable-expert-parallel) is for Mixture-of-Experts models; "
+                             f"{', '.join(hf_config.get('architectures') or ['this model'])} has no experts")
+        if self.tp.expert_parallel and self.tp.world_size > 1:
+            held = next(m.expert_split for m in self.model.modules() if isinstance(m, FusedMoE))
+            logger.info("expert parallelism: rank %d holds experts [%d, %d) of %d in each MoE layer, whole",
+                        self.tp.rank, held.start, held.stop, held.num_experts)
         load_weights(self.model, config.model_config.model)
         # Multi-LoRA: slots on every attention and MLP projection, filled by load_lora
         self.lora = ModelLoRASlots(self.model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device) if lora else None
@@ -173,6 +185,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.release(-1)
+        self.expert_load_reader.reset()  # the dummy tokens are no traffic
 
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy block src to block dst in every layer's K and V cache (StepMessage.kv_copies):
@@ -215,6 +228,12 @@ class ModelRunner:
         )
         graph_runner.capture()
         self.graph_runner = graph_runner
+        self.expert_load_reader.reset()  # the capture's warm-up forwards are no traffic
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Tokens routed per expert per MoE layer since start (None for a dense model): a
+        device-to-host copy, so the engine reads it at its log interval and on a scrape, not per step."""
+        return self.expert_load_reader.read()
 
     # ------------------------------------------------------------------ step
     def execute(self, step: StepMessage) -> StepResult | None:

@@ -251,3 +251,48 @@ def test_tokenizer_info_needs_the_key_and_can_be_turned_off(server_factory: Call
     assert httpx.get(live.url + "/tokenizer_info", timeout=30).status_code == 401
     resp = httpx.get(live.url + "/tokenizer_info", headers={"Authorization": "Bearer sekret"}, timeout=30)
     assert resp.status_code == 404 and "--no-enable-tokenizer-info-endpoint" in resp.json()["error"]["message"]
+
+
+def test_a_dense_model_exports_no_expert_load(busy_server: LiveServer) -> None:
+    assert not any(k.startswith("stoker:moe_") for k in busy_server.metrics())
+
+
+def test_moe_expert_load_in_metrics_and_the_engine_line(tiny_checkpoints) -> None:
+    """Every (token, expert) pair a sparse layer routes is counted once: tokens x k per layer
+    (Qwen3-MoE with layer 1 dense); balancedness is mean / max of a layer's counts; the
+    periodic engine line gives it over the interval."""
+    from stoker.server.observe.metrics import EngineLogLine
+    from tests.server.conftest import start_server
+
+    ckpt = tiny_checkpoints("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16,
+                            norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])
+    live = start_server(ckpt)
+    try:
+        def per_layer() -> dict[str, list[float]]:
+            out: dict[str, list[float]] = {}
+            for key, value in live.metrics().items():
+                if key.startswith("stoker:moe_expert_tokens_total{"):
+                    out.setdefault(key.split('layer="', 1)[1].split('"', 1)[0], []).append(value)
+            return out
+
+        line = EngineLogLine()
+        assert line.line(live.state.engine) is None  # the first call only sets the baseline
+        before = per_layer()  # the server's warm-up request routed some already
+        prompt, max_tokens = [5, 17, 300, 42, 7, 99, 12], 8
+        resp = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        live.wait_idle()
+        fed = len(prompt) + max_tokens - 1  # the last sampled token is never fed back
+        after = per_layer()
+        assert sorted(after) == ["0", "2"] and all(len(c) == 4 for c in after.values())
+        assert {layer: sum(after[layer]) - sum(before[layer]) for layer in after} == {"0": fed * 2, "2": fed * 2}
+        samples = live.metrics()
+        for layer, counts in after.items():
+            [balance] = [v for k, v in samples.items() if k.startswith("stoker:moe_balancedness{") and f'layer="{layer}"' in k]
+            assert balance == pytest.approx(sum(counts) / 4 / max(counts))
+        assert _types(_scrape(live))["stoker:moe_expert_tokens_total"] == "counter"
+        text = line.line(live.state.engine)
+        assert text is not None and "MoE balancedness" in text and "worst layer" in text, text
+    finally:
+        live.stop()

@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepShape
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
@@ -96,10 +97,38 @@ class _EngineCollector:
             g.add_metric([str(engine.info.max_loras), ",".join(s.running_loras),
                           ",".join(s.waiting_loras)], time.time())
             yield g
+        yield from self._expert_load(engine)
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
         yield gauge("stoker:num_requests_queued", "Sequences (n per request) admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)
         yield self._cache_config_info(engine)
+
+    def _expert_load(self, engine: AsyncEngine) -> Iterator[Metric]:
+        """MoE models only: tokens routed per expert per layer, and each layer's balancedness
+        (mean / max tokens per expert, since start). vLLM exports no expert load yet, hence the
+        stoker: names. Read from rank 0's device counters here, per scrape, never per step."""
+        try:
+            load = engine.expert_load()
+        except Exception:  # a scrape must never fail on a dead engine's counters
+            logger.debug("reading the expert load failed", exc_info=True)
+            return
+        if load is None:
+            return
+        tokens = CounterMetricFamily("stoker:moe_expert_tokens",
+                                     "(token, expert) pairs routed to each expert of each MoE layer (a token counts "
+                                     "once per chosen expert: tokens x num_experts_per_tok per layer)",
+                                     labels=["model_name", "layer", "expert"])
+        balance = GaugeMetricFamily("stoker:moe_balancedness",
+                                    "Per MoE layer: mean / max tokens per expert since start (1: even; 1/E: one expert "
+                                    "took every token); absent until the layer saw a token", labels=["model_name", "layer"])
+        for layer, counts in load.tokens.items():
+            for expert, n in enumerate(counts):
+                tokens.add_metric([self.model_name, str(layer), str(expert)], n)
+            b = load.balancedness(layer)
+            if b is not None:
+                balance.add_metric([self.model_name, str(layer)], b)
+        yield tokens
+        yield balance
 
     @staticmethod
     def _cache_config_info(engine: AsyncEngine) -> GaugeMetricFamily:
@@ -271,12 +300,14 @@ class ServerMetrics:
 
 
 class EngineLogLine:
-    """The periodic engine line: load, KV usage, prefix-cache hit rate, token rates, and the wall
-    in words when the server judges steps ("decode: 71% of the memory wall; 0.93x of prediction")."""
+    """The periodic engine line: load, KV usage, prefix-cache hit rate, token rates, the MoE
+    experts' balancedness since the last line (MoE models), and the wall in words when the
+    server judges steps ("decode: 71% of the memory wall; 0.93x of prediction")."""
 
     def __init__(self, wall_summary: Callable[[], str | None] | None = None) -> None:
         self._last: tuple[float, int, int, int, int] | None = None
         self.wall_summary = wall_summary
+        self._last_load: ExpertLoad | None = None
 
     def line(self, engine: AsyncEngine) -> str | None:
         """The line to log now, or None when nothing happened since the last one."""
@@ -285,6 +316,7 @@ class EngineLogLine:
         last = self._last
         self._last = (now, s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits)
         if last is None:
+            self._last_load = engine.expert_load()  # the baseline of the first interval (MoE only)
             return None
         dt = max(now - last[0], 1e-9)
         prompt_rate = (s.prompt_tokens - last[1]) / dt
@@ -298,9 +330,14 @@ class EngineLogLine:
         # (totals of plain floats kept by the engine thread; a racy read is off by a step at most).
         collectives = engine.collective_summary()
         wall = self.wall_summary() if self.wall_summary is not None else None
+        # MoE: balancedness over the tokens routed since the last line (a device read, here only)
+        load = engine.expert_load()
+        experts = load.since(self._last_load).summary() if load is not None else None
+        self._last_load = load
         return (
             f"engine: running {s.num_running}, waiting {s.num_waiting}, KV usage {100 * s.kv_cache_usage:.1f}%, "
             f"prefix-cache hit rate {hit_rate:.1f}%, prompt {prompt_rate:.1f} tokens/s, generation {gen_rate:.1f} tokens/s"
             + (f", {collectives}" if collectives else "")
+            + (f", {experts}" if experts else "")
             + (f"; {wall}" if wall else "")
         )
