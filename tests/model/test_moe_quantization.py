@@ -1,0 +1,148 @@
+"""Quantized experts (layers/moe_quant.py) against the float model they come from.
+
+Online (`--quantization fp8|int8` on a float MoE checkpoint), on each MoE family: teacher-forced
+over 256 positions, mean KL(float || quantized) and top-1 agreement within the bounds the dense
+quantization tests use (tests/model/test_online_quantization.py), and a planted fault (one
+expert's scale doubled in every sparse layer) well outside them; greedy tokens stable; the
+engine whole afterwards (the conftest's check_integrity()).
+
+Pre-quantized: a checkpoint written by the test in compressed-tensors layout (FP8 and INT8 per
+channel, INT8 packed per group) and in 128 x 128 block FP8 (`weight_scale_inv` per block, as
+Qwen3-30B-A3B-FP8 ships) loads, every expert quantized with its own scales, and computes what
+the float model made of the same dequantized weights computes (float32 tolerance on CPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stoker import LLM, SamplingParams
+from stoker.layers.moe import FusedMoE
+from stoker.layers.moe_quant import QuantizedMoEMethod
+from stoker.layers.moe_router import RouterLinear
+from stoker.testing.quantized_checkpoint import quantize_checkpoint
+from tests.model.helpers import engine_logits
+from tests.model.test_online_quantization import BOUNDS, kl_and_top1
+
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
+                                    num_hidden_layers=3, mlp_only_layers=[1])),
+    "mixtral": ("mixtral", dict(MOE, num_local_experts=8, intermediate_size=32)),
+    "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    num_hidden_layers=3, mlp_only_layers=[0])),
+    "olmoe": ("olmoe", dict(MOE, num_experts=8, intermediate_size=32)),
+}
+PROMPTS = [[0] + list(range(7, 70)), [0, 99, 5, 17, 256, 800, 3]]
+
+
+@pytest.fixture(scope="module")
+def positions() -> list[int]:
+    rng = random.Random(0)
+    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), kv_cache_memory_bytes=8 << 20, device="cpu", max_model_len=512, **kw)
+
+
+def _moes(llm: LLM) -> list[FusedMoE]:
+    return [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def _greedy(llm: LLM, n: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_online_quantized_experts_stay_close_to_the_float_model(family, quantization, tiny_checkpoints, positions) -> None:
+    arch, overrides = FAMILIES[family]
+    path = tiny_checkpoints(arch, **overrides)
+    ref = engine_logits(_llm(path), positions)
+    llm = _llm(path, quantization=quantization)
+    moes = _moes(llm)
+    assert moes and all(isinstance(m.method, QuantizedMoEMethod) and m.method.kind == quantization for m in moes)
+    routers = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, RouterLinear)]
+    assert routers and all(r.weight.dtype == torch.float32 and r.method.kind == "float" for r in routers)
+    kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
+    max_kl, min_top1 = BOUNDS[quantization, "auto"]
+    print(f"{family} {quantization}: KL {kl:.2e} top-1 {top1:.3f}")
+    assert 0 < kl < max_kl and top1 >= min_top1, f"KL {kl:.2e}, top-1 {top1:.3f}"
+    # greedy decoding is a pure function of the weights: the same tokens twice, whatever the batch
+    first = _greedy(llm)
+    assert _greedy(llm) == first
+    alone = [_greedy_one(llm, p) for p in PROMPTS]
+    assert alone == first
+
+
+def _greedy_one(llm: LLM, prompt: list[int], n: int = 24) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_one_experts_scale_doubled_is_caught(family, tiny_checkpoints, positions) -> None:
+    """The bounds are tight enough to see one expert's down-projection scale off by 2x."""
+    arch, overrides = FAMILIES[family]
+    path = tiny_checkpoints(arch, **overrides)
+    ref = engine_logits(_llm(path), positions)
+    llm = _llm(path, quantization="int8")
+    for moe in _moes(llm):
+        # the most routed expert of this layer would do; expert 0 carries enough tokens at k = 2 of 8
+        moe.w2_scale.data[0] *= 2
+    kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
+    print(f"{family} int8, expert 0's w2 scale x2: KL {kl:.2e} top-1 {top1:.3f}")
+    assert kl > BOUNDS["int8", "auto"][0] * 10
+
+
+# ---------------------------------------------------------------- pre-quantized checkpoints
+WIDE_QWEN3 = dict(FAMILIES["qwen3_moe"][1], hidden_size=192, moe_intermediate_size=160, intermediate_size=320,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+CHECKPOINTS = [
+    ("qwen3_moe", "ct-fp8-channel"),
+    ("qwen3_moe", "ct-int8-channel"),
+    ("qwen3_moe", "ct-int8-pack-group"),
+    ("qwen3_moe", "fp8-block"),
+    ("mixtral", "ct-fp8-channel"),
+    ("qwen2_moe", "fp8-block"),
+]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoints, tmp_path_factory):
+    """(family, format) -> (quantized checkpoint, float checkpoint of the same dequantized weights)."""
+    cache = {}
+
+    def get(family: str, fmt: str):
+        if (family, fmt) not in cache:
+            arch, overrides = FAMILIES[family]
+            if fmt == "fp8-block":  # projections wider than one 128 x 128 block, partial blocks included
+                overrides = WIDE_QWEN3 if family == "qwen3_moe" else dict(overrides, hidden_size=192,
+                                                                          moe_intermediate_size=160, num_attention_heads=6,
+                                                                          num_key_value_heads=2)
+            src = tiny_checkpoints(arch, **overrides)
+            root = tmp_path_factory.mktemp(f"{family}-{fmt}")
+            ignore = ("lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$")
+            q = quantize_checkpoint(src, root / "q", fmt, dequantized_dst=root / "deq", ignore=ignore)
+            cache[family, fmt] = (q, root / "deq")
+        return cache[family, fmt]
+
+    return get
+
+
+@pytest.mark.parametrize("family, fmt", CHECKPOINTS)
+def test_prequantized_moe_checkpoint_matches_its_dequantized_float_model(family, fmt, quantized) -> None:
+    qpath, deq = quantized(family, fmt)
+    llm = _llm(qpath)
+    expected = "int8" if "int8" in fmt else "fp8"
+    moes = _moes(llm)
+    assert moes and all(isinstance(m.method, QuantizedMoEMethod) and m.method.kind == expected for m in moes)
+    ref_llm = _llm(deq)
+    for ids in PROMPTS:
+        torch.testing.assert_close(engine_logits(llm, ids), engine_logits(ref_llm, ids), rtol=1e-4, atol=2e-4)
+    assert _greedy(llm) == _greedy(ref_llm)
