@@ -25,6 +25,7 @@ from stoker import LLM, SamplingParams
 from stoker.layers.moe import FusedMoE
 from stoker.layers.moe_quant import QuantizedMoEMethod
 from stoker.layers.moe_router import RouterLinear
+from stoker.quantization.config import QuantizationError, online_config
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
 from tests.model.helpers import engine_logits
 from tests.model.test_online_quantization import BOUNDS, kl_and_top1
@@ -171,3 +172,50 @@ def test_prequantized_moe_checkpoint_matches_its_dequantized_float_model(family,
     for ids in PROMPTS:
         torch.testing.assert_close(engine_logits(llm, ids), engine_logits(ref_llm, ids), rtol=1e-4, atol=2e-4)
     assert _greedy(llm) == _greedy(ref_llm)
+
+
+# ---------------------------------------------------------------- what is still refused, by name
+def test_a_missing_expert_scale_is_named(quantized, tmp_path) -> None:
+    from tests.model.test_moe_loading import rewrite
+
+    qpath, _ = quantized("qwen3_moe", "ct-fp8-channel")
+    name = "model.layers.2.mlp.experts.5.down_proj.weight_scale"
+    broken = rewrite(qpath, tmp_path / "broken", lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(ValueError, match=f"lacks weights for: {name}"):
+        _llm(broken)
+
+
+def test_an_ignore_list_that_splits_a_layers_experts_is_refused(tiny_checkpoints, tmp_path) -> None:
+    arch, overrides = FAMILIES["qwen3_moe"]
+    src = tiny_checkpoints(arch, **overrides)
+    ignore = ("lm_head", "re:.*mlp\\.gate$", "re:.*experts\\.3\\..*")
+    q = quantize_checkpoint(src, tmp_path / "q", "ct-int8-channel", ignore=ignore)
+    with pytest.raises(QuantizationError, match=r"ignores some experts of model\.layers\.0\.mlp\.experts .*experts\.3\.gate_proj"):
+        _llm(q)
+
+
+def test_ignored_experts_load_as_floats(tiny_checkpoints, tmp_path) -> None:
+    arch, overrides = FAMILIES["qwen3_moe"]
+    src = tiny_checkpoints(arch, **overrides)
+    q = quantize_checkpoint(src, tmp_path / "q", "ct-fp8-channel", ignore=("lm_head", "re:.*mlp\\.gate$", "re:.*experts.*"))
+    moes = _moes(_llm(q))
+    assert moes and all(not isinstance(m.method, QuantizedMoEMethod) and m.w13.dtype == torch.float32 for m in moes)
+
+
+def test_prequantized_experts_under_tensor_parallelism_are_refused(tiny_checkpoints) -> None:
+    """Chosen at build: per-block and per-group scales split between ranks are not built yet."""
+    from torch import nn
+
+    from stoker.distributed.partition import Partition
+    from stoker.models.method_chooser import LinearMethodChooser
+    from stoker.quantization.config import parse_checkpoint_config
+
+    quant = parse_checkpoint_config({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    chooser = LinearMethodChooser(quant, torch.device("cpu"), torch.float32, nn.Module())
+    layer = FusedMoE(8, 64, 32, split=Partition(2, 0), tp=object())  # a group is only kept for its all-reduce
+    with pytest.raises(QuantizationError, match=r"pre-quantized Mixture-of-Experts experts \(model\.layers\.0\.mlp\.experts\) "
+                                                r"under tensor parallelism are not supported"):
+        chooser.moe("model.layers.0.mlp.experts", layer)
+    online = LinearMethodChooser(online_config("int8"), torch.device("cpu"), torch.float32, nn.Module())
+    assert isinstance(online.moe("model.layers.0.mlp.experts", layer), QuantizedMoEMethod)
+
