@@ -9,7 +9,7 @@ layer) well outside them; greedy tokens stable; the engine whole afterwards (the
 check_integrity()).
 
 Pre-quantized: a checkpoint written by the test in compressed-tensors layout (FP8 and INT8 per
-channel, INT8 packed per group) and in 128 x 128 block FP8 (`weight_scale_inv` per block, as
+channel, FP8 with static input scales, INT8 packed per group), per-tensor FP8, and 128 x 128 block FP8 (`weight_scale_inv` per block, as
 Qwen3-30B-A3B-FP8 ships) loads, every expert quantized with its own scales, and computes what
 the float model made of the same dequantized weights computes (float32 tolerance on CPU).
 """
@@ -134,8 +134,10 @@ CHECKPOINTS = [
     ("qwen3_moe", "ct-int8-channel"),
     ("qwen3_moe", "ct-int8-pack-group"),
     ("qwen3_moe", "fp8-block"),
+    ("qwen3_moe", "ct-fp8-channel-static"),  # a static input_scale per expert: read, checked, run weight-only
     ("mixtral", "ct-fp8-channel"),
     ("qwen2_moe", "fp8-block"),
+    ("olmoe", "fp8-tensor"),
 ]
 
 
