@@ -91,7 +91,7 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
         # PEFT's LoRA on bare parameters: how it adapts transformers 5's fused experts
         # (mlp.experts.gate_up_proj / down_proj) when an adapter targets an MoE model's MLP;
         # first, as the rank_pattern PEFT writes with it is a symptom of this
-        raise LoRAError(f"{where}: target_parameters {cfg['target_parameters']} (mlp.experts): {_MOE_REFUSAL}")
+        raise LoRAError(f"{where}: target_parameters {sorted(cfg['target_parameters'])} (mlp.experts): {_MOE_REFUSAL}")
     _refuse_unsupported(cfg, where)
     rank = int(cfg.get("r", 0))
     if rank < 1:
