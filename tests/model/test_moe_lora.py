@@ -89,7 +89,7 @@ def test_expert_and_router_adapters_are_refused_by_name(tiny_checkpoints, tmp_pa
     with pytest.raises(LoRAError, match=r"Mixture-of-Experts module 'layers\.0\.mlp\.gate'"):
         llm.engine.load_lora("router", str(router))
     # a sparse layer's MLP named as a dense one's would be: layer 0 has no gate_proj to adapt
-    inter = tiny_checkpoints_intermediate(base)
+    inter = _dense_intermediate_size(base)
     sparse_mlp = _with_extra(ok, tmp_path / "sparse-mlp", pair("gate_proj", h, inter), ATTN + ["gate_proj"])
     with pytest.raises(LoRAError, match=r"layer 0 gate_proj \(model\.layers\.0\.mlp\.gate_proj\): layer 0's MLP is a "
                                         r"Mixture-of-Experts block"):
@@ -104,5 +104,5 @@ def test_expert_and_router_adapters_are_refused_by_name(tiny_checkpoints, tmp_pa
     assert llm.engine.lora.names() == ["ok"]
 
 
-def tiny_checkpoints_intermediate(base: Path) -> int:
+def _dense_intermediate_size(base: Path) -> int:
     return json.loads((base / "config.json").read_text())["intermediate_size"]
