@@ -85,7 +85,8 @@ class LLMEngine:
                                    config.lora_config.max_loras if config.lora_config is not None else None,
                                    sched_cfg.policy)
         # Multi-LoRA: the adapters known (host) and those in the compute slots
-        self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor)
+        self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor,
+                                 self.runner_info.lora_targets, self.runner_info.moe_layers)
                      if config.lora_config is not None else None)
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()

@@ -18,12 +18,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from stoker.config import LoRAConfig
-from stoker.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from stoker.lora.adapter import LoRAAdapter, LoRAError, check_served, load_adapter
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, hf_config: dict[str, Any], model_path: str, executor: Any) -> None:
+    def __init__(self, config: LoRAConfig, hf_config: dict[str, Any], model_path: str, executor: Any,
+                 targets: frozenset[tuple[int, str]] | None = None, moe_layers: frozenset[int] = frozenset()) -> None:
         self.config = config
+        self.targets = targets  # (layer, projection) pairs the runner holds slots for (RunnerInfo)
+        self.moe_layers = moe_layers
         self.hf_config = hf_config
         self.model_path = model_path
         self.executor = executor
@@ -35,8 +38,12 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ registry (any thread)
     def read(self, name: str, path: str) -> LoRAAdapter:
-        """Read and check an adapter (slow: disk); add() it after."""
-        return load_adapter(name, path, self.hf_config, self.config.max_lora_rank, self.model_path)
+        """Read and check an adapter (slow: disk); add() it after. An adapter with weights for a
+        projection the model has no slot for (a Mixture-of-Experts layer's experts) is refused here."""
+        adapter = load_adapter(name, path, self.hf_config, self.config.max_lora_rank, self.model_path)
+        if self.targets is not None:
+            check_served(adapter, self.targets, self.moe_layers)
+        return adapter
 
     def add(self, adapter: LoRAAdapter) -> None:
         with self._lock:

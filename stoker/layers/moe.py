@@ -162,8 +162,22 @@ class MoEMethod:
         layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [gate; up] per expert
         layer.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
 
-    def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) -> None:
+    def checkpoint_params(self) -> tuple[str, ...]:
+        """The tensors each expert projection has in the checkpoint (`...experts.{e}.{leaf}.{param}`);
+        a quantized method (layers/moe_quant.py) adds its scales."""
+        return ("weight",)
+
+    def checkpoint_slice(
+        self, layer: FusedMoE, shard: str, param: str, shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor `param` of `shard` this rank reads (None: all of it)."""
+        return layer.checkpoint_slice(shard, shape)
+
+    def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
         """One expert's checkpoint tensor (this rank's part of it, `layer.checkpoint_slice`)."""
+        if param != "weight":
+            raise ValueError(f"expert {expert} {shard}: unexpected checkpoint tensor {param!r} for float experts "
+                             "(the quantization config ignores them, or declares no quantization)")
         if shard not in EXPERT_SHARDS:
             raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
         if not 0 <= expert < layer.num_experts:

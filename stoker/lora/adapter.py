@@ -4,8 +4,10 @@ checked against the served model and held in host memory until a slot needs it.
 Each target projection p of layer i gets W x + scaling * B (A x), A: (r, in), B: (out, r),
 scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT computes it. What this
 server cannot apply (DoRA, trained biases, modules_to_save, per-module rank or alpha patterns,
-targets outside the attention and MLP projections, fan_in_fan_out weights) is refused with a
-message that names the field, never loaded and half-applied.
+targets outside the attention and MLP projections, fan_in_fan_out weights, and on
+Mixture-of-Experts models the experts, shared experts and routers: `target_parameters` or
+their module names) is refused with a message that names the field or module, never loaded and
+half-applied.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ logger = logging.getLogger(__name__)
 # The projections an adapter may target, as PEFT names them in Llama/Qwen checkpoints.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _WEIGHT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# A Mixture-of-Experts module an adapter may name (PEFT's keys): an expert (experts.{e}.gate_proj,
+# Mixtral's block_sparse_moe.experts.{e}.w1), the shared expert, or a router (mlp.gate, shared_expert_gate).
+_MOE_MODULE = re.compile(r"(?:.*\.)?(layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts\b[\w.]*|shared_expert\b[\w.]*|gate))"
+                         r"\.lora_[AB](?:\.default)?\.weight$")
+_MOE_REFUSAL = ("LoRA on Mixture-of-Experts experts, shared experts and routers is not supported (served: the attention "
+                "projections, and the MLP projections of dense layers); the adapter is refused rather than half-applied")
 
 
 class LoRAError(ValueError):
@@ -79,6 +87,11 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
                         "adapter_model.safetensors)")
     cfg = json.loads(cfg_path.read_text())
     where = f"adapter {name!r} ({folder})"
+    if cfg.get("target_parameters"):
+        # PEFT's LoRA on bare parameters: how it adapts transformers 5's fused experts
+        # (mlp.experts.gate_up_proj / down_proj) when an adapter targets an MoE model's MLP;
+        # first, as the rank_pattern PEFT writes with it is a symptom of this
+        raise LoRAError(f"{where}: target_parameters {sorted(cfg['target_parameters'])} (mlp.experts): {_MOE_REFUSAL}")
     _refuse_unsupported(cfg, where)
     rank = int(cfg.get("r", 0))
     if rank < 1:
@@ -99,6 +112,9 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
     tensors = load_file(str(weights_path))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        moe = _MOE_MODULE.match(key)
+        if moe is not None:
+            raise LoRAError(f"{where}: weight {key!r} targets the Mixture-of-Experts module {moe.group(1)!r}: {_MOE_REFUSAL}")
         m = _WEIGHT.match(key)
         if m is None:
             raise LoRAError(f"{where}: weight {key!r} is not a LoRA A/B matrix of an attention or MLP projection")
@@ -124,6 +140,21 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
     if not adapter.weights:
         raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return adapter
+
+
+def check_served(adapter: LoRAAdapter, targets: frozenset[tuple[int, str]], moe_layers: frozenset[int]) -> None:
+    """Refuse, naming the module, an adapter with weights for a projection the model holds no
+    LoRA slot for (on a Mixture-of-Experts model: a sparse layer's MLP, whose experts FusedMoE
+    runs), rather than load the rest and drop those silently. `targets`: the (layer, projection)
+    pairs with slots; `moe_layers`: the layers whose MLP is a Mixture-of-Experts block."""
+    for layer, module in sorted(adapter.weights):
+        if (layer, module) in targets:
+            continue
+        where = f"adapter {adapter.name!r} ({adapter.path})"
+        if layer in moe_layers:
+            raise LoRAError(f"{where}: layer {layer} {module} (model.layers.{layer}.mlp.{module}): layer {layer}'s MLP is "
+                            f"a Mixture-of-Experts block; {_MOE_REFUSAL}")
+        raise LoRAError(f"{where}: layer {layer} {module}: this model has no LoRA slot for it")
 
 
 def _shape(cfg: dict[str, Any], module: str) -> tuple[int, int]:

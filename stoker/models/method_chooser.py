@@ -4,7 +4,8 @@
 projection, before its parameters exist:
 
   * the LM head: tied to the embedding (TiedMethod), else float like the rest;
-  * a MoE router (float32 whatever the model dtype): float, never quantized;
+  * a MoE router (float32 whatever the model dtype) and Qwen2-MoE's shared_expert_gate: float,
+    never quantized;
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
     with its backend (stoker/layers/quantized_method.py lists them);
   * float projections: the C kernels' packed panels on CPU float32 when they are built
@@ -83,6 +84,8 @@ class LinearMethodChooser:
             return self._float(name, layer)
         if isinstance(layer, RouterLinear):
             return self._float(name, layer)  # a discrete choice: never quantized, always float32
+        if name.endswith(".shared_expert_gate"):
+            return self._float(name, layer)  # Qwen2-MoE's one-logit gate: never quantized (as vLLM)
         if self.quant is not None:
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
@@ -120,26 +123,55 @@ class LinearMethodChooser:
         return cpu_linear.gate_up_fusable(layer.out_features // 2)
 
     def moe(self, name: str, layer: FusedMoE) -> MoEMethod:
-        """A FusedMoE's method: float experts, on CPU float32 through the C kernels' panels (SiLU
-        fused when I fills whole panels), else plain torch."""
-        if self.quant is not None:
-            # Refused, not ignored: the experts are most of the model's bytes, and a pre-quantized
-            # checkpoint's expert tensors would need their scales.
-            raise QuantizationError(
-                f"{self.quant.method} quantization ({self.quant.source}) of Mixture-of-Experts experts is not supported yet "
-                f"({name}); "
-                "run this model unquantized"
-            )
+        """A FusedMoE's method: quantized experts when the config covers them
+        (layers/moe_quant.py: the C kernels' one-byte panels on CPU float32, dequantized in torch
+        elsewhere), else float experts, on CPU float32 through the C kernels' panels (SiLU fused
+        when I fills whole panels), else plain torch."""
         from stoker.kernels.cpu import linear as cpu_linear
 
         method: MoEMethod
-        if self.cpu_kernels:
+        if self.quant is not None and self._experts_quantized(name, layer):
+            from stoker.layers.moe_quant import QuantizedMoEMethod
+
+            backend = "cpu_q8" if self.cpu_kernels else "dequant"
+            self._say_weight_only(backend)
+            fuse = backend == "cpu_q8" and layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            method = QuantizedMoEMethod(self.quant.weights, self.quant.online, backend, fuse)
+        elif self.cpu_kernels:
             fuse = layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = PackedCpuMoEMethod(fuse)
         else:
             method = TorchMoEMethod()
         self.chosen[method.describe()] += 1
         return method
+
+    def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:
+        """Whether the config quantizes this layer's experts: all of them, or none (then they load
+        as floats); an ignore list that splits them is refused, as for a merged projection."""
+        assert self.quant is not None
+        leaves = list(getattr(self.model, "expert_params", {})) or ["weight"]
+        names = [f"{name}.{e}.{leaf}" for e in range(layer.num_experts) for leaf in leaves]  # checkpoint module names
+        ignored = [self.quant.is_ignored(n) for n in names]
+        if any(ignored) and not all(ignored):
+            raise QuantizationError(
+                f"the quantization config ignores some experts of {name} ({[n for n, i in zip(names, ignored) if i][:3]} ...) "
+                "but not all; Stoker holds a layer's experts in one representation, so they must agree"
+            )
+        if all(ignored):
+            return False
+        if not self.quant.online and layer.is_split:
+            raise QuantizationError(
+                f"pre-quantized Mixture-of-Experts experts ({name}) under tensor parallelism are not supported yet; "
+                "run with --tensor-parallel-size 1, or quantize a float checkpoint online (--quantization)"
+            )
+        return True
+
+    def _say_weight_only(self, backend: str) -> None:
+        assert self.quant is not None
+        if self.quant.weights.quantized_activations and not self.weight_only_said:
+            logger.info("the %s scheme quantizes activations too; Stoker runs the experts weight-only (%s), activations "
+                        "in %s", self.quant.method, backend, str(self.dtype).removeprefix("torch."))
+            self.weight_only_said = True
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {m}" for m, n in sorted(self.chosen.items()))

@@ -30,21 +30,24 @@ QWEN_EXPERT_PARAMS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def expected_keys(module_name: str, layer: FusedMoE) -> set[str]:
-    """The keys `load_expert_tensor` returns once every expert's three tensors came."""
-    held = layer.expert_split
-    return {key(module_name, e, s) for e in range(held.start, held.stop) for s in EXPERT_SHARDS}
+    """The keys `load_expert_tensor` returns once every expert this rank holds brought its tensors
+    (the weights, and a quantized method's scales: `MoEMethod.checkpoint_params`)."""
+    assert layer.method is not None
+    held, params = layer.expert_split, layer.method.checkpoint_params()
+    return {key(module_name, e, s, p) for e in range(held.start, held.stop) for s in EXPERT_SHARDS for p in params}
 
 
-def key(module_name: str, expert: int, shard: str) -> str:
-    return f"{module_name}#{expert}.{shard}"
+def key(module_name: str, expert: int, shard: str, param: str = "weight") -> str:
+    return f"{module_name}#{expert}.{shard}" + ("" if param == "weight" else f".{param}")
 
 
 def checkpoint_name(module_key: str, expert_params: dict[str, str]) -> str:
     """An expected key -> the per-expert checkpoint name (for the missing-weights message)."""
     module_name, _, rest = module_key.partition("#")
-    expert, _, shard = rest.partition(".")
+    expert, _, rest = rest.partition(".")
+    shard, _, param = rest.partition(".")
     leaf = next((n for n, s in expert_params.items() if s == shard), shard)
-    return f"{module_name}.{expert}.{leaf}.weight"
+    return f"{module_name}.{expert}.{leaf}.{param or 'weight'}"
 
 
 def load_expert_tensor(
@@ -55,8 +58,8 @@ def load_expert_tensor(
     head, _, last = name.rpartition(".")
     if head in moes and last in ("gate_up_proj", "down_proj"):
         return _load_stacked(moes[head], head, last, f, name)
-    if last != "weight":
-        return None
+    # {moe}.{e}.{leaf}.{param}: the weight, or a quantized checkpoint's scale / packed weight /
+    # shape / zero point; the method says which it takes, and refuses the rest by name.
     rest, _, leaf = head.rpartition(".")
     module_name, _, expert = rest.rpartition(".")
     if module_name not in moes or not expert.isdigit() or leaf not in expert_params:
@@ -69,12 +72,12 @@ def load_expert_tensor(
     if not layer.expert_split.holds(int(expert)):
         return []  # another rank's expert (expert parallelism): not read here
     try:
-        part = layer.checkpoint_slice(shard, tuple(f.get_slice(name).get_shape()))
+        part = layer.method.checkpoint_slice(layer, shard, last, tuple(f.get_slice(name).get_shape()))
         tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
-        layer.method.load(layer, layer.expert_split.local(int(expert)), shard, tensor)
+        layer.method.load(layer, layer.expert_split.local(int(expert)), shard, tensor, last)
     except ValueError as exc:
         raise ValueError(f"{exc} (checkpoint tensor {name})") from None
-    return [key(module_name, int(expert), shard)]
+    return [key(module_name, int(expert), shard, last)]
 
 
 def _load_stacked(layer: FusedMoE, module_name: str, which: str, f: Any, name: str) -> list[str]:

@@ -19,6 +19,10 @@ class RunnerInfo:
     kv_spec: KVCacheSpec  # one token of this rank's KV cache
     bytes_per_block: int
     weights_summary: str  # predicted vs held weight bytes, for the start-up log
+    # LoRA: the (layer, projection) pairs with slots, and the layers whose MLP is a
+    # Mixture-of-Experts block (no slots there), so an adapter is checked when it is registered
+    lora_targets: frozenset[tuple[int, str]] | None = None
+    moe_layers: frozenset[int] = frozenset()
 
     @property
     def device_type(self) -> str:

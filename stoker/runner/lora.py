@@ -6,6 +6,11 @@ names PEFT uses (q_proj, k_proj, v_proj; gate_proj, up_proj) through the model's
 `packed_modules`. Each target's weight method is wrapped in a LoRAMethod holding its slots
 (layers/lora.py), once, when the runner is built; `mapping` gives each step's token -> slot
 map, which the runner puts in the forward's context.
+
+On a Mixture-of-Experts model the attention projections (and the MLP of a dense layer among
+sparse ones) take adapters; the experts, shared experts and routers do not (FusedMoE has no
+LoRA method), and an adapter that targets them is refused when it is registered (`check`,
+through RunnerInfo) naming the module.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from stoker.core.step import SeqStep
 from stoker.layers.linear import Linear
 from stoker.layers.lora import LoRAMapping, LoRAMethod, LoRASlots, segments_of
 from stoker.layers.moe import FusedMoE
-from stoker.lora.adapter import LoRAAdapter
+from stoker.lora.adapter import LoRAAdapter, check_served
 
 _TARGET = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
@@ -30,12 +35,12 @@ class ModelLoRASlots:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        moe = next((name for name, m in model.named_modules() if isinstance(m, FusedMoE)), None)
-        if moe is not None:
-            # Refused whole rather than half-served: an adapter's expert or MLP targets would be
-            # dropped silently (FusedMoE has no LoRA method yet).
-            raise ValueError(f"LoRA (--enable-lora) is not supported on Mixture-of-Experts models yet ({moe} is a "
-                             "FusedMoE layer); serve this model without --enable-lora")
+        # Mixture-of-Experts layers: their attention projections (and a dense layer's MLP) get
+        # slots; a sparse layer's experts and router get none, and an adapter with weights for
+        # them is refused by name (`check`), never loaded with those dropped.
+        self.moe_layers = frozenset(int(m.group(1)) for name, module in model.named_modules()
+                                    if isinstance(module, FusedMoE) and (m := re.search(r"layers\.(\d+)\.", name)))
+        self.targets: set[tuple[int, str]] = set()  # (layer, PEFT projection name) with a slot
         shard_names = {(merged, shard): name for name, (merged, shard) in getattr(model, "packed_modules", {}).items()}
         self.layers: list[LoRASlots] = []
         for name, module in model.named_modules():
@@ -57,10 +62,16 @@ class ModelLoRASlots:
                               dtype, device, out_rows, in_cols=module.checkpoint_cols())
             module.wrap_method(LoRAMethod(module.method, slots))
             self.layers.append(slots)
+            self.targets.update((layer_idx, shard[0]) for shard in shards)
         if not self.layers:
             raise ValueError("this model has no projections LoRA can target")
 
+    def check(self, adapter: LoRAAdapter) -> None:
+        """LoRAError naming the first projection of `adapter` that has no slot here."""
+        check_served(adapter, frozenset(self.targets), self.moe_layers)
+
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.check(adapter)  # the engine checked at registration (RunnerInfo.lora_targets); again here, before a slot changes
         for layer in self.layers:
             layer.load(slot, adapter)
 

@@ -126,7 +126,9 @@ class ModelRunner:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         return RunnerInfo(str(self.device), device_name, str(self.dtype).removeprefix("torch."),
                           self.quant.method if self.quant is not None else None, self.kv_spec, self.bytes_per_block,
-                          self.weights_summary())
+                          self.weights_summary(),
+                          frozenset(self.lora.targets) if self.lora is not None else None,
+                          self.lora.moe_layers if self.lora is not None else frozenset())
 
     def enable_structured_outputs(self, grammars: Any) -> None:
         """Mask the rows that carry a grammar with matchers over `grammars` (the engine's cache)."""

@@ -1,7 +1,7 @@
 """Write pre-quantized checkpoints the way the tools do, from a float one (for the tests).
 
 `quantize_checkpoint(src, dst, fmt)` quantizes every decoder-layer projection weight of the
-float checkpoint `src` (`model.layers.*.*_proj.weight`) and writes to `dst` the tensors and the
+float checkpoint `src` (`model.layers.*.*_proj.weight`, and Mixtral's experts' `w1`/`w2`/`w3`) and writes to `dst` the tensors and the
 `quantization_config` that these formats hold:
 
   ct-fp8-tensor          compressed-tensors float-quantized, weight_scale (1,) per tensor
@@ -34,7 +34,8 @@ from safetensors.torch import load_file, save_file
 from stoker.quantization import formats
 
 FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-channel-static", "ct-int8-channel", "ct-int8-pack-group", "fp8-block", "fp8-tensor")
-_PROJECTION = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
+# decoder projections, Mixture-of-Experts experts included (Mixtral's are experts.{e}.w1/w2/w3)
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")
 
 
 def _ct_config(wtype: str, strategy: str, fmt: str, group_size: int | None, acts: dict | None, kv: bool, ignore: list[str]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stoker import LLM, SamplingParams
-from stoker.quantization.config import QuantizationError
 
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -64,17 +63,8 @@ def test_an_expert_of_the_wrong_shape_is_named(tiny_checkpoints, tmp_path) -> No
         tokens(broken)
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8"])
-def test_online_quantization_of_experts_is_refused(tiny_checkpoints, method: str) -> None:
-    path = tiny_checkpoints("qwen3_moe", **QWEN3_MOE)
-    with pytest.raises(QuantizationError, match=f"{method} quantization .* Mixture-of-Experts experts is not supported"):
-        tokens(path, quantization=method)
-
-
-def test_lora_on_a_moe_model_is_refused(tiny_checkpoints) -> None:
-    path = tiny_checkpoints("qwen3_moe", **QWEN3_MOE)
-    with pytest.raises(ValueError, match=r"LoRA \(--enable-lora\) is not supported on Mixture-of-Experts"):
-        tokens(path, enable_lora=True)
+# --quantization and --enable-lora on MoE models, once refused here, are served now:
+# tests/model/test_moe_quantization.py and tests/model/test_moe_lora.py (with what they still refuse).
 
 
 def test_olmoe_clip_qkv_is_refused(tiny_checkpoints) -> None:
