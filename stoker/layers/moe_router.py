@@ -12,7 +12,8 @@ Here:
 * `GroupedTopKRouter`: DeepSeek-V3's (and GLM-4.5's) sigmoid scores with a correction bias
   that only steers the choice, experts picked within the best `topk_group` of `n_group` groups,
   weights renormalised and scaled by `routed_scaling_factor`.
-Later routers (gpt-oss's biased logits) are further classes here with the same `route`.
+* `BiasedTopKRouter`: gpt-oss's: top-k of the logits (the projection has a bias), then a
+  softmax over those k only.
 
 The router's logits are a projection like any other (a `Linear`, its weight method chosen at
 build: the C kernel's panels on CPU float32, which keep a token's logits independent of its
@@ -30,10 +31,10 @@ from stoker.layers.weight_method import LinearMethod
 
 
 class RouterLinear(Linear):
-    """A router's (E, H) projection, replicated, without bias, its parameters float32."""
+    """A router's (E, H) projection, replicated, its parameters (and bias, gpt-oss's) float32."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__(hidden_size, num_experts)
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias)
 
     def attach(self, method: LinearMethod) -> None:
         previous = torch.get_default_dtype()
@@ -73,6 +74,25 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+class BiasedTopKRouter(RouterLinear):
+    """gpt-oss's router. Checkpoint tensors `router.weight` (E, H) and `router.bias` (E,)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__(hidden_size, num_experts, bias=True)
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.num_experts, self.top_k = num_experts, top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, H) -> topk_weights (T, k) float32 summing to one, topk_ids (T, k) int64."""
+        logits = self(x)  # (T, E), bias included
+        ids = _top(logits, self.top_k)
+        return torch.softmax(logits.gather(1, ids), dim=-1), ids
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, top_k={self.top_k}"
 
 
 class GroupedTopKRouter(RouterLinear):

@@ -30,12 +30,13 @@ class ModelLoRASlots:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        moe = next((name for name, m in model.named_modules() if isinstance(m, FusedMoE)), None)
+        moe = next((name for name, m in model.named_modules()
+                    if isinstance(m, FusedMoE) or getattr(m, "moe_experts", False)), None)
         if moe is not None:
             # Refused whole rather than half-served: an adapter's expert or MLP targets would be
-            # dropped silently (FusedMoE has no LoRA method yet).
+            # dropped silently (FusedMoE, and a family's own experts (gpt-oss), have no LoRA method yet).
             raise ValueError(f"LoRA (--enable-lora) is not supported on Mixture-of-Experts models yet ({moe} is a "
-                             "FusedMoE layer); serve this model without --enable-lora")
+                             f"{type(model.get_submodule(moe)).__name__} layer); serve this model without --enable-lora")
         shard_names = {(merged, shard): name for name, (merged, shard) in getattr(model, "packed_modules", {}).items()}
         self.layers: list[LoRASlots] = []
         for name, module in model.named_modules():

@@ -26,12 +26,14 @@ _ARCH = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 # Per family, the 1-D tensors transformers initialises to zero that the tests should see
 # nonzero: biases, GLM-4.5's router correction bias (which steers the expert choice).
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
+    "gpt_oss": ("proj.bias", "router.bias", "sinks"),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).

@@ -39,6 +39,12 @@ CONFIGS = {
     "glm4_moe-air": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                                       first_k_dense_replace=0, norm_topk_prob=False, attention_bias=True,
                                       partial_rotary_factor=0.25, head_dim=16)),
+    # sliding (24) and full layers alternating, sinks, YaRN, biased router, clamped SwiGLU
+    "gpt_oss": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=24,
+                                num_hidden_layers=3)),
+    # k = E, a limit low enough that the clamps bite on most columns
+    "gpt_oss-k=E-clamped": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=4, intermediate_size=24,
+                                            head_dim=16, sliding_window=40, swiglu_limit=0.3)),
 }
 
 
