@@ -28,7 +28,7 @@ from stoker.layers.rotary import rope_parameters
 from stoker.models import moe_loading
 from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
-from stoker.quantization.config import QuantConfig
+from stoker.quantization.config import QuantConfig, QuantizationError
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
                     module.attach(chooser(name, module))
                 elif isinstance(module, FusedMoE):
                     module.attach(chooser.moe(name, module))
+                elif getattr(module, "moe_experts", False) and quant is not None:  # a family's own experts (gpt-oss)
+                    raise QuantizationError(f"{quant.method} quantization ({quant.source}) of Mixture-of-Experts "
+                                            f"experts is not supported yet ({name}); run this model unquantized")
     finally:
         torch.set_default_dtype(previous)
     kernels = bind_kernels(model, device, dtype)
