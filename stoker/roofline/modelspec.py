@@ -71,7 +71,9 @@ class ModelSpec:
     one (`shared_expert_gate` false: GLM-4.5, DeepSeek-V3); the dense layers (Qwen-MoE's
     `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's `first_k_dense_replace`) have an MLP
     of `intermediate_size`. `router_bias`: one more float per expert in the router (GLM-4.5's
-    `e_score_correction_bias`).
+    `e_score_correction_bias`, gpt-oss's router bias). gpt-oss also has biases on o_proj
+    (`o_proj_bias`) and on every expert (`expert_bias`: 2I + H each), and one sink logit per
+    head and layer (`attention_sinks`).
     """
 
     name: str
@@ -89,6 +91,9 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = True  # a one-logit sigmoid gate on the shared expert (Qwen2-MoE)
     router_bias: bool = False  # a float per expert beside the router's weight
+    expert_bias: bool = False  # gpt-oss: biases on each expert's gate/up (2I) and down (H)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head and layer
     num_dense_layers: int = 0  # layers of a MoE model whose MLP is dense
     attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
@@ -131,8 +136,9 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert of one layer: gate, up and down."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """One routed expert of one layer: gate, up and down (and their biases, gpt-oss)."""
+        i = self.expert_intermediate_size
+        return 3 * self.hidden_size * i + (2 * i + self.hidden_size if self.expert_bias else 0)
 
     def experts_touched(self, tokens: float) -> float:
         """Experts of one sparse layer that at least one of `tokens` tokens picks, in expectation,
@@ -158,11 +164,11 @@ class ModelSpec:
             gate_up, down, router = 2 * h * self.intermediate_size, h * self.intermediate_size, 0
         return {
             "qkv_proj": qkv,
-            "o_proj": self.q_dim * h,
+            "o_proj": self.q_dim * h + (h if self.o_proj_bias else 0),
             "router": router,
             "mlp_gate_up": gate_up,
             "mlp_down": down,
-            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0),
+            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0),
         }
 
     def param_counts(self) -> dict[str, int]:
@@ -285,7 +291,10 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if num_experts > 1 else 0,
             shared_expert_intermediate_size=shared_expert_size(config) if num_experts > 1 else 0,
             shared_expert_gate="n_shared_experts" not in config,
-            router_bias=model_type in ("glm4_moe", "deepseek_v3"),
+            router_bias=model_type in ("glm4_moe", "deepseek_v3", "gpt_oss"),
+            expert_bias=model_type == "gpt_oss",
+            o_proj_bias=model_type == "gpt_oss" and bool(config.get("attention_bias", True)),
+            attention_sinks=model_type == "gpt_oss",
             num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
             attention_bias=qkv_bias(config),
             qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe")))),
@@ -299,11 +308,11 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
 
 def qkv_bias(config: dict) -> bool:
     """Biases on q, k and v: Qwen2 always (no field), Qwen2-MoE by `qkv_bias` (transformers 5;
-    true when absent), the others by `attention_bias`."""
+    true when absent), the others by `attention_bias` (true when absent for gpt-oss, as transformers' default)."""
     model_type = config.get("model_type")
     if model_type == "qwen2_moe" and config.get("qkv_bias") is not None:
         return bool(config["qkv_bias"])
-    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))
+    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss")))
 
 
 def shared_expert_size(config: dict) -> int:

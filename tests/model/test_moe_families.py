@@ -110,7 +110,7 @@ def test_the_block_is_chosen_per_layer(tiny_checkpoints) -> None:
     assert all(isinstance(layer.mlp.experts, FusedMoE) and layer.mlp.shared_expert is not None for layer in layers[1:])
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"])
 def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch) -> None:
     """The model describes itself (seam 16): the spec parsed from config.json counts every
     parameter the engine holds (routers, shared expert and its gate, dense layers, q/k norms)."""
