@@ -11,7 +11,7 @@ Here:
   OLMoE), the k weights renormalised to sum to one or not (`norm_topk_prob`);
 * `GroupedTopKRouter`: DeepSeek-V3's (and GLM-4.5's) sigmoid scores with a correction bias
   that only steers the choice, experts picked within the best `topk_group` of `n_group` groups,
-  weights renormalised and scaled by `routed_scaling_factor`.
+  weights renormalised and scaled by `routed_scaling_factor`;
 * `BiasedTopKRouter`: gpt-oss's: top-k of the logits (the projection has a bias), then a
   softmax over those k only.
 
