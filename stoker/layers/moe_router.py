@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stoker.layers.activation import sigmoid_rows
 from stoker.layers.linear import Linear
 from stoker.layers.weight_method import LinearMethod
 
@@ -158,7 +159,7 @@ def grouped_topk(
     then the top-k biased experts inside them. Weights are the unbiased sigmoid scores of
     those experts, renormalised (plus 1e-20, as the reference) when asked, times `scaling_factor`."""
     t, e = logits.shape
-    scores = logits.sigmoid()  # (T, E)
+    scores = sigmoid_rows(logits)  # (T, E); a token's scores the same bits whatever its batch
     choice = scores + correction_bias  # (T, E): only steers the choice
     if topk_groups < num_groups:  # otherwise every group is kept: nothing to mask
         grouped = choice.view(t, num_groups, e // num_groups)  # (T, G, E/G)
