@@ -4,7 +4,9 @@ softmax's denominator), sliding-window and full layers alternating (`layer_types
 (top-k of the logits, softmax over those k) and `num_local_experts` experts of
 `intermediate_size` with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`).
 
-Checkpoint (transformers 5's float layout, as the Hub's bf16 conversions name it):
+Checkpoint (transformers 5's float layout, what its save_pretrained writes; the Hub's MXFP4
+checkpoints name the biases, router and sinks the same and hold the expert weights as
+`*_blocks` / `*_scales` instead):
 self_attn.{q,k,v,o}_proj (+ bias), self_attn.sinks (H,), mlp.router.{weight,bias},
 mlp.experts.gate_up_proj (E, H, 2I) with gate and up interleaved column by column,
 mlp.experts.gate_up_proj_bias (E, 2I), mlp.experts.down_proj (E, I, H),
