@@ -150,7 +150,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss); only this torch twin takes them
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
 ) -> torch.Tensor:  # (B, H, D)
     plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window, query.dtype)
     q_sorted = query.index_select(0, plan.order)
@@ -229,7 +229,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss); only this torch twin takes them
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
 ) -> torch.Tensor:  # (T, H, D)
     """Prefill / extend / decode in one: each sequence's new tokens attend causally to its
     whole cached context (prefix-cache hits and earlier chunks included)."""

@@ -51,8 +51,9 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         # Attention sinks (gpt-oss): a learned logit per head in the softmax's denominator, passed
-        # to `forward` by the layer that holds them. Only the torch twins take them: the builder
-        # binds those for such a layer (models/method_chooser.bind_kernels), whatever the device.
+        # to `forward` by the layer that holds them. The torch twins and the C kernels take them,
+        # the Triton ones not yet: the builder binds the torch twins for such a layer on CUDA
+        # (models/method_chooser.bind_kernels).
         self.with_sinks = with_sinks
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         kernels = self.kernels
         kv_scales = (self.k_scale, self.v_scale)
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
-        if sinks is not None:  # the torch twins' last argument (the other sets take none)
+        if sinks is not None:  # the last argument of the torch twins and the C kernels (Triton takes none)
             kv_scales = (*kv_scales, sinks)  # type: ignore[assignment]
         nd = md.num_decodes
         if nd == len(md.context_lens_list):  # pure decode step

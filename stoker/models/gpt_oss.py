@@ -16,8 +16,9 @@ What is not served yet, each refused by name when the model is built:
 * the Hub's MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, experts as
   `*_blocks` / `*_scales`): 4-bit experts come with their own quantized method;
 * tensor parallelism: the experts and sinks here are whole on every rank.
-The attention runs on the torch twins on every device (only they take sinks: see
-layers/attention.py); the experts are this file's own module (`GptOssExperts`, biases and the
+The attention takes its sinks on the C kernels (CPU float32) and the torch twins; on CUDA it
+runs the twins (the Triton kernels take no sinks yet: layers/attention.py). The experts are
+this file's own module (`GptOssExperts`, biases and the
 clamped activation that `FusedMoE` does not take), so CUDA graphs stay off and LoRA is refused
 for this family, as for the FusedMoE ones.
 """

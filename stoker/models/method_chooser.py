@@ -150,10 +150,10 @@ def bind_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     activation) the set for `device` and `dtype`; returns the set's name, for the log."""
     kernels = ops.select(device, dtype)
     for module in model.modules():
-        if isinstance(module, Attention) and module.with_sinks:  # only the torch twins take attention sinks
-            module.kernels = ops.TORCH
-        elif isinstance(module, Attention):  # its prefill kernel depends on head_dim
+        if isinstance(module, Attention):  # its prefill kernel depends on head_dim
             module.kernels = ops.select(device, dtype, module.head_dim)
+            if module.with_sinks and module.kernels.name == "triton":  # the Triton kernels take no sinks yet
+                module.kernels = ops.TORCH
         elif isinstance(getattr(module, "kernels", None), ops.Kernels):
             module.kernels = kernels
     return kernels.name

@@ -1,7 +1,7 @@
-"""Attention sinks (gpt-oss) in the torch twins: each head's sink is one more logit in the
-softmax's denominator, with no value. Checked against the definition written densely per
-sequence, for prefill chunks after cached context, decode, GQA and a sliding window; a sink
-of -inf gives the sinkless attention."""
+"""Attention sinks (gpt-oss): each head's sink is one more logit in the softmax's denominator,
+with no value. The torch twins are checked against the definition written densely per sequence
+(prefill chunks after cached context, decode, GQA, a sliding window; a sink of -inf gives the
+sinkless attention), the C kernels against the twins (float32 and FP8 caches)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stoker.kernels import reference
+from stoker.kernels.cpu import build
 from tests.kernels.paged_cases import make_paged_batch
 
 
@@ -65,3 +66,34 @@ def test_a_sink_of_minus_infinity_is_no_sink() -> None:
     args = (q, batch.k_ref, batch.v_ref, batch.block_tables, [0, 9, 29], lens, 0.25, None)
     torch.testing.assert_close(reference.paged_attention(*args, sinks=torch.full((4,), float("-inf"))),
                                reference.paged_attention(*args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not build.available(), reason="the C kernels did not build here")
+@pytest.mark.parametrize("head_dim", [16, 64])  # the generic decode loop, and its 16-wide fast path
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_c_kernels_take_sinks_as_the_twins(head_dim, window, fp8) -> None:
+    from stoker.kernels._common import FP8_KV_DTYPE
+    from stoker.kernels.cpu import paged_decode_attention as cpu_decode
+    from stoker.kernels.cpu import prefill_attention as cpu_prefill
+
+    gen = torch.Generator().manual_seed(head_dim + (window or 0) + fp8)
+    heads, kv_heads, bs, lens, q_lens = 4, 2, 8, [1, 13, 30, 21], [1, 13, 5, 1]
+    batch = make_paged_batch(lens, kv_heads, head_dim, bs, torch.float32, "cpu", gen)
+    k_cache, v_cache = batch.k_ref, batch.v_ref
+    if fp8:
+        k_cache, v_cache = k_cache.to(FP8_KV_DTYPE), v_cache.to(FP8_KV_DTYPE)
+    sinks = torch.randn(heads, generator=gen) * 2
+    scale = head_dim**-0.5
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen)
+    cu = [0, 1, 14, 19, 20]
+    kv = (k_cache, v_cache, batch.block_tables)
+    if cpu_prefill.prefill_supported(q, k_cache):
+        torch.testing.assert_close(cpu_prefill.paged_attention(q, *kv, cu, lens, scale, window, sinks=sinks),
+                                   reference.paged_attention(q, *kv, cu, lens, scale, window, sinks=sinks),
+                                   rtol=1e-5, atol=1e-5)
+    qd = torch.randn(len(lens), heads, head_dim, generator=gen)
+    ctx = batch.context_lens_tensor()
+    torch.testing.assert_close(cpu_decode.paged_decode_attention(qd, *kv, ctx, scale, window, sinks=sinks),
+                               reference.paged_decode_attention(qd, *kv, ctx, scale, window, sinks=sinks),
+                               rtol=1e-5, atol=1e-5)

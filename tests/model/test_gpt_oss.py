@@ -1,10 +1,11 @@
 """gpt-oss beyond the shared MoE family tests (tests/model/test_moe_families.py): its layers'
-attention runs on the torch twins (the only kernels that take sinks) with the windows its
-layer_types say; what it does not serve yet is refused by name: MXFP4 checkpoints, online
+attention takes sinks on the C kernels (the torch twins on CUDA: Triton takes none) with the
+windows its layer_types say; what it does not serve yet is refused by name: MXFP4 checkpoints, online
 quantization of its experts, LoRA."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 
 from stoker import LLM
 from stoker.kernels import ops
+from stoker.kernels.cpu import build
 from stoker.quantization.config import QuantizationError
 
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=16, sliding_window=24,
@@ -22,12 +24,26 @@ def engine(path, **kw) -> LLM:
     return LLM(str(path), max_model_len=128, kv_cache_memory_bytes=1 << 20, **kw)
 
 
-def test_attention_runs_on_the_torch_twins_with_alternating_windows(tiny_checkpoints) -> None:
+def test_attention_takes_sinks_on_the_c_kernels_with_alternating_windows(tiny_checkpoints) -> None:
     model = engine(tiny_checkpoints("gpt_oss", **GPT_OSS)).engine.executor.driver_runner.model
     attns = model.attention_layers()
     assert [a.sliding_window for a in attns] == [24, None, 24]  # transformers' default layer_types
-    assert all(a.with_sinks and a.kernels is ops.TORCH for a in attns)
+    assert all(a.with_sinks and a.kernels.name == ("cpu" if build.available() else "torch") for a in attns)
     assert model.model.layers[0].self_attn.o_proj.has_bias
+
+
+def test_on_cuda_a_layer_with_sinks_gets_the_torch_twins(monkeypatch) -> None:
+    """The Triton kernels take no sinks: bind_kernels gives such a layer the twins."""
+    import torch
+
+    from stoker.layers.attention import Attention
+    from stoker.models import method_chooser
+
+    triton_like = dataclasses.replace(ops.TORCH, name="triton")
+    monkeypatch.setattr(method_chooser.ops, "select", lambda *args, **kwargs: triton_like)
+    model = torch.nn.ModuleList([Attention(4, 2, 16, 0.25, with_sinks=True), Attention(4, 2, 16, 0.25)])
+    method_chooser.bind_kernels(model, torch.device("cpu"), torch.float32)
+    assert model[0].kernels is ops.TORCH and model[1].kernels.name == "triton"
 
 
 def test_mxfp4_checkpoints_are_refused_by_name(tiny_checkpoints, tmp_path) -> None:
