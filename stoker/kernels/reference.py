@@ -150,12 +150,13 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
 ) -> torch.Tensor:  # (B, H, D)
     plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window, query.dtype)
     q_sorted = query.index_select(0, plan.order)
     out_sorted = torch.empty_like(q_sorted)
     for g in plan.groups:
-        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale)
+        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale, sinks)
     return out_sorted.index_select(0, plan.inverse)
 
 
@@ -167,6 +168,7 @@ def _decode_group(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (b, H, D)
     b = query.shape[0]
     rows = group.block_ids.shape[0]
@@ -176,15 +178,44 @@ def _decode_group(
     values = v_flat.view(b, -1, *v_cache.shape[2:])[:, : group.max_len]
     # SDPA reads the gathered K/V through a transposed view (no second copy), never
     # materialises the (b, H, L) scores, and does GQA without repeating K/V.
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         query.unsqueeze(2),  # (b, H, 1, D)
         dequantize_kv(keys.transpose(1, 2), k_scale, query.dtype),  # (b, Hkv, L, D)
         dequantize_kv(values.transpose(1, 2), v_scale, query.dtype),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=query.shape[1] != k_cache.shape[2],
+        group.mask,
+        False,
+        scale,
+        sinks,
     )
     return out.squeeze(2)
+
+
+def _attend(
+    q: torch.Tensor,  # (b, H, Lq, D)
+    k: torch.Tensor,  # (b, Hkv, L, D)
+    v: torch.Tensor,  # (b, Hkv, L, D)
+    mask: torch.Tensor | None,  # bool (allowed) or additive, broadcast to (b, H, Lq, L)
+    is_causal: bool,
+    scale: float,
+    sinks: torch.Tensor | None,  # (H,)
+) -> torch.Tensor:  # (b, H, Lq, D)
+    """SDPA; with attention sinks, the same attention written out: each head's sink is one more
+    logit in the softmax's denominator, with no value (gpt-oss; transformers' eager path)."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (b, H, Lq, L)
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (b, H, Lq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return (probs @ v.float()).to(q.dtype)
 
 
 def paged_attention(
@@ -198,12 +229,12 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
 ) -> torch.Tensor:  # (T, H, D)
     """Prefill / extend / decode in one: each sequence's new tokens attend causally to its
     whole cached context (prefix-cache hits and earlier chunks included)."""
     cu = [int(x) for x in cu_seqlens_q]
     ctx = [int(x) for x in context_lens]
-    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     for s in range(len(ctx)):
         q_start, q_end, ctx_len = cu[s], cu[s + 1], ctx[s]
@@ -222,14 +253,14 @@ def paged_attention(
             allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
             if sliding_window is not None:
                 allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             query[q_start:q_end].transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
             dequantize_kv(keys.transpose(0, 1).unsqueeze(0), k_scale, query.dtype),  # (1, Hkv, L, D)
             dequantize_kv(values.transpose(0, 1).unsqueeze(0), v_scale, query.dtype),
-            attn_mask=allowed,
-            is_causal=plain_causal,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            allowed,
+            plain_causal,
+            scale,
+            sinks,
         )
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out

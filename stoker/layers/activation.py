@@ -64,3 +64,22 @@ def sigmoid_per_row(x: torch.Tensor) -> torch.Tensor:  # (T, 1) -> (T, 1)
     if x.device.type != "cpu":
         return torch.sigmoid(x)
     return torch.sigmoid(x.expand(-1, _VECTOR_LANES).contiguous())[:, :1]
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
+    """sigmoid with the same bits for a row whatever T (`sigmoid_per_row`'s reason): on CPU
+    each row is padded to whole vectors, so no element of it runs through the scalar tail."""
+    pad = -x.shape[-1] % _VECTOR_LANES
+    if x.device.type != "cpu" or not pad:
+        return torch.sigmoid(x)
+    return torch.sigmoid(F.pad(x, (0, pad)))[..., : x.shape[-1]]
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation, (n, 2I) with gate and up interleaved (gate in the even columns, up
+    in the odd, as its checkpoints store them) -> (n, I):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -46,9 +46,15 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
+        with_sinks: bool = False,
     ) -> None:
         super().__init__()
+        # Attention sinks (gpt-oss): a learned logit per head in the softmax's denominator, passed
+        # to `forward` by the layer that holds them. The torch twins and the C kernels take them,
+        # the Triton ones not yet: the builder binds the torch twins for such a layer on CUDA
+        # (models/method_chooser.bind_kernels).
+        self.with_sinks = with_sinks
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -71,14 +77,19 @@ class Attention(nn.Module):
             raise ValueError(f"{which} = {value}: a KV-cache scale must be k_scale or v_scale and positive")
         self.checkpoint_kv_scales[which] = value
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) for this step's tokens -> (T, H, D)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) for this step's tokens, sinks (H,) float32 when built
+        `with_sinks` -> (T, H, D)."""
         md = get_forward_context().attn_metadata
         if md is None:
             raise RuntimeError("paged attention ran in a forward without AttentionMetadata")
+        if (sinks is not None) != self.with_sinks:
+            raise ValueError("attention sinks are given exactly when the layer was built with_sinks")
         kernels = self.kernels
         kv_scales = (self.k_scale, self.v_scale)
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
+        if sinks is not None:  # the last argument of the torch twins and the C kernels (Triton takes none)
+            kv_scales = (*kv_scales, sinks)  # type: ignore[assignment]
         nd = md.num_decodes
         if nd == len(md.context_lens_list):  # pure decode step
             return kernels.paged_decode_attention(

@@ -5,7 +5,9 @@ the type: default, linear (positions divided by `factor`), llama3 (Llama 3.1: lo
 wavelengths divided by `factor`, short ones kept, a smooth ramp between), yarn (NTK-by-parts
 interpolation with an attention temperature). Inverse frequencies follow the formulas in
 the Llama 3.1 paper / YaRN paper as transformers implements them, in float32, so the
-cos/sin cache matches the reference bit for bit.
+cos/sin cache matches the reference bit for bit. `partial_rotary_factor` (in the rope
+parameters, or at the config's top level, which transformers moves there) rotates only the
+first head_dim x factor dims of each head.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Normalise old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) config forms."""
     params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if hf_config.get("partial_rotary_factor") is not None:  # the Hub's GLM-4.5 config says it at the top level
+        params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -28,7 +28,7 @@ from stoker.layers.rotary import rope_parameters
 from stoker.models import moe_loading
 from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
-from stoker.quantization.config import QuantConfig
+from stoker.quantization.config import QuantConfig, QuantizationError
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
                     module.attach(chooser(name, module))
                 elif isinstance(module, FusedMoE):
                     module.attach(chooser.moe(name, module))
+                elif getattr(module, "moe_experts", False) and quant is not None:  # a family's own experts (gpt-oss)
+                    raise QuantizationError(f"{quant.method} quantization ({quant.source}) of Mixture-of-Experts "
+                                            f"experts is not supported yet ({name}); run this model unquantized")
     finally:
         torch.set_default_dtype(previous)
     kernels = bind_kernels(model, device, dtype)
@@ -118,11 +121,13 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params: dict[str, str] = getattr(model, "expert_params", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
+    # A family's tensors it does not run (GLM-4.5's multi-token-prediction layer)
+    skip: Callable[[str], bool] = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     filled: set[str] = set()
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or skip(name):
                     continue
                 if name.endswith(_KV_SCALE_SUFFIXES):
                     _load_kv_scale(model, name, f.get_tensor(name))
@@ -133,6 +138,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                     continue
                 filled.add(_load_one(params, linears, embeddings, packed, name, f))
     expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in (*linears, *moes))}
+    expected.update(f"{name}.{p}" for name, layer in linears.items() for p in getattr(layer, "extra_params", ()))
     for module_name, moe in moes.items():
         expected.update(moe_loading.expected_keys(module_name, moe))
     for module_name, layer in linears.items():
@@ -186,6 +192,8 @@ def _load_one(
         merged, shard = packed[leaf]
         module_name = f"{parent}.{merged}" if parent else merged
     layer = linears.get(module_name)
+    if layer is not None and param_name in getattr(layer, "extra_params", ()):
+        layer = None  # a plain parameter beside the method's (a router's correction bias): read verbatim below
     if layer is not None:
         assert layer.method is not None
         try:

@@ -184,6 +184,8 @@ def bind_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     for module in model.modules():
         if isinstance(module, Attention):  # its prefill kernel depends on head_dim
             module.kernels = ops.select(device, dtype, module.head_dim)
+            if module.with_sinks and module.kernels.name == "triton":  # the Triton kernels take no sinks yet
+                module.kernels = ops.TORCH
         elif isinstance(getattr(module, "kernels", None), ops.Kernels):
             module.kernels = kernels
     return kernels.name

@@ -1,10 +1,12 @@
-"""The sparse feed-forward block the MoE families share: a router, the experts, and an
-optional shared expert with its sigmoid gate (Qwen2-MoE).
+"""The sparse feed-forward blocks the MoE families share: a router, the experts, and an
+optional shared expert with its sigmoid gate (Qwen2-MoE, `SparseMoeBlock`); DeepSeek-V3's
+grouped sigmoid router with ungated shared experts (GLM-4.5, `GroupedTopKMoeBlock`).
 
 Parameter names follow the Qwen/Mixtral checkpoints: `gate.weight` (the router),
 `experts.{e}.{gate_proj|up_proj|down_proj}` or `experts.{e}.{w1|w3|w2}` (stacked into
 `experts.w13` / `experts.w2` by models/moe_loading.py), `shared_expert.{gate,up,down}_proj`,
-`shared_expert_gate.weight`.
+`shared_expert_gate.weight`; GLM-4.5 / DeepSeek-V3: `gate.weight`, `gate.e_score_correction_bias`,
+`experts.{e}.{gate,up,down}_proj`, `shared_experts.{gate,up,down}_proj`.
 
 Which layers are sparse is the family's `mlp_block` hook (models/llama.LlamaForCausalLM).
 """
@@ -22,7 +24,7 @@ from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.activation import sigmoid_per_row
 from stoker.layers.linear import Linear
 from stoker.layers.moe import FusedMoE
-from stoker.layers.moe_router import SoftmaxTopKRouter
+from stoker.layers.moe_router import GroupedTopKRouter, SoftmaxTopKRouter
 from stoker.models.llama import LlamaMLP, split_evenly
 
 
@@ -81,3 +83,34 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + sigmoid_per_row(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) gate
         return out
+
+
+class GroupedTopKMoeBlock(nn.Module):
+    """DeepSeek-V3's sparse block (GLM-4.5's too): `n_routed_experts` experts of
+    `moe_intermediate_size` chosen by a grouped sigmoid router (layers/moe_router.GroupedTopKRouter),
+    plus `n_shared_experts` shared experts every token takes, ungated, held as one dense MLP
+    `n_shared_experts` x `moe_intermediate_size` wide (the sum of their outputs is that MLP's).
+
+    Config fields (defaults as transformers' Glm4MoeConfig): n_routed_experts,
+    num_experts_per_tok, moe_intermediate_size, n_shared_experts (1), n_group (1), topk_group
+    (1), norm_topk_prob (true), routed_scaling_factor (1.0).
+    """
+
+    def __init__(self, cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        num_experts = int(cfg.get("n_routed_experts") or num_experts_of(cfg))
+        self.gate = GroupedTopKRouter(
+            hidden, num_experts, cfg["num_experts_per_tok"], num_groups=int(cfg.get("n_group") or 1),
+            topk_groups=int(cfg.get("topk_group") or 1), renormalize=bool(cfg.get("norm_topk_prob", True)),
+            scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )  # fmt: skip
+        part = split_evenly(inter, "moe_intermediate_size", tp)
+        self.experts = FusedMoE(num_experts, hidden, inter, cfg.get("hidden_act", "silu"), split=part, tp=tp)
+        shared = int(cfg.get("n_shared_experts", 1) or 0) * inter
+        self.shared_experts: LlamaMLP | None = dense_mlp(cfg, shared, tp) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        topk_weights, topk_ids = self.gate.route(x)  # (T, k) float32, (T, k)
+        out = self.experts(x, topk_weights, topk_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

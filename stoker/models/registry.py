@@ -7,6 +7,8 @@ import importlib
 from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "Glm4MoeForCausalLM": ("stoker.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("stoker.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("stoker.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("stoker.models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("stoker.models.mixtral", "MixtralForCausalLM"),

@@ -70,8 +70,13 @@ class ModelSpec:
     Mixture-of-Experts: `num_experts` routed experts of `moe_intermediate_size` (0: of
     `intermediate_size`, as Mixtral's config says it) on `num_layers - num_dense_layers`
     sparse layers, `num_experts_per_tok` of them per token, plus an always-taken shared expert
-    of `shared_expert_intermediate_size` with a one-logit sigmoid gate (Qwen2-MoE); the dense
-    layers (Qwen-MoE's `mlp_only_layers` / `decoder_sparse_step`) have an MLP of `intermediate_size`.
+    of `shared_expert_intermediate_size` with a one-logit sigmoid gate (Qwen2-MoE) or without
+    one (`shared_expert_gate` false: GLM-4.5, DeepSeek-V3); the dense layers (Qwen-MoE's
+    `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's `first_k_dense_replace`) have an MLP
+    of `intermediate_size`. `router_bias`: one more float per expert in the router (GLM-4.5's
+    `e_score_correction_bias`, gpt-oss's router bias). gpt-oss also has biases on o_proj
+    (`o_proj_bias`) and on every expert (`expert_bias`: 2I + H each), and one sink logit per
+    head and layer (`attention_sinks`).
     """
 
     name: str
@@ -87,6 +92,11 @@ class ModelSpec:
     num_experts_per_tok: int = 1
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True  # a one-logit sigmoid gate on the shared expert (Qwen2-MoE)
+    router_bias: bool = False  # a float per expert beside the router's weight
+    expert_bias: bool = False  # gpt-oss: biases on each expert's gate/up (2I) and down (H)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head and layer
     num_dense_layers: int = 0  # layers of a MoE model whose MLP is dense
     attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
@@ -140,8 +150,9 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert of one layer: gate, up and down."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """One routed expert of one layer: gate, up and down (and their biases, gpt-oss)."""
+        i = self.expert_intermediate_size
+        return 3 * self.hidden_size * i + (2 * i + self.hidden_size if self.expert_bias else 0)
 
     def experts_touched(self, tokens: float) -> float:
         """Experts of one sparse layer that at least one of `tokens` tokens picks, in expectation,
@@ -162,16 +173,16 @@ class ModelSpec:
         if self.is_moe:
             e, i, s = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
             gate_up, down = 2 * h * (i * e + s), h * (i * e + s)
-            router = h * e + (h if s else 0)  # the shared expert's gate: one logit per token
+            router = h * e + (e if self.router_bias else 0) + (h if s and self.shared_expert_gate else 0)
         else:
             gate_up, down, router = 2 * h * self.intermediate_size, h * self.intermediate_size, 0
         return {
             "qkv_proj": qkv,
-            "o_proj": self.q_dim * h,
+            "o_proj": self.q_dim * h + (h if self.o_proj_bias else 0),
             "router": router,
             "mlp_gate_up": gate_up,
             "mlp_down": down,
-            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0),
+            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0),
         }
 
     def param_counts(self) -> dict[str, int]:
@@ -302,7 +313,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
     """Build a ModelSpec from HF config.json fields (Llama, Mistral, Mixtral, Qwen2/3 names)."""
     try:
         h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 1)
+        num_experts = int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 1)
         model_type = config.get("model_type")
         return ModelSpec(
             name=name,
@@ -317,10 +328,15 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             num_experts=num_experts,
             num_experts_per_tok=int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1,
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if num_experts > 1 else 0,
-            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0) if num_experts > 1 else 0,
+            shared_expert_intermediate_size=shared_expert_size(config) if num_experts > 1 else 0,
+            shared_expert_gate="n_shared_experts" not in config,
+            router_bias=model_type in ("glm4_moe", "deepseek_v3", "gpt_oss"),
+            expert_bias=model_type == "gpt_oss",
+            o_proj_bias=model_type == "gpt_oss" and bool(config.get("attention_bias", True)),
+            attention_sinks=model_type == "gpt_oss",
             num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
             attention_bias=qkv_bias(config),
-            qk_norm=bool(config.get("qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe"))),
+            qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe")))),
             qk_norm_per_head=model_type != "olmoe",
             sliding_window=int(config.get("sliding_window") or 0) if sliding_layers(config) else 0,
             num_sliding_layers=sliding_layers(config),
@@ -347,11 +363,19 @@ def expert_dtype(config: dict) -> str:
 
 def qkv_bias(config: dict) -> bool:
     """Biases on q, k and v: Qwen2 always (no field), Qwen2-MoE by `qkv_bias` (transformers 5;
-    true when absent), the others by `attention_bias`."""
+    true when absent), the others by `attention_bias` (true when absent for gpt-oss, as transformers' default)."""
     model_type = config.get("model_type")
     if model_type == "qwen2_moe" and config.get("qkv_bias") is not None:
         return bool(config["qkv_bias"])
-    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))
+    return bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss")))
+
+
+def shared_expert_size(config: dict) -> int:
+    """The shared expert's columns: Qwen2-MoE's `shared_expert_intermediate_size`; GLM-4.5's and
+    DeepSeek's `n_shared_experts` experts of `moe_intermediate_size` (one MLP, ungated)."""
+    if "n_shared_experts" in config:
+        return int(config.get("n_shared_experts") or 0) * int(config.get("moe_intermediate_size") or 0)
+    return int(config.get("shared_expert_intermediate_size") or 0)
 
 
 def num_dense_layers(config: dict) -> int:

@@ -215,6 +215,10 @@ class ModelRunner:
             logger.warning("CUDA graphs off, decode runs eagerly: the Mixture-of-Experts method (%s) sizes its "
                            "per-expert GEMMs on the host", moe[0].describe())
             return
+        eager = next((type(m).__name__ for m in self.model.modules() if getattr(m, "graph_capturable", True) is False), None)
+        if eager is not None:  # a family's own experts (gpt-oss) that size their GEMMs on the host
+            logger.warning("CUDA graphs off, decode runs eagerly: %s reads sizes on the host", eager)
+            return
         if self.tp.world_size > 1:
             # Capturing NCCL collectives is possible (vLLM does) but not yet verified here.
             logger.warning("CUDA graphs off under tensor parallelism (not yet verified with NCCL in the graph)")

@@ -25,6 +25,15 @@ _ARCH = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+# Per family, the 1-D tensors transformers initialises to zero that the tests should see
+# nonzero: biases, GLM-4.5's router correction bias (which steers the expert choice).
+_RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
+    "glm4_moe": ("proj.bias", "e_score_correction_bias"),
+    "gpt_oss": ("proj.bias", "router.bias", "sinks"),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
@@ -84,6 +93,10 @@ def make_tiny_checkpoint(
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+        if arch in _RANDOM_VECTORS:  # zero-initialised vectors that change the output: make them count
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(_RANDOM_VECTORS[arch]):
+                    t.normal_(0, 0.1)
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
         save_kwargs["max_shard_size"] = max_shard_size

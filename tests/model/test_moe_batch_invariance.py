@@ -24,6 +24,10 @@ CONFIGS = {
                                     norm_topk_prob=True)),
     "qwen2_moe-shared": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
                                            shared_expert_intermediate_size=48)),
+    # the grouped sigmoid router with its correction bias, ungated shared experts, half-head rotary
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                  moe_intermediate_size=32, routed_scaling_factor=2.5, use_qk_norm=True,
+                                  attention_bias=True, head_dim=32)),
 }
 
 

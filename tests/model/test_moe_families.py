@@ -29,6 +29,22 @@ CONFIGS = {
     "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_hidden_layers=3, mlp_only_layers=[0])),
     "olmoe": ("olmoe", dict(MOE, num_experts=8, intermediate_size=32)),
+    # grouped routing (2 of 4 groups), correction bias, scaling, 2 shared experts, a dense first
+    # layer, per-head q/k norm, q/k/v biases, half the head rotated (transformers' default)
+    "glm4_moe": ("glm4_moe", dict(MOE, n_routed_experts=8, n_group=4, topk_group=2, moe_intermediate_size=32,
+                                  n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                  use_qk_norm=True, attention_bias=True, head_dim=16, num_hidden_layers=3)),
+    # GLM-4.5-Air's shape: one group, no q/k norm; here also no dense layer, weights not
+    # renormalised, a quarter of the head rotated
+    "glm4_moe-air": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                                      first_k_dense_replace=0, norm_topk_prob=False, attention_bias=True,
+                                      partial_rotary_factor=0.25, head_dim=16)),
+    # sliding (24) and full layers alternating, sinks, YaRN, biased router, clamped SwiGLU
+    "gpt_oss": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=24,
+                                num_hidden_layers=3)),
+    # k = E, a limit low enough that the clamps bite on most columns
+    "gpt_oss-k=E-clamped": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=4, intermediate_size=24,
+                                            head_dim=16, sliding_window=40, swiglu_limit=0.3)),
 }
 
 
@@ -94,7 +110,7 @@ def test_the_block_is_chosen_per_layer(tiny_checkpoints) -> None:
     assert all(isinstance(layer.mlp.experts, FusedMoE) and layer.mlp.shared_expert is not None for layer in layers[1:])
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"])
 def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch) -> None:
     """The model describes itself (seam 16): the spec parsed from config.json counts every
     parameter the engine holds (routers, shared expert and its gate, dense layers, q/k norms)."""

@@ -232,3 +232,31 @@ def test_kv_capacity_counts_window_layers_at_their_window() -> None:
     no_window = dataclasses.replace(cap, sliding_share=0.0)
     assert no_window.max_seqs(8192) == blocks // 512 < cap.max_seqs(8192)
     assert cap.max_seqs(100) == no_window.max_seqs(100)  # under the window both hold every token
+
+
+# gpt-oss-20b's config.json on the Hub (openai/gpt-oss-20b), the fields the spec reads.
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                   num_experts_per_tok=4, vocab_size=201088, attention_bias=True, tie_word_embeddings=False)
+# gpt-oss-120b: the same but 36 layers of 128 experts (transformers' and vLLM's GptOssConfig
+# defaults, which are gpt-oss-120b's).
+GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
+
+
+@pytest.mark.parametrize("config, total, active", [(GPT_OSS_20B, 21e9, 3.6e9), (GPT_OSS_120B, 117e9, 5.1e9)],
+                         ids=["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_total_and_active_params_match_published(config: dict, total: float, active: float) -> None:
+    """openai/gpt-oss model cards: 21B total / 3.6B active, 117B / 5.1B. OpenAI's active count
+    leaves out the embedding table (a gather, not a matmul) but keeps the unembedding."""
+    spec = spec_from_config(config)
+    assert spec.num_params == pytest.approx(total, rel=0.01)
+    assert spec.num_active_params - spec.param_counts()["embedding"] == pytest.approx(active, rel=0.02)
+
+
+def test_transformers_gpt_oss_defaults_are_the_120b_config() -> None:
+    """Where GPT_OSS_120B's values come from: transformers' GptOssConfig defaults."""
+    from transformers import GptOssConfig
+
+    c = GptOssConfig()
+    assert {k: getattr(c, k) for k in GPT_OSS_120B if k != "model_type"} == {k: v for k, v in GPT_OSS_120B.items()
+                                                                            if k != "model_type"}

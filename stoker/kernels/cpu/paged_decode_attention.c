@@ -24,6 +24,9 @@
  * float as each row is read (fp8.h, which reads value / 256);
  * the k scale (x 256) is folded into the softmax scale and the v scale (x 256) into the
  * output, so the loops are the float ones.
+ *
+ * Attention sinks (gpt-oss; sinks non-NULL, (num_heads,) float32): head h's sink is one more
+ * logit in its softmax's denominator, with no value: the row's max and sum start from it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -72,13 +75,15 @@ static inline void score_positions(const float *restrict q, const char *restrict
     }
 }
 
-/* In place, each of the nh rows of scores (nh, n) becomes its softmax. */
-static void softmax_rows(float *scores, int64_t nh, int64_t n) {
+/* In place, each of the nh rows of scores (nh, n) becomes its softmax; with sinks (nh,), row
+ * h's denominator has exp(sinks[h]) too. */
+static void softmax_rows(float *scores, int64_t nh, int64_t n, const float *sinks) {
     for (int64_t h = 0; h < nh; h++) {
         float *row = scores + h * n;
         float m = row[0];
         for (int64_t i = 1; i < n; i++) m = row[i] > m ? row[i] : m;
-        float sum = 0.0f;
+        if (sinks != NULL && sinks[h] > m) m = sinks[h];
+        float sum = sinks != NULL ? expf(sinks[h] - m) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
             row[i] = expf(row[i] - m);
@@ -97,7 +102,7 @@ static void softmax_rows(float *scores, int64_t nh, int64_t n) {
 static void attend(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                    const int32_t *restrict table, float *restrict out, float *restrict work, int64_t start,
                    int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-                   int64_t token_stride, float scale, int fp8, float v_mul) {
+                   int64_t token_stride, float scale, int fp8, float v_mul, const float *sinks) {
     const int64_t n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;          /* (nh, n) */
     float *acc = work + nh * n;    /* (nh, head_dim) */
@@ -113,7 +118,7 @@ static void attend(const float *restrict q, const void *restrict k_cache, const 
         pos = end;
     }
 
-    softmax_rows(scores, nh, n);
+    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL);
 
     /* out[h, :] = sum_i p[h, i] * v_{start + i} */
     memset(acc, 0, sizeof(float) * nh * head_dim);
@@ -202,7 +207,8 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const i
                                                            const int32_t *restrict table, float *restrict out,
                                                            float *restrict work, int64_t start, int64_t ctx, int64_t h0,
                                                            int64_t h1, int64_t group, int64_t block_size,
-                                                           int64_t token_stride, float scale, float v_mul) {
+                                                           int64_t token_stride, float scale, float v_mul,
+                                                           const float *sinks) {
     const int64_t head_dim = 16 * nd, n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;       /* (nh, n) */
     float *acc = work + nh * n; /* (nh, head_dim) */
@@ -243,7 +249,7 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const i
         pos = end;
     }
 
-    softmax_rows(scores, nh, n);
+    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL);
 
     /* out[h, :] = sum_i p[h, i] * v_{start + i}, accumulated in registers over 16 positions */
     memset(acc, 0, sizeof(float) * nh * head_dim);
@@ -280,7 +286,7 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         int64_t block_size, float scale, int64_t sliding_window, int num_threads, int fp8,
-                        float v_mul) {
+                        float v_mul, const float *sinks) {
     int64_t max_context_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t ctx = context_lens[s];
@@ -319,9 +325,9 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
 #ifdef FAST_PATH
 #define ATTEND16(ND)                                                                                                   \
     (fp8 ? attend16(ND, 1, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
-                    scale, v_mul)                                                                                      \
+                    scale, v_mul, sinks)                                                                               \
          : attend16(ND, 0, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
-                    scale, v_mul))
+                    scale, v_mul, sinks))
             if (head_dim == 64)
                 ATTEND16(4);
             else if (head_dim == 128)
@@ -333,7 +339,7 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
             else
 #endif
                 attend(qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, head_dim, block_size, token_stride,
-                       scale, fp8, v_mul);
+                       scale, fp8, v_mul, sinks);
         }
         free(work);
     }
@@ -348,9 +354,11 @@ int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, 
                                       int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
                                       const int32_t *context_lens, float *out, int64_t num_seqs,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+                                      int64_t block_size, float scale, int64_t sliding_window, int num_threads,
+                                      const float *sinks) {
     return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
-                        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0, 1.0f);
+                        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0, 1.0f,
+                        sinks);
 }
 
 /* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
@@ -359,9 +367,9 @@ int stoker_paged_decode_attention_fp8(const float *query, const uint8_t *k_cache
                                       const int32_t *context_lens, float *out, int64_t num_seqs,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       int64_t block_size, float scale, int64_t sliding_window, float k_scale,
-                                      float v_scale, int num_threads) {
+                                      float v_scale, int num_threads, const float *sinks) {
     /* rows widen to value / 256: the 256 goes into both multipliers */
     return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
                         num_heads, num_kv_heads, head_dim, block_size, scale * k_scale * 256.0f, sliding_window,
-                        num_threads, 1, v_scale * 256.0f);
+                        num_threads, 1, v_scale * 256.0f, sinks);
 }

@@ -23,6 +23,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss)
 ) -> torch.Tensor:  # (B, H, D)
     lib = _checked_library()
     num_seqs, num_heads, head_dim = query.shape
@@ -43,10 +44,16 @@ def paged_decode_attention(
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
     )  # fmt: skip
+    sinks_ptr = None  # NULL: no sinks
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({num_heads})")
+        sinks = sinks.to(torch.float32).contiguous()
+        sinks_ptr = sinks.data_ptr()
     if _is_fp8(k_cache):
-        status = lib.stoker_paged_decode_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads())
+        status = lib.stoker_paged_decode_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr)
     else:
-        status = lib.stoker_paged_decode_attention_f32(*args, torch.get_num_threads())
+        status = lib.stoker_paged_decode_attention_f32(*args, torch.get_num_threads(), sinks_ptr)
     _raise_for_status(
         status, "paged_decode_attention",
         f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "

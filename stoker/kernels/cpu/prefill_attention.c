@@ -31,6 +31,9 @@
  * FP8 KV cache (stoker_paged_prefill_attention_fp8): K and V hold E4M3 bits; they are
  * dequantized (value x k_scale, value x v_scale) as they are packed into the float panels,
  * so the products are the float ones on the dequantized K/V, as in the twin.
+ *
+ * Attention sinks (gpt-oss; sinks non-NULL, (num_heads,) float32): head h's sink is one more
+ * logit in each of its rows' softmax denominators, with no value.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,7 +75,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                          const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                          int64_t sliding_window, int num_threads, int fp8, float k_mul, float v_mul, int causal,
-                         int64_t ldq, int64_t ldo, int64_t token_stride) {
+                         int64_t ldq, int64_t ldo, int64_t token_stride, const float *sinks) {
     const int64_t nr = stoker_linear_nr(), mr_max = stoker_linear_mr(), vl = stoker_linear_vl();
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_ctx = 0, num_tasks = 0;
@@ -158,6 +161,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                             const float v = j >= first && j <= last ? row[j] * scale : -INFINITY;
                             mx = v > mx ? v : mx;
                         }
+                        if (sinks != NULL && sinks[h] > mx) mx = sinks[h];
                         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                         for (int64_t j = 0; j < span; j++) {
@@ -165,6 +169,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                             row[j] = j >= first && j <= last ? e : 0.0f;
                             sum += row[j];
                         }
+                        if (sinks != NULL) sum += expf(sinks[h] - mx);
                         const float inv = 1.0f / sum;
 #pragma omp simd
                         for (int64_t j = 0; j < span; j++) row[j] *= inv;
@@ -191,10 +196,11 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
                                        int64_t num_blocks, const int32_t *block_tables, int64_t max_blocks,
                                        const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads) {
+                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads,
+                                       const float *sinks) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0,
-                         1.0f, 1.0f, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim);
+                         1.0f, 1.0f, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks);
 }
 
 /* As stoker_paged_prefill_attention_f32 without the causal mask (and no sliding window). */
@@ -205,7 +211,7 @@ int stoker_prefill_attention_bidirectional_f32(const float *query, const float *
                                                int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, 0, num_threads, 0, 1.0f, 1.0f,
-                         0, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim);
+                         0, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, NULL);
 }
 
 /* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
@@ -214,10 +220,10 @@ int stoker_paged_prefill_attention_fp8(const float *query, const uint8_t *k_cach
                                        const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale, int64_t sliding_window, float k_scale,
-                                       float v_scale, int num_threads) {
+                                       float v_scale, int num_threads, const float *sinks) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 1,
-                         k_scale, v_scale, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim);
+                         k_scale, v_scale, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks);
 }
 
 /* An encoder's attention straight from its fused projection: qkv (T, 3, H, D) packed over
@@ -231,5 +237,5 @@ int stoker_encoder_attention_f32(const float *qkv, int64_t num_tokens, const int
     const int64_t hd = num_heads * head_dim;
     return paged_prefill(qkv, qkv + hd, qkv + 2 * hd, num_tokens, token_table, max_len, cu_seqlens, lengths, out,
                          num_seqs, num_heads, num_heads, head_dim, 1, scale, 0, num_threads, 0, 1.0f, 1.0f, 0, 3 * hd,
-                         hd, 3 * hd);
+                         hd, 3 * hd, NULL);
 }

@@ -43,6 +43,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss)
 ) -> torch.Tensor:  # (T, H, D)
     """reference.paged_attention's semantics, in C (prefill_attention.c)."""
     lib = _checked_library()
@@ -65,10 +66,16 @@ def paged_attention(
         block_tables.shape[1], cu.data_ptr(), ctx.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, block_size, scale, sliding_window or 0,
     )  # fmt: skip
+    sinks_ptr = None  # NULL: no sinks
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({num_heads})")
+        sinks = sinks.to(torch.float32).contiguous()
+        sinks_ptr = sinks.data_ptr()
     if _is_fp8(k_cache):
-        status = lib.stoker_paged_prefill_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads())
+        status = lib.stoker_paged_prefill_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr)
     else:
-        status = lib.stoker_paged_prefill_attention_f32(*args, torch.get_num_threads())
+        status = lib.stoker_paged_prefill_attention_f32(*args, torch.get_num_threads(), sinks_ptr)
     _raise_for_status(
         status, "paged_attention",
         f"each sequence needs 0 <= query rows <= context_len <= the block table's {block_tables.shape[1] * block_size} positions",
@@ -109,7 +116,7 @@ def varlen_attention(
         cu_seqlens.data_ptr(), lengths.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, 1, scale,
     )  # fmt: skip
     if causal:
-        status = lib.stoker_paged_prefill_attention_f32(*args, 0, torch.get_num_threads())
+        status = lib.stoker_paged_prefill_attention_f32(*args, 0, torch.get_num_threads(), None)
     else:
         status = lib.stoker_prefill_attention_bidirectional_f32(*args, torch.get_num_threads())
     _raise_for_status(status, "varlen_attention", "each sequence's length must fit its token_table row", num_tokens)
