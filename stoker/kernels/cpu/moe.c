@@ -36,6 +36,9 @@ void stoker_linear_panel_rows_f32(const float *x, int64_t ldx, const float *wt, 
 int64_t stoker_linear_chunk_rows(int64_t K);
 int stoker_linear_nr(void);
 int stoker_linear_mr(void);
+/* elementwise.c: the unfused SiLU-and-mul a model's per-expert path and dense MLPs run */
+void stoker_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
+                             int num_threads);
 
 /* The calling thread's scratch, kept across calls (decode calls this once per layer and step;
  * a fresh multi-MB malloc each time would map fresh pages). Per calling thread, not global: two
@@ -88,23 +91,6 @@ static void my_share(const int64_t *cost_end, int64_t n, int tid, int nt, int64_
     if (tid == nt - 1) e = n;
     *begin = b;
     *end = e;
-}
-
-/* out[0:d] = silu(gate) * up for one row of [gate | up], in VL-wide blocks through a local
- * array, so every element takes the same vector expf whatever the row's address or d (a
- * scalar peel or tail could round differently, and the row's place in the buffer depends on
- * the batch). The formula is linear.c's fused one (and elementwise.c's). */
-#define SILU_BLOCK 16
-static void silu_and_mul_row(const float *gate, const float *up, float *out, int64_t d) {
-    for (int64_t i0 = 0; i0 < d; i0 += SILU_BLOCK) {
-        const int64_t n = d - i0 < SILU_BLOCK ? d - i0 : SILU_BLOCK;
-        float g[SILU_BLOCK] = {0}, u[SILU_BLOCK] = {0}, o[SILU_BLOCK];
-        memcpy(g, gate + i0, n * sizeof(float));
-        memcpy(u, up + i0, n * sizeof(float));
-#pragma omp simd
-        for (int l = 0; l < SILU_BLOCK; l++) o[l] = g[l] / (1.0f + expf(fminf(-g[l], 88.0f))) * u[l];
-        memcpy(out + i0, o, n * sizeof(float));
-    }
 }
 
 /*
@@ -196,9 +182,10 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
         }
 #pragma omp single
         n2_tasks = make_tasks(first, E, p2, c2, mr, tasks2, cost2); /* (its implicit barrier ends the w13 GEMMs) */
-        if (!silu_fused) {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < pairs; r++) silu_and_mul_row(pre + r * n13, pre + r * n13 + I, hs + r * I, I);
+        if (!silu_fused) { /* this thread's share of the rows, in one call (one thread: no nested team) */
+            const int64_t r0 = pairs * tid / nt, r1 = pairs * (tid + 1) / nt;
+            if (r1 > r0) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+#pragma omp barrier
         }
         /* w2: ys (pairs, H) into xs, which the w13 GEMMs no longer read */
         my_share(cost2, n2_tasks, tid, nt, &b, &e);
