@@ -3,6 +3,7 @@ replaced and against HF transformers' experts, and a MoE model's decode against 
 
     nice -n 5 python benchmarks/moe_cpu.py                  # both parts, 3 rounds, medians
     nice -n 5 python benchmarks/moe_cpu.py --part layer --json out.json
+    nice -n 5 python benchmarks/moe_cpu.py --part layer --threads 1   # one core, on a loaded machine
 
 Part "layer": one Mixtral-ish reduced layer (E 8, top-2, H 1024, I 1536; float32, random
 weights, softmax top-k routing of random logits) at 1, 8, 64 and 512 tokens; the routed
@@ -199,8 +200,13 @@ def main() -> None:
     parser.add_argument("--part", choices=("layer", "model", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the model part (2.4 GB each for the MoE)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's (and so the C kernels') threads; 1 keeps a loaded machine's other processes "
+                             "from stalling every parallel region on its slowest thread")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from stoker.kernels.cpu import linear as cpu_linear
 
     report: dict[str, Any] = {
