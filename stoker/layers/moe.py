@@ -231,24 +231,44 @@ class PackedCpuMoEMethod(MoEMethod):
     """CPU float32 with the C kernels: each expert's w13 and w2 as the linear kernel's panels
     (kernels/cpu/linear.c), SiLU-and-mul fused into the gate/up GEMM when I fits whole panels.
 
-    The kernel sums each output in one fixed order whatever the number of rows, so with the
-    fixed per-token order of `MoEMethod.apply` a token's result does not depend on its batch,
-    as on the dense path. After loading: w13 (E, P13, H, NR), w2 (E, P2, I, NR).
+    A SiLU-gated layer runs all its experts in one C call (kernels/cpu/moe.c: counting sort by
+    expert, every expert's grouped GEMMs in one parallel region, each token's k outputs summed
+    in ascending expert order); another gate (GELU, ...) loops over the experts in Python,
+    calling the linear kernel per expert. Either way each GEMM row is the linear kernel's
+    in-order sum whatever the rows beside it, so with the fixed per-token order a token's result
+    does not depend on its batch, as on the dense path. After loading: w13 (E, P13, H, NR),
+    w2 (E, P2, I, NR).
     """
 
     def __init__(self, fuse_silu_and_mul: bool) -> None:
         from stoker.kernels.cpu import linear as cpu_linear
+        from stoker.kernels.cpu import moe as cpu_moe
 
         self.fuse_silu_and_mul = fuse_silu_and_mul
         self.kernel = cpu_linear.linear  # or its twin reference.linear_packed, for tests
+        # The one-call kernel, or None for the per-expert loop (a non-SiLU gate; tests that
+        # run the loop on the twin). Chosen here and in create_weights, never per call.
+        self.fused_moe = cpu_moe.fused_moe
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        super().create_weights(layer)
+        if not layer.is_silu:
+            self.fused_moe = None
 
     def process_after_loading(self, layer: FusedMoE) -> None:
-        from stoker.kernels.cpu import linear as cpu_linear
+        from stoker.kernels.cpu import moe as cpu_moe
 
-        w13, w2 = layer.w13.data, layer.w2.data
-        layer.w13 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w, gate_up=self.fuse_silu_and_mul)
-                                              for w in w13]), requires_grad=False)
-        layer.w2 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w) for w in w2]), requires_grad=False)
+        w13, w2 = cpu_moe.pack_experts(layer.w13.data, layer.w2.data, self.fuse_silu_and_mul)
+        layer.w13 = nn.Parameter(w13, requires_grad=False)
+        layer.w2 = nn.Parameter(w2, requires_grad=False)
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # (T, H) -> (T, H)
+        if self.fused_moe is None:
+            return super().apply(layer, x, topk_weights, topk_ids)
+        return self.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.intermediate_size,
+                              self.fuse_silu_and_mul)
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         i = layer.intermediate_size
@@ -258,4 +278,5 @@ class PackedCpuMoEMethod(MoEMethod):
         return self.kernel(h, layer.w2[e], layer.hidden_size, None, False)
 
     def describe(self) -> str:
+        # the same before and after create_weights (the chooser counts methods before attaching)
         return f"{type(self).__name__}(fused silu)" if self.fuse_silu_and_mul else type(self).__name__

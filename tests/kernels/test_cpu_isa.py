@@ -34,6 +34,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_prefill_attention.py",
     "tests/kernels/test_cpu_varlen_attention.py",
     "tests/kernels/test_cpu_bert_layer.py",
+    "tests/kernels/test_cpu_moe.py",
     "tests/kernels/test_cpu_rows.py",
     "tests/model/test_cpu_weight_layout.py",
 ]
@@ -97,7 +98,14 @@ for dtype in (torch.int8, torch.float8_e4m3fn):
     s = torch.rand(300, 2, generator=gen) * 0.01
     for rows in (1, 37):  # widened in registers, and the dequantized-panel path
         q8[str(dtype), rows] = cpu_linear.linear_q8(x[:rows], cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, dtype), 128, 300)
-torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8}, sys.argv[1])
+from stoker.kernels.cpu import moe as cpu_moe
+moe = {}
+for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and unfused with odd I
+    w13, w2 = torch.randn(8, 2 * inter, 72, generator=gen) / 72**0.5, torch.randn(8, 72, inter, generator=gen) / inter**0.5
+    xm, ids = torch.randn(21, 72, generator=gen), torch.randn(21, 8, generator=gen).topk(3).indices
+    p13, p2 = cpu_moe.pack_experts(w13, w2, inter == 64)
+    moe[inter] = cpu_moe.fused_moe(xm, p13, p2, torch.rand(21, 3, generator=gen), ids, inter, inter == 64)
+torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8, "moe": moe}, sys.argv[1])
 """
 
 
@@ -124,6 +132,13 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
         # SiLU's exp comes from glibc's vector math library, whose AVX2 and AVX-512 variants
         # may round differently: close, not necessarily equal.
         torch.testing.assert_close(outs[isa]["silu"], outs[fma[0]]["silu"], rtol=1e-6, atol=1e-6)
+        # The MoE kernel's GEMMs and sums are linear.c's, but every expert goes through SiLU:
+        # close, as above (within each build it equals the per-expert path bit for bit,
+        # test_cpu_moe.py, run by every build through KERNEL_TESTS).
+        for inter, y in outs[isa]["moe"].items():
+            torch.testing.assert_close(y, outs[fma[0]]["moe"][inter], rtol=1e-6, atol=1e-6)
     for out in outs.values():
         torch.testing.assert_close(out["linear"], outs["native"]["linear"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["silu"], outs["native"]["silu"], rtol=1e-5, atol=1e-5)
+        for inter, y in out["moe"].items():
+            torch.testing.assert_close(y, outs["native"]["moe"][inter], rtol=1e-5, atol=1e-5)

@@ -150,8 +150,9 @@ def test_packed_cpu_method_matches_the_loop(inter: int, fuse: bool, twin: bool) 
     w13, w2 = torch.randn(6, 2 * inter, 48) * 0.2, torch.randn(6, 48, inter) * 0.2
     layer = FusedMoE(6, 48, inter)
     method = PackedCpuMoEMethod(fuse)
-    if twin:
+    if twin:  # the per-expert loop, on the linear kernel's twin
         method.kernel = reference.linear_packed
+        method.fused_moe = None
     layer.attach(method)
     for e in range(6):
         method.load(layer, e, "w1", w13[e, :inter])

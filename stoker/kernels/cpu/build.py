@@ -34,7 +34,7 @@ from stoker.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c", "lora.c", "encoder_layer.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c", "lora.c", "encoder_layer.c", "moe.c"))
 # Included by the sources: part of the cache key, so an edit rebuilds.
 _HEADERS = (Path(__file__).with_name("fp8.h"),)
 # -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
@@ -48,7 +48,7 @@ _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
 # reassociate any on its own. Left to gcc, -march=znver2/znver3 (whose tuning avoids FMA
 # chains) kept some tiles' accumulations as mul + add and fused others, and a row computed in
 # a 1-row tile differed from the same row in a 3-row tile by a few ulps (issue 12).
-_SOURCE_CFLAGS = {name: ["-ffp-contract=off", "-fno-associative-math"] for name in ("linear.c", "lora.c")}
+_SOURCE_CFLAGS = {name: ["-ffp-contract=off", "-fno-associative-math"] for name in ("linear.c", "lora.c", "moe.c")}
 
 # STOKER_CPU_ISA -> (gcc target flags, the /proc/cpuinfo flags the CPU needs to run that build)
 ISA_TARGETS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -206,6 +206,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_store_kvcache_fp8": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, f32, i32], i64),
         "stoker_lora_f32": ([p, i64, i64, p, p, i64, i64, p, i64, p, i64, p, p, i64, i32], i32),
         "stoker_encoder_attention_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, i32], i32),
+        "stoker_fused_moe_f32": ([p, i64, p, p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i32, p, i32], i32),
         "stoker_bert_encoder_f32": ([p, i64, i64, i64, i64, i64, p, f32, i32, p, i64, p, p, i64, f32, p, i32], i32),
     }
     for name, (argtypes, restype) in signatures.items():

@@ -1,6 +1,6 @@
 """What the Python entry points of the CPU C kernels share; each C file has its own module
 (paged_decode_attention.py, prefill_attention.py, elementwise.py, linear.py, store_kvcache.py,
-lora.py, encoder_layer.py) of argument checks, then one ctypes call.
+lora.py, encoder_layer.py, moe.py) of argument checks, then one ctypes call.
 
 Here: the kernels' domains (`supports`, `supports_rows`: what `kernels/ops.py` sends to the C
 kernels rather than the torch twins in reference.py), the loaded library or a BuildError

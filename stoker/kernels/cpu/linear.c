@@ -262,16 +262,73 @@ static float *thread_buffer(size_t n) {
     return buf;
 }
 
+/* Rows [m_begin, m_end) of x against panel p of num_panels (one task of `linear`, and of
+ * moe.c's grouped GEMMs): the panel's tiles, prefetching panel p + 1 meanwhile. Returns 1 when
+ * a quantized panel's dequantization buffer could not be allocated, else 0. */
+static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
+                      int64_t num_panels, int64_t p, const float *scale, int64_t ldsc, int64_t group_k,
+                      const float *bias, float *y, int64_t ldy, int64_t m_begin, int64_t m_end, int64_t N, int64_t K,
+                      int silu_and_mul) {
+    const int64_t esize = fmt == W_F32 ? 4 : 1;
+    const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    const int nv = (int)(cols / VL);
+    const int64_t vec_cols = (int64_t)nv * VL;
+    const void *w = (const char *)wt + p * panel_stride * esize;
+    const float *sc = scale != NULL ? scale + n0 : NULL;
+    /* While this panel's tiles run (from L2 after the first), the next panel is
+     * prefetched, a share per tile, one cache line per k step: without it each panel's
+     * first tile waits on memory (the weights do not stay in L3 between decode steps,
+     * the KV cache streams through it). */
+    const int64_t num_tiles = (m_end - m_begin + MR - 1) / MR;
+    const char *next = p + 1 < num_panels ? (const char *)wt + (p + 1) * panel_stride * esize : NULL;
+    const int64_t next_lines = next != NULL ? K * ldw * esize / 64 : 0;
+    int tile_fmt = fmt;
+    const void *tile_w = w;
+    int64_t tile_ldw = ldw;
+    if (fmt != W_F32 && (num_tiles >= DEQUANT_MIN_TILES || nv != NV)) {
+        /* dequantize the panel once: buf (K, NR) = q * s, the values the tiles would make */
+        float *buf = thread_buffer((size_t)(K * NR));
+        if (buf == NULL) return 1;
+        for (int64_t k = 0; k < K; k++) {
+            const float *s_row = sc + (k / group_k) * ldsc;
+            for (int j = 0; j < NR / VL; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
+        }
+        tile_fmt = W_F32;
+        tile_w = buf;
+        tile_ldw = NR;
+    }
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += MR) {
+        const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
+        const int64_t t = (m0 - m_begin) / MR;
+        const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
+        const int64_t num_ahead = last - first < K ? last - first : K;
+        if (nv > 0)
+            tile_dispatch(mr, nv, silu_and_mul, tile_fmt, x + m0 * ldx, ldx, tile_w, tile_ldw, sc, ldsc, group_k,
+                          bias != NULL ? bias + n0 : NULL, y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K,
+                          next + 64 * first, num_ahead);
+        if (vec_cols < cols) /* tile_w is float here (see above) */
+            columns_scalar(x + m0 * ldx, ldx, (const float *)tile_w + vec_cols, tile_ldw,
+                           bias != NULL ? bias + n0 + vec_cols : NULL, y + m0 * ldy + n0 + vec_cols, ldy, mr,
+                           cols - vec_cols, K);
+    }
+    return 0;
+}
+
+/* Rows per task of x (K floats each) kept in L2 while the panels stream past it: a multiple of MR. */
+static int64_t chunk_max_rows(int64_t K) {
+    const int64_t rows = (X_CHUNK_BYTES / (4 * K)) / MR * MR;
+    return rows > MR ? rows : MR;
+}
+
 /* The shared body of stoker_linear_f32 and stoker_linear_q8 (see those). */
 static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
                   const float *scale, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy, int64_t M,
                   int64_t N, int64_t K, int silu_and_mul, int num_threads) {
-    const int64_t esize = fmt == W_F32 ? 4 : 1;
     const int64_t num_panels = (N + NR - 1) / NR;
     /* Row chunks of at most chunk_max rows, so a chunk of x stays in L2 while every panel
      * streams past it; below that, threads split the panels (each weight read once), and the
      * rows only when there are fewer panels than threads. */
-    const int64_t chunk_max = (X_CHUNK_BYTES / (4 * K)) / MR * MR > MR ? (X_CHUNK_BYTES / (4 * K)) / MR * MR : MR;
+    const int64_t chunk_max = chunk_max_rows(K);
     int64_t num_chunks = (M + chunk_max - 1) / chunk_max;
     if (num_chunks * num_panels < num_threads) num_chunks = (num_threads + num_panels - 1) / num_panels;
     int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
@@ -281,51 +338,10 @@ static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t 
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) reduction(| : failed)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++)
         for (int64_t p = 0; p < num_panels; p++) {
-            const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+            const int64_t m_begin = chunk * chunk_rows;
             const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
-            const int nv = (int)(cols / VL);
-            const int64_t vec_cols = (int64_t)nv * VL;
-            const void *w = (const char *)wt + p * panel_stride * esize;
-            const float *sc = scale != NULL ? scale + n0 : NULL;
-            /* While this panel's tiles run (from L2 after the first), the next panel is
-             * prefetched, a share per tile, one cache line per k step: without it each panel's
-             * first tile waits on memory (the weights do not stay in L3 between decode steps,
-             * the KV cache streams through it). */
-            const int64_t m_begin = chunk * chunk_rows, num_tiles = (m_end - m_begin + MR - 1) / MR;
-            const char *next = p + 1 < num_panels ? (const char *)wt + (p + 1) * panel_stride * esize : NULL;
-            const int64_t next_lines = next != NULL ? K * ldw * esize / 64 : 0;
-            int tile_fmt = fmt;
-            const void *tile_w = w;
-            int64_t tile_ldw = ldw;
-            if (fmt != W_F32 && (num_tiles >= DEQUANT_MIN_TILES || nv != NV)) {
-                /* dequantize the panel once: buf (K, NR) = q * s, the values the tiles would make */
-                float *buf = thread_buffer((size_t)(K * NR));
-                if (buf == NULL) {
-                    failed = 1;
-                    continue;
-                }
-                for (int64_t k = 0; k < K; k++) {
-                    const float *s_row = sc + (k / group_k) * ldsc;
-                    for (int j = 0; j < NR / VL; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
-                }
-                tile_fmt = W_F32;
-                tile_w = buf;
-                tile_ldw = NR;
-            }
-            for (int64_t m0 = m_begin; m0 < m_end; m0 += MR) {
-                const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
-                const int64_t t = (m0 - m_begin) / MR;
-                const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
-                const int64_t num_ahead = last - first < K ? last - first : K;
-                if (nv > 0)
-                    tile_dispatch(mr, nv, silu_and_mul, tile_fmt, x + m0 * ldx, ldx, tile_w, tile_ldw, sc, ldsc, group_k,
-                                  bias != NULL ? bias + n0 : NULL, y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K,
-                                  next + 64 * first, num_ahead);
-                if (vec_cols < cols) /* tile_w is float here (see above) */
-                    columns_scalar(x + m0 * ldx, ldx, (const float *)tile_w + vec_cols, tile_ldw,
-                                   bias != NULL ? bias + n0 + vec_cols : NULL, y + m0 * ldy + n0 + vec_cols, ldy, mr,
-                                   cols - vec_cols, K);
-            }
+            failed |= panel_rows(fmt, x, ldx, wt, ldw, panel_stride, num_panels, p, scale, ldsc, group_k, bias, y, ldy,
+                                 m_begin, m_end, N, K, silu_and_mul);
         }
     return failed;
 }
@@ -354,6 +370,20 @@ int stoker_linear_q8(const float *x, int64_t ldx, const void *wt, int64_t ldw, i
 }
 
 int stoker_linear_nr(void) { return NR; }
+
+/* One task of stoker_linear_f32, on the calling thread, for kernels that schedule the tasks of
+ * several GEMMs in one parallel region (moe.c: every expert's rows against its panels): rows
+ * [m_begin, m_end) of x against float panel p of num_panels, arguments as stoker_linear_f32.
+ * Each output is the same in-order sum as there, so the same bits whatever the task split. */
+void stoker_linear_panel_rows_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
+                                  int64_t num_panels, int64_t p, const float *bias, float *y, int64_t ldy,
+                                  int64_t m_begin, int64_t m_end, int64_t N, int64_t K, int silu_and_mul) {
+    panel_rows(W_F32, x, ldx, wt, ldw, panel_stride, num_panels, p, NULL, 0, K, bias, y, ldy, m_begin, m_end, N, K,
+               silu_and_mul);
+}
+
+/* The rows of x (K floats each) one task of stoker_linear_f32 takes at most. */
+int64_t stoker_linear_chunk_rows(int64_t K) { return chunk_max_rows(K); }
 
 /* For the other kernels of this library (prefill_attention.c): one tile without bias,
  * y[0:mr, 0:nv*VL] = x[0:mr, 0:K] @ wt[0:K, 0:nv*VL], wt rows ldw floats apart. */

@@ -1,0 +1,215 @@
+/*
+ * The routed experts of a Mixture-of-Experts layer in one call, CPU float32 (issue 33):
+ *
+ *     out[t] = sum over t's k choices, in ascending expert order, of
+ *              w[t, j] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ down_e^T
+ *
+ * Before this kernel, layers/moe.py looped over the experts in Python and called the linear
+ * kernel twice per expert with tokens: at decode (one token, k experts) that is 2k ctypes
+ * calls, 2k OpenMP team wake-ups and 2k small parallel regions per layer, each too small to
+ * keep both cores busy. Here the (token, choice) pairs are sorted by expert with a counting
+ * sort, and every expert's grouped GEMM runs as tasks of ONE parallel region: all the w13
+ * tasks, a barrier, all the w2 tasks, a barrier, then each token's weighted sum.
+ *
+ * Weights: linear.c's packed panels, one set per expert (kernels/cpu/linear.py,
+ * pack_linear_weight): w13 (E, P13, H, NR) packed gate_up when silu_fused (SiLU-and-mul in the
+ * GEMM's tile), else plain (E, P13, H, NR) with N = 2I; w2 (E, P2, I, NR). The GEMM tasks are
+ * linear.c's own (stoker_linear_panel_rows_f32): the same tiles and the same in-order sums, so
+ * a row's expert output is the bits the linear kernel gives it, whatever rows share its tiles.
+ *
+ * Batch invariance: a token's choices are put in ascending expert order, its expert outputs
+ * do not depend on the other rows (above), each is scaled by its weight (one rounding) and
+ * they are added in that order (y0 w0 + y1 w1 + ...: the per-expert path's `ys * w`, then
+ * `out += ...` slot by slot). This file is built with -ffp-contract=off -fno-associative-math
+ * (build.py) so the compiler cannot fuse the scale into the sum for some builds only.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* linear.c */
+void stoker_linear_panel_rows_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
+                                  int64_t num_panels, int64_t p, const float *bias, float *y, int64_t ldy,
+                                  int64_t m_begin, int64_t m_end, int64_t N, int64_t K, int silu_and_mul);
+int64_t stoker_linear_chunk_rows(int64_t K);
+int stoker_linear_nr(void);
+int stoker_linear_mr(void);
+/* elementwise.c: the unfused SiLU-and-mul a model's per-expert path and dense MLPs run */
+void stoker_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
+                             int num_threads);
+
+/* The calling thread's scratch, kept across calls (decode calls this once per layer and step;
+ * a fresh multi-MB malloc each time would map fresh pages). Per calling thread, not global: two
+ * Python threads may run two models at once. NULL if memory runs out. */
+static void *caller_buffer(size_t bytes) {
+    static __thread void *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        buf = malloc(bytes);
+        cap = buf != NULL ? bytes : 0;
+    }
+    return buf;
+}
+
+/* One GEMM task: rows [m0, m1) of expert e's rows against panel p. */
+typedef struct {
+    int64_t e, m0, m1, p;
+} task_t;
+
+/* The tasks of one grouped GEMM (expert by expert, row chunk by chunk, panel by panel, the
+ * order linear.c walks one GEMM) and their cumulative cost; returns how many. Cost: the row
+ * tiles plus two for streaming the panel, so each thread's contiguous share is about as long
+ * as the others' when the experts have unequal rows. */
+static int64_t make_tasks(const int64_t *first, int64_t E, int64_t num_panels, int64_t chunk_max, int64_t mr,
+                          task_t *tasks, int64_t *cost_end) {
+    int64_t n = 0, cost = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = first[e + 1] - first[e];
+        for (int64_t c0 = 0; c0 < rows; c0 += chunk_max) {
+            const int64_t c1 = c0 + chunk_max < rows ? c0 + chunk_max : rows;
+            for (int64_t p = 0; p < num_panels; p++) {
+                tasks[n] = (task_t){e, first[e] + c0, first[e] + c1, p};
+                cost += (c1 - c0 + mr - 1) / mr + 2;
+                cost_end[n++] = cost;
+            }
+        }
+    }
+    return n;
+}
+
+/* This thread's share [*begin, *end) of n tasks: those whose cost ends in its slice of the total. */
+static void my_share(const int64_t *cost_end, int64_t n, int tid, int nt, int64_t *begin, int64_t *end) {
+    const int64_t total = n ? cost_end[n - 1] : 0;
+    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+    int64_t b = 0, e = 0;
+    while (b < n && cost_end[b] <= lo) b++;
+    e = b;
+    while (e < n && cost_end[e] <= hi) e++;
+    if (tid == nt - 1) e = n;
+    *begin = b;
+    *end = e;
+}
+
+/*
+ * x (T, H) row stride ldx; topk_ids (T, k) int64 in [0, E), topk_weights (T, k) float32, both
+ * contiguous; w13 expert e at w13 + e * w13_expert_stride, its panels w13_panel_stride floats
+ * apart (rows of NR floats); w2 likewise; out (T, H) contiguous.
+ * silu_fused: w13 is gate_up-packed (I a multiple of NR / 2), else plain with N = 2I and
+ * SiLU-and-mul runs after the GEMM.
+ * Returns 0; 1 when the scratch could not be allocated; 2 when an expert id is out of range
+ * (then out is untouched).
+ */
+int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights, int64_t T,
+                         int64_t k, int64_t E, const float *w13, int64_t w13_panel_stride, int64_t w13_expert_stride,
+                         const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
+                         int silu_fused, float *out, int num_threads) {
+    const int64_t nr = stoker_linear_nr(), mr = stoker_linear_mr();
+    const int64_t pairs = T * k, n13 = 2 * I;
+    const int64_t p13 = (n13 + nr - 1) / nr, p2 = (H + nr - 1) / nr;
+    const int64_t c13 = stoker_linear_chunk_rows(H), c2 = stoker_linear_chunk_rows(I);
+    /* at most this many tasks of each GEMM: every expert's chunks times the panels */
+    const int64_t max_tasks = ((pairs + c13 - 1) / c13 + E) * p13 + ((pairs + c2 - 1) / c2 + E) * p2;
+    const int64_t pre_width = silu_fused ? 0 : n13; /* the unfused (rows, 2I) pre-activation */
+    /* scratch: xs (pairs, H), reused for the expert outputs ys once the w13 GEMMs are done;
+     * hs (pairs, I); pre (pairs, 2I) unfused; then the integer tables. */
+    const size_t floats = ((size_t)(pairs * H + pairs * I + pairs * pre_width) + 15) / 16 * 16; /* the tables 64-byte aligned */
+    const size_t ints = (size_t)(2 * (E + 1) + 2 * pairs + max_tasks);
+    const size_t tasks_bytes = sizeof(task_t) * (size_t)max_tasks;
+    char *scratch = (char *)caller_buffer(sizeof(float) * floats + sizeof(int64_t) * ints + tasks_bytes + 64);
+    if (scratch == NULL) return 1;
+    float *xs = (float *)scratch, *hs = xs + pairs * H, *pre = hs + pairs * I;
+    int64_t *first = (int64_t *)(scratch + sizeof(float) * floats); /* (E + 1) each expert's first sorted row */
+    int64_t *fill = first + E + 1;                                  /* (E + 1) counting-sort cursors */
+    int64_t *row_of = fill + E + 1;     /* (pairs) the sorted row of token t's j-th choice in expert order */
+    int64_t *token_of = row_of + pairs; /* (pairs) the token of each sorted row */
+    int64_t *cost_end = token_of + pairs;
+    task_t *tasks = (task_t *)(cost_end + max_tasks);
+    for (int64_t i = 0; i < pairs; i++)
+        if (topk_ids[i] < 0 || topk_ids[i] >= E) return 2;
+
+    /* Counting sort by expert: tokens in order within an expert, as a stable argsort. A
+     * token's choices are first put in ascending expert order (insertion sort: k is small;
+     * stable, so a repeated id keeps its slot order). */
+    memset(first, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t i = 0; i < pairs; i++) first[topk_ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
+    memcpy(fill, first, sizeof(int64_t) * (E + 1));
+    for (int64_t t = 0; t < T; t++) {
+        int64_t ids[k];
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t id = topk_ids[t * k + j];
+            int64_t s = j;
+            while (s > 0 && ids[s - 1] > id) {
+                ids[s] = ids[s - 1];
+                row_of[t * k + s] = row_of[t * k + s - 1];
+                s--;
+            }
+            ids[s] = id;
+            row_of[t * k + s] = j; /* for now: the slot; below, the sorted row */
+        }
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t r = fill[ids[j]]++;
+            token_of[r] = t;
+            /* the weight travels with the row: stored in the slot's place */
+            row_of[t * k + j] = r | (row_of[t * k + j] << 40);
+        }
+    }
+    /* row_of packs (slot << 40 | row): slots and rows stay far below 2^40 */
+    const int64_t n13_tasks = make_tasks(first, E, p13, c13, mr, tasks, cost_end);
+    int64_t n2_tasks = 0;
+    task_t *tasks2 = tasks + n13_tasks;
+    int64_t *cost2 = cost_end + n13_tasks;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t b, e;
+        /* gather: xs[r] = x[token_of[r]] */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) memcpy(xs + r * H, x + token_of[r] * ldx, sizeof(float) * H);
+        /* w13: hs (silu fused) or pre (unfused) */
+        my_share(cost_end, n13_tasks, tid, nt, &b, &e);
+        for (int64_t i = b; i < e; i++) {
+            const task_t t = tasks[i];
+            const float *w = w13 + t.e * w13_expert_stride;
+            if (silu_fused)
+                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, hs, I, t.m0, t.m1, n13, H, 1);
+            else
+                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, pre, n13, t.m0, t.m1, n13, H, 0);
+        }
+#pragma omp single
+        n2_tasks = make_tasks(first, E, p2, c2, mr, tasks2, cost2); /* (its implicit barrier ends the w13 GEMMs) */
+        if (!silu_fused) { /* this thread's share of the rows, in one call (one thread: no nested team) */
+            const int64_t r0 = pairs * tid / nt, r1 = pairs * (tid + 1) / nt;
+            if (r1 > r0) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+#pragma omp barrier
+        }
+        /* w2: ys (pairs, H) into xs, which the w13 GEMMs no longer read */
+        my_share(cost2, n2_tasks, tid, nt, &b, &e);
+        for (int64_t i = b; i < e; i++) {
+            const task_t t = tasks2[i];
+            stoker_linear_panel_rows_f32(hs, I, w2 + t.e * w2_expert_stride, nr, w2_panel_stride, p2, t.p, NULL, xs, H,
+                                         t.m0, t.m1, H, I, 0);
+        }
+#pragma omp barrier
+        /* each token: its k expert outputs, scaled, summed in ascending expert order */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + t * H;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t packed = row_of[t * k + j];
+                const int64_t r = packed & (((int64_t)1 << 40) - 1), slot = packed >> 40;
+                const float w = topk_weights[t * k + slot];
+                const float *y = xs + r * H;
+                if (j == 0)
+                    for (int64_t h = 0; h < H; h++) o[h] = y[h] * w;
+                else
+                    for (int64_t h = 0; h < H; h++) o[h] = o[h] + y[h] * w;
+            }
+        }
+    }
+    return 0;
+}

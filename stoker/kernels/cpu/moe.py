@@ -1,0 +1,68 @@
+"""Python entry point of moe.c: a MoE layer's routed experts in one C call (CPU float32).
+
+`fused_moe` has the semantics of its twin reference.fused_moe (an expert-by-expert loop),
+with the weights as linear.c's panels, one set per expert (`pack_experts`). The C code
+trusts its shapes and strides, so they are checked here; the expert ids it checks itself
+(a host read of them here would cost what the kernel saves at decode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stoker.kernels.cpu import linear as cpu_linear
+from stoker.kernels.cpu.common import _as_rows, _checked_library
+
+
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor, silu_fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 (E, 2I, H) [gate; up], w2 (E, H, I) -> (E, P13, H, NR), (E, P2, I, NR) panels;
+    gate_up-interleaved w13 when silu_fused (I a multiple of NR / 2)."""
+    packed13 = torch.stack([cpu_linear.pack_linear_weight(w, gate_up=silu_fused) for w in w13])
+    packed2 = torch.stack([cpu_linear.pack_linear_weight(w) for w in w2])
+    return packed13, packed2
+
+
+def fused_moe(
+    x: torch.Tensor,  # (T, H) float32
+    w13: torch.Tensor,  # (E, P13, H, NR) float32 panels (pack_experts)
+    w2: torch.Tensor,  # (E, P2, I, NR)
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
+    intermediate_size: int,
+    silu_fused: bool,
+) -> torch.Tensor:  # (T, H)
+    """sum over each token's choices, in ascending expert order, of
+    w * (silu(x @ gate_e^T) * (x @ up_e^T)) @ down_e^T (moe.c)."""
+    lib = _checked_library()
+    num_experts, p13, hidden, nr = w13.shape
+    inter = intermediate_size
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.float32:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}: expected (T, {hidden}) float32")
+    if w13.dtype != torch.float32 or w2.dtype != torch.float32 or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("w13 and w2 must be contiguous float32 panels (pack_experts)")
+    if nr != cpu_linear.panel_width() or p13 != -(-2 * inter // nr):
+        raise ValueError(f"w13 {tuple(w13.shape)} is not (E, ceil(2 * {inter} / NR), H, NR) panels, NR = {cpu_linear.panel_width()}")
+    if silu_fused and (2 * inter) % nr:
+        raise ValueError(f"silu_fused needs I = {inter} to fill whole panels of {nr} columns")
+    if w2.shape != (num_experts, -(-hidden // nr), inter, nr):
+        raise ValueError(f"w2 {tuple(w2.shape)} is not ({num_experts}, ceil({hidden} / NR), {inter}, {nr}) panels")
+    num_tokens, k = topk_ids.shape
+    if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
+                         f"{tuple(x.shape)} disagree")
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    if num_tokens == 0:
+        return out
+    rows, stride = _as_rows(x)
+    status = lib.stoker_fused_moe_f32(
+        rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
+        w13.data_ptr(), hidden * nr, p13 * hidden * nr, w2.data_ptr(), inter * nr, w2.shape[1] * inter * nr,
+        hidden, inter, int(silu_fused), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        raise MemoryError("fused_moe: could not allocate the scratch buffers")
+    if status == 2:
+        raise ValueError(f"topk_ids hold expert ids outside [0, {num_experts})")
+    return out

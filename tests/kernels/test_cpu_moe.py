@@ -1,0 +1,127 @@
+"""The one-call MoE kernel for CPU (stoker/kernels/cpu/moe.c) against its twin
+(reference.fused_moe), against the per-expert path it replaced (the linear kernel called per
+expert from layers/moe.py, bit for bit), and for batch, slot-order and thread invariance."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from stoker.kernels import ops, reference
+from stoker.kernels.cpu import linear as cpu_linear
+from stoker.kernels.cpu import moe as cpu_moe
+from stoker.layers.moe import FusedMoE, PackedCpuMoEMethod
+from stoker.layers.moe_router import softmax_topk
+
+if shutil.which("cc") is None and shutil.which("gcc") is None:
+    pytest.skip("no C compiler: the CPU kernels are not built here (the torch twins run instead)", allow_module_level=True)
+
+
+def experts(num_experts: int, hidden: int, inter: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return w13, w2
+
+
+def routing(num_tokens: int, num_experts: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
+    return softmax_topk(logits, k, renormalize=True)
+
+
+def run(x, w13, w2, weights, ids) -> torch.Tensor:
+    inter = w2.shape[2]
+    fused = cpu_linear.gate_up_fusable(inter)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, fused)
+    return cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, fused)
+
+
+# (E, k, H, I, T): E = 1, k = E, odd H and I (partial panels, scalar tail columns, unfused
+# SiLU), I filling whole panels (SiLU fused in the GEMM) for AVX-512 (NR 64) and AVX2 (NR 32),
+# one token, 512 tokens (row chunks), and many experts most of them idle.
+SHAPES = [(1, 1, 48, 32, 5), (4, 4, 40, 24, 9), (8, 2, 33, 17, 7), (6, 3, 64, 32, 1), (8, 2, 96, 64, 512),
+          (32, 4, 72, 96, 3), (8, 2, 130, 48, 64)]
+IDS = ["E=1", "k=E", "odd-H-and-I", "one-token", "512-tokens", "most-experts-idle", "partial-H-panel"]
+
+
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES, ids=IDS)
+def test_matches_the_twin(num_experts: int, k: int, hidden: int, inter: int, num_tokens: int) -> None:
+    w13, w2 = experts(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    out = run(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, reference.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def per_expert_layer(w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
+    """layers/moe.py's per-expert loop on the C linear kernel (what ran before moe.c), with the
+    C SiLU-and-mul a built model binds for the unfused case."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    layer = FusedMoE(num_experts, hidden, inter)
+    method = PackedCpuMoEMethod(cpu_linear.gate_up_fusable(inter))
+    method.fused_moe = None
+    layer.attach(method)
+    layer.act.kernels = ops.CPU
+    with torch.no_grad():
+        layer.w13.copy_(w13)
+        layer.w2.copy_(w2)
+    method.process_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES, ids=IDS)
+def test_same_bits_as_the_per_expert_path(num_experts: int, k: int, hidden: int, inter: int, num_tokens: int) -> None:
+    w13, w2 = experts(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    loop = per_expert_layer(w13, w2)(x, weights, ids)
+    assert torch.equal(run(x, w13, w2, weights, ids), loop)
+
+
+@pytest.mark.parametrize("inter", [64, 17], ids=["fused-silu", "unfused-odd-I"])
+def test_a_row_alone_equals_its_row_in_a_batch_of_64(inter: int) -> None:
+    w13, w2 = experts(16, 80, inter)
+    fused = cpu_linear.gate_up_fusable(inter)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, fused)
+    x = torch.randn(64, 80, generator=torch.Generator().manual_seed(2))
+    weights, ids = routing(64, 16, 4, seed=3)
+    whole = cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, fused)
+    for t in (0, 5, 31, 63):
+        alone = cpu_moe.fused_moe(x[t : t + 1], p13, p2, weights[t : t + 1], ids[t : t + 1], inter, fused)
+        assert torch.equal(alone[0], whole[t]), f"token {t}"
+    # a strided x (a view of a wider tensor) reads the same rows
+    wide = torch.cat([x, torch.zeros(64, 3)], dim=1)[:, :80]
+    assert torch.equal(cpu_moe.fused_moe(wide, p13, p2, weights, ids, inter, fused), whole)
+
+
+def test_slot_order_and_thread_count_do_not_change_the_bits() -> None:
+    w13, w2 = experts(8, 64, 32)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(4))
+    weights, ids = routing(37, 8, 3, seed=5)
+    base = run(x, w13, w2, weights, ids)
+    assert torch.equal(run(x, w13, w2, weights.flip(1), ids.flip(1)), base)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(run(x, w13, w2, weights, ids), base), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_empty_batch_and_bad_input() -> None:
+    w13, w2 = experts(4, 32, 16)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, False)
+    weights, ids = routing(3, 4, 2)
+    assert cpu_moe.fused_moe(torch.randn(0, 32), p13, p2, weights[:0], ids[:0], 16, False).shape == (0, 32)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_moe.fused_moe(torch.randn(3, 32), p13, p2, weights, ids + 3, 16, False)
+    with pytest.raises(ValueError, match="expected"):
+        cpu_moe.fused_moe(torch.randn(3, 31), p13, p2, weights, ids, 16, False)
+    with pytest.raises(ValueError, match="panels"):
+        cpu_moe.fused_moe(torch.randn(3, 32), p13, p2, weights, ids, 24, False)
+    with pytest.raises(ValueError, match="disagree"):
+        cpu_moe.fused_moe(torch.randn(4, 32), p13, p2, weights, ids, 16, False)
