@@ -117,7 +117,8 @@ def test_a_named_function_tool_is_called_with_valid_arguments(client: OpenAI) ->
     ("input", [{"type": "item_reference", "id": "msg_1"}], "input"),
     ("text", {"format": {"type": "xml"}}, "text"),
     ("text", {"verbosity": "low"}, "text"),
-    ("reasoning", {"effort": "high"}, "reasoning"),
+    ("reasoning", {"effort": "high", "summary": "auto"}, "reasoning"),
+    ("service_tier", "flex", "service_tier"),
     ("include", ["message.output_text.logprobs"], "include"),
 ])
 def test_what_needs_storage_or_is_missing_is_refused(live_server: LiveServer, field: str, value: object, param: str) -> None:
@@ -130,3 +131,14 @@ def test_what_needs_storage_or_is_missing_is_refused(live_server: LiveServer, fi
 def test_the_sdk_raises_on_a_refusal(client: OpenAI) -> None:
     with pytest.raises(BadRequestError, match="stateless"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+
+
+def test_reasoning_effort_and_service_tier_are_honoured(live_server: LiveServer) -> None:
+    """reasoning.effort reaches the chat template (as chat's reasoning_effort); the one tier is auto/default."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "reasoning": {"effort": "low"},
+            "service_tier": "default", "parallel_tool_calls": False}
+    resp = httpx.post(live_server.url + "/v1/responses", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["reasoning"] == {"effort": "low"} and out["service_tier"] == "default"
+    assert out["parallel_tool_calls"] is False

@@ -30,9 +30,10 @@ _UNHONOURED = (
     ("conversation", lambda v: v is not None, f"{_STATELESS}; send the whole conversation in input"),
     ("background", lambda v: bool(v), "background responses need storage; omit background"),
     ("prompt", lambda v: v is not None, "stored prompt templates are not supported; send input and instructions"),
-    ("reasoning", lambda v: bool(v) and any(x is not None for x in (v.values() if isinstance(v, dict) else [v])),
-     "reasoning options (effort, summary) are not supported; omit reasoning (with --reasoning-parser the "
-     "reasoning comes back as a reasoning item)"),
+    ("reasoning", lambda v: isinstance(v, dict) and any(v.get(k) is not None for k in ("summary", "generate_summary")),
+     "reasoning summaries are not generated (with --reasoning-parser the reasoning comes back whole, as a reasoning "
+     "item); send only reasoning.effort"),
+    ("service_tier", lambda v: v not in (None, "auto", "default"), "there is one service tier; send auto or default"),
     ("include", lambda v: bool(v), "no extra output data (logprobs, sources, encrypted reasoning) is produced; omit include"),
     ("truncation", lambda v: v not in (None, "disabled"), "input is never truncated here (too long is a 400); send 'disabled'"),
     ("max_tool_calls", lambda v: v is not None, "max_tool_calls is not enforced; omit it"),
@@ -55,6 +56,8 @@ class ResponsesRequest(_Request):
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     user: str | None = None
     store: StrictBool | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat template's reasoning_effort
+    service_tier: str | None = None  # auto / default only (one tier)
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +91,11 @@ class ResponsesRequest(_Request):
         choice = chat_tool_choice(self.tool_choice)
         if choice is not None and (self.tools or choice == "none"):
             body["tool_choice"] = choice
+        if self.tools and self.parallel_tool_calls is False:
+            body["parallel_tool_calls"] = False  # chat's rule: at most one call
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            body["reasoning_effort"] = effort
         return body
 
     def echo_fields(self) -> dict[str, Any]:
@@ -98,7 +106,8 @@ class ResponsesRequest(_Request):
             "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
             "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
             "text": self.text or {"format": {"type": "text"}}, "store": False, "truncation": "disabled",
-            "previous_response_id": None, "reasoning": None, "user": self.user, "background": False,
+            "previous_response_id": None, "reasoning": self.reasoning, "user": self.user, "background": False,
+            "service_tier": self.service_tier or "auto",
         }
 
 
