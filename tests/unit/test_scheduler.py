@@ -229,3 +229,29 @@ def test_a_result_that_does_not_match_the_plan_is_refused() -> None:
         sched.update_after_step(plan, accepted(plan, {a.seq_id: [1, 2]}))  # one row sampled, two tokens back
     with pytest.raises(RuntimeError, match="accepted none"):
         sched.update_after_step(plan, accepted(plan, {}))
+
+
+def test_priority_policy_admits_and_preempts_by_priority() -> None:
+    """--scheduling-policy priority: lower values first among the waiting; FIFO among equals;
+    when blocks run out the least urgent running sequence is the one preempted."""
+    bm = BlockManager(8, 4, True)
+    sched = Scheduler(bm, 8, 32, 128, True, policy="priority")
+    seqs = {}
+    for name, prio, arrival in (("late-urgent", 0, 3.0), ("early-lazy", 5, 1.0), ("mid", 1, 2.0), ("mid2", 1, 2.5)):
+        s = Sequence(name, list(range(8)), SamplingParams(max_tokens=100), arrival_time=arrival, priority=prio)
+        seqs[name] = s
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["late-urgent", "mid", "mid2", "early-lazy"]
+    out = run_step(sched)  # 4 prompts x 2 blocks = all 8 blocks
+    assert [s.seq.request_id for s in out.scheduled] == ["late-urgent", "mid", "mid2", "early-lazy"]
+    out = run_step(sched)  # each needs a third block: the least urgent are preempted, last first
+    assert [s.request_id for s in out.preempted] == ["early-lazy", "mid2"]
+    assert [s.seq.request_id for s in out.scheduled] == ["late-urgent", "mid"]
+    assert [s.request_id for s in sched.waiting] == ["mid2", "early-lazy"]  # back in priority order
+    bm.check_integrity()
+    fcfs = make()
+    a = Sequence("a", [1, 2], SamplingParams(), arrival_time=2.0, priority=0)
+    b = Sequence("b", [1, 2], SamplingParams(), arrival_time=1.0, priority=0)
+    fcfs.add(a)
+    fcfs.add(b)
+    assert [s.request_id for s in fcfs.waiting] == ["a", "b"]  # fcfs: the order they were added
