@@ -192,6 +192,9 @@ def test_limits_and_refusals(server) -> None:
     _error(post("/v1/embeddings", {"model": EMB, "input": [5, 10**6]}), 400, "input")
     _error(post("/v1/embeddings", {"model": EMB, "input": "x", "priority": 3}), 400, "priority")
     _error(post("/v1/embeddings", {"model": EMB, "input": "x", "dimensions": "8"}), 400, "dimensions")  # strict numbers
+    for field, value in (("additional_data", {"k": 1}), ("mm_processor_kwargs", {"a": 1}), ("normalize", True)):
+        _error(post("/v1/embeddings", {"model": EMB, "input": "x", field: value}), 400, field)  # vLLM's, not honoured
+    assert post("/v1/embeddings", {"model": EMB, "input": "x", "request_id": "q7"}).json()["id"] == "embd-q7"
     _error(post("/v1/embeddings", {"model": EMB, "messages": [{"role": "user", "content": "x"}], "input": "x"}), 400, "messages")
     _error(post("/v1/embeddings", {"model": "nope", "input": "x"}), 404, "model")
     _error(post("/v1/embeddings", {"model": RERANK, "input": "x"}), 400, "model")

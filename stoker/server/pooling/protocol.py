@@ -4,6 +4,7 @@ fields that ask for what this server does not do refused with a 400 that names t
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, StrictBool, model_validator
@@ -30,7 +31,20 @@ class _PoolingFields(_Request):
     model: str | None = None
     truncate_prompt_tokens: Truncate | None = None
     priority: Priority = 0  # the batcher's level: 1 highest ... --priority-levels; 0 the default level
-    user: str | None = None  # advisory, as in OpenAI's API
+    user: str | None = None  # OpenAI's end-user id: it never changes the output
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: names the response
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_extras(cls, data: Any) -> Any:
+        return _refuse(data, {"additional_data": "additional_data is not read by any model here; omit it",
+                              "mm_processor_kwargs": "text-only models: no multimodal processor runs",
+                              "normalize": "embeddings are returned as the model's pooler makes them (sentence-"
+                                           "transformers' modules decide normalization); omit normalize"})
+
+    def response_id(self, prefix: str) -> str:
+        """vLLM's: `{prefix}-{request_id}` when the client named the request, else a random id."""
+        return f"{prefix}-{self.request_id}" if self.request_id is not None else f"{prefix}-{uuid.uuid4().hex}"
 
 
 class EmbeddingRequest(_PoolingFields):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -149,7 +148,7 @@ class OpenAIServingPooling:
                           else vec.tolist())
             data.append({"object": "embedding", "index": i, "embedding": value})
         tokens = sum(len(x) for x in ids)
-        return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        return JSONResponse({"id": req.response_id("embd"), "object": "list", "created": int(time.time()),
                              "model": req.model or model.names[0], "data": data,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -201,7 +200,7 @@ class OpenAIServingPooling:
             if req.return_documents:
                 row["document"] = {"text": docs[i]}
             results.append(row)
-        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": req.model or model.names[0],
+        return JSONResponse({"id": req.response_id("rerank"), "model": req.model or model.names[0],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})
 
     async def score(self, req: ScoreRequest) -> JSONResponse:
@@ -211,7 +210,7 @@ class OpenAIServingPooling:
         except ValueError as exc:
             raise bad_request(str(exc), "text_1") from None
         scores, tokens = await self._scores(model, pairs, self._truncation(model, req.truncate_prompt_tokens), req.priority)
-        return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        return JSONResponse({"id": req.response_id("score"), "object": "list", "created": int(time.time()),
                              "model": req.model or model.names[0],
                              "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}})
