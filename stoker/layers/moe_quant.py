@@ -36,6 +36,7 @@ from torch import nn
 
 from stoker.kernels import reference
 from stoker.layers.moe import EXPERT_SHARDS, FusedMoE, MoEMethod
+from stoker.layers.quantized_method import scale_groups
 from stoker.layers.weight_method import expect_shape
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
@@ -66,14 +67,7 @@ class QuantizedMoEMethod(MoEMethod):
     # ---------------------------------------------------------------- parameters
     def _groups(self, in_features: int) -> tuple[int, int]:
         """(G, group_k) for a weight of `in_features` columns, as the dense method counts them."""
-        s = self.scheme
-        if s.strategy == "group":
-            assert s.group_size is not None
-            return -(-in_features // s.group_size), s.group_size
-        if s.strategy == "block":
-            assert s.block is not None
-            return -(-in_features // s.block[1]), s.block[1]
-        return 1, in_features
+        return scale_groups(self.scheme, in_features)
 
     def checkpoint_params(self) -> tuple[str, ...]:
         if self.online:

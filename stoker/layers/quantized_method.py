@@ -36,6 +36,18 @@ from stoker.quantization.config import WeightScheme
 BACKENDS = ("cpu_q8", "int8pack", "scaled_mm", "triton_w8", "dequant")
 
 
+
+def scale_groups(scheme: WeightScheme, in_features: int) -> tuple[int, int]:
+    """(G, group_k): the scale groups along a weight's `in_features` columns under `scheme`
+    (per group, per 128-block, or one per channel), for dense and expert weights alike."""
+    if scheme.strategy == "group":
+        assert scheme.group_size is not None
+        return -(-in_features // scheme.group_size), scheme.group_size
+    if scheme.strategy == "block":
+        assert scheme.block is not None
+        return -(-in_features // scheme.block[1]), scheme.block[1]
+    return 1, in_features
+
 class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
     def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False) -> None:
         if backend not in BACKENDS:
@@ -66,14 +78,7 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
         return names + (("input_scale",) if self.scheme.static_input_scale else ())
 
     def _num_groups(self, in_features: int) -> tuple[int, int]:
-        s = self.scheme
-        if s.strategy == "group":
-            assert s.group_size is not None
-            return -(-in_features // s.group_size), s.group_size
-        if s.strategy == "block":
-            assert s.block is not None
-            return -(-in_features // s.block[1]), s.block[1]
-        return 1, in_features
+        return scale_groups(self.scheme, in_features)
 
     def checkpoint_slice(
         self, layer: Linear, param_name: str, shard: str | None, shape: tuple[int, ...]

@@ -8,6 +8,7 @@ text that is not valid Unicode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
@@ -42,6 +43,23 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
             if found:
                 return found
     return None
+
+
+Unhonoured = tuple[tuple[str, Callable[[Any], bool], str], ...]  # (field, does this value ask, why refused)
+
+
+def unsupported_field(name: str, why: str) -> PydanticCustomError:
+    """The 400 for a field this server cannot honour; `param` is the top-level field's name."""
+    return PydanticCustomError("unsupported_field", "{name}: {why}", {"name": name, "why": why, "param": name.split("[")[0]})
+
+
+def refuse_unhonoured(data: Any, table: Unhonoured) -> Any:
+    """A request body's first field whose value asks for what the server does not do, refused by name."""
+    if isinstance(data, dict):
+        for name, asks, why in table:
+            if name in data and asks(data[name]):
+                raise unsupported_field(name, why)
+    return data
 
 
 class _Body(BaseModel):

@@ -17,15 +17,10 @@ import json
 from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, Strict, StrictBool, model_validator
-from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol_base import Number, SmallInt, _Request
+from stoker.server.protocol_base import Number, SmallInt, _Request, refuse_unhonoured, unsupported_field
 
 MaxTokens = Annotated[int, Strict(), Field(ge=1, le=2**31 - 1)]
-
-
-def _refuse(name: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_field", "{name}: {why}", {"name": name, "why": why, "param": name})
 
 
 # (field, does this value ask for behaviour, why it is refused)
@@ -79,11 +74,7 @@ class _MessagesBody(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, asks, why in _UNHONOURED:
-                if name in data and asks(data[name]):
-                    raise _refuse(name, why)
-        return data
+        return refuse_unhonoured(data, _UNHONOURED)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """`system` and the turns as chat messages (ValueError naming the field otherwise)."""
@@ -124,7 +115,7 @@ class MessagesRequest(_MessagesBody):
     def _metadata_user_id_only(self) -> MessagesRequest:
         unknown = sorted(set(self.metadata or {}) - {"user_id"})
         if unknown:  # Anthropic's metadata has user_id only; it is informational here
-            raise _refuse("metadata", f"only user_id is accepted; got {unknown}")
+            raise unsupported_field("metadata", f"only user_id is accepted; got {unknown}")
         return self
 
     def chat_body(self) -> dict[str, Any]:

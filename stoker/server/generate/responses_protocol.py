@@ -12,15 +12,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, model_validator
-from pydantic_core import PydanticCustomError
 
-from stoker.server.protocol_base import Number, SmallInt, _Request
+from stoker.server.protocol_base import Number, SmallInt, _Request, refuse_unhonoured, unsupported_field
 
 _STATELESS = "this server is stateless (nothing is stored between requests)"
-
-
-def _refuse(name: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_field", "{name}: {why}", {"name": name, "why": why, "param": name.split("[")[0]})
 
 
 # (field, does this value ask for behaviour, why it is refused)
@@ -62,11 +57,7 @@ class ResponsesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, asks, why in _UNHONOURED:
-                if name in data and asks(data[name]):
-                    raise _refuse(name, why)
-        return data
+        return refuse_unhonoured(data, _UNHONOURED)
 
     # ------------------------------------------------------------------ -> chat
     def chat_body(self) -> dict[str, Any]:
