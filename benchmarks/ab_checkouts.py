@@ -13,7 +13,8 @@ the checkout as its working directory, and `--json <file>`, from which each `--m
 checkout's own copy (it may insert its own repository root into sys.path, as most here do);
 `--script-from b` runs B's copy against both checkouts, for scripts that import stoker only
 through PYTHONPATH and gained their --json after A (server_overhead.py, whose server
-subprocess inherits PYTHONPATH too).
+subprocess inherits PYTHONPATH too); `--script-from here` runs this checkout's copy (a script
+newer than both, such as generate_throughput.py).
 
 Prints every run and, per metric, the median of each side and B / A; `--json OUT` keeps them.
 """
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--b", required=True, type=Path, help="the checkout after")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--metric", action="append", required=True, help="dotted path into the script's --json output")
-    ap.add_argument("--script-from", choices=["own", "b"], default="own")
+    ap.add_argument("--script-from", choices=["own", "b", "here"], default="own")
     ap.add_argument("--json", default=None, help="write every run's metrics and the medians here")
     ap.add_argument("script", help="the benchmark script, relative to a checkout's root")
     ap.add_argument("script_args", nargs=argparse.REMAINDER, help="after --: the script's own flags")
@@ -64,7 +65,7 @@ def main() -> None:
         for r in range(args.rounds):
             for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 checkout = sides[side]
-                script = (sides["B"] if args.script_from == "b" else checkout) / args.script
+                script = {"b": sides["B"], "here": Path(__file__).resolve().parents[1]}.get(args.script_from, checkout) / args.script
                 data = run_once(checkout, script, script_args, Path(tmp) / f"{side}{r}.json")
                 values = {m: read_metric(data, m) for m in args.metric}
                 for m, v in values.items():
