@@ -24,6 +24,7 @@ Loading: the checkpoint keeps one tensor per expert and projection; a shard key 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,31 @@ class ExpertGroups:
     segments: list[tuple[int, int, int]]  # (expert, first, stop) of each expert with tokens
 
 
+def expert_by_expert(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+    expert_forward: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """x (T, H), topk (T, k) -> (T, H): each expert's rows through `expert_forward(e, rows)` once,
+    scaled by their routing weights, then each token's k results summed in ascending expert
+    order: a fixed order per token whatever the batch, where index_add_ on CUDA (atomics) has none."""
+    num_tokens, k = topk_ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    groups = group_by_expert(topk_weights, topk_ids, num_experts)
+    xs = x.index_select(0, groups.token_of)  # (T * k, H) grouped by expert
+    ys = torch.empty_like(xs)
+    for e, first, stop in groups.segments:
+        ys[first:stop] = expert_forward(e, xs[first:stop])
+    ys = (ys * groups.weights[:, None]).to(x.dtype)
+    per_choice = torch.empty_like(ys)
+    per_choice[groups.order] = ys
+    per_choice = per_choice.view(num_tokens, k, -1)  # (T, k, H), choices in ascending expert order
+    out = per_choice[:, 0].clone()
+    for j in range(1, k):
+        out += per_choice[:, j]
+    return out
+
+
 def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     k = topk_ids.shape[1]
     ids, perm = topk_ids.sort(dim=1)  # (T, k) ascending expert per token
@@ -197,24 +223,8 @@ class MoEMethod:
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:  # (T, H) -> (T, H), this rank's partial sum under tensor parallelism
-        num_tokens, k = topk_ids.shape
-        if num_tokens == 0:
-            return torch.zeros_like(x)
-        groups = group_by_expert(topk_weights, topk_ids, layer.num_experts)
-        xs = x.index_select(0, groups.token_of)  # (T * k, H) grouped by expert
-        ys = torch.empty_like(xs)
-        for e, first, stop in groups.segments:
-            ys[first:stop] = self.expert_forward(layer, e, xs[first:stop])
-        ys = (ys * groups.weights[:, None]).to(x.dtype)
-        # Back to (T, k, H), each token's choices in ascending expert order, and summed in that
-        # order: a fixed order per token, where index_add_ on CUDA (atomics) would not be.
-        per_choice = torch.empty_like(ys)
-        per_choice[groups.order] = ys
-        per_choice = per_choice.view(num_tokens, k, -1)
-        out = per_choice[:, 0].clone()
-        for j in range(1, k):
-            out += per_choice[:, j]
-        return out
+        return expert_by_expert(x, topk_weights, topk_ids, layer.num_experts,
+                                lambda e, rows: self.expert_forward(layer, e, rows))
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         return layer.act(rows @ layer.w13[e].t()) @ layer.w2[e].t()

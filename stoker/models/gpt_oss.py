@@ -33,7 +33,7 @@ from torch import nn
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.activation import clamped_swiglu
 from stoker.layers.attention import Attention
-from stoker.layers.moe import group_by_expert
+from stoker.layers.moe import expert_by_expert
 from stoker.layers.moe_router import BiasedTopKRouter
 from stoker.layers.rotary import RotaryEmbedding
 from stoker.models.llama import LlamaAttention, LlamaForCausalLM
@@ -63,7 +63,7 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssExperts(nn.Module):
     """E experts in the checkpoint's own layout (x @ W, W (H, 2I), gate and up interleaved),
-    with biases; tokens grouped by expert once per call (layers/moe.group_by_expert) and each
+    with biases; tokens grouped by expert once per call (layers/moe.expert_by_expert) and each
     token's k contributions summed in ascending expert order, as `MoEMethod.apply` does, so a
     token's result does not depend on the slot order of its choices."""
 
@@ -83,23 +83,11 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x (T, H), topk_weights (T, k) float32, topk_ids (T, k) -> (T, H)
-        num_tokens, k = topk_ids.shape
-        if num_tokens == 0:
-            return torch.zeros_like(x)
-        groups = group_by_expert(topk_weights, topk_ids, self.num_experts)
-        xs = x.index_select(0, groups.token_of)  # (T * k, H) grouped by expert
-        ys = torch.empty_like(xs)
-        for e, first, stop in groups.segments:
-            h = xs[first:stop] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2I)
-            ys[first:stop] = clamped_swiglu(h, self.alpha, self.limit) @ self.down_proj[e] + self.down_proj_bias[e]
-        ys = (ys * groups.weights[:, None]).to(x.dtype)
-        per_choice = torch.empty_like(ys)
-        per_choice[groups.order] = ys
-        per_choice = per_choice.view(num_tokens, k, -1)  # (T, k, H), choices in ascending expert order
-        out = per_choice[:, 0].clone()
-        for j in range(1, k):
-            out += per_choice[:, j]
-        return out
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+            h = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2I), gate and up interleaved
+            return clamped_swiglu(h, self.alpha, self.limit) @ self.down_proj[e] + self.down_proj_bias[e]
+
+        return expert_by_expert(x, topk_weights, topk_ids, self.num_experts, expert)
 
 
 class GptOssMoeBlock(nn.Module):
