@@ -20,10 +20,11 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # Timing tests run alone after the rest: beside a second pytest worker on a 2-core machine their
-# measurements swing by 30-70% (tests/model/test_predict_cpu.py failed that way in CI).
+# measurements swing by 30-70% (tests/model/test_predict_cpu.py failed that way in CI). So do the
+# `serial` ones, which must not share the machine with another test process (the marker says why).
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600 -m "not timing"
-	TRITON_INTERPRET=1 $(PY) -m pytest -q --timeout 600 -m timing
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600 -m "not timing and not serial"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --timeout 600 -m "timing or serial"
 
 # On a CUDA machine: compiled (not interpreted) Triton, and only the GPU-marked tests.
 test-gpu: $(VENV)/.installed

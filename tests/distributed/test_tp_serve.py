@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import free_port
 from tests.server.test_server_lifecycle import start_server
@@ -90,6 +91,10 @@ def test_a_killed_worker_turns_health_503_and_leaves_no_process(tiny_llama: Path
     assert "exited with code -9" in (tmp_path / "server.log").read_text()
 
 
+# Runs alone (`make test`'s second phase): beside a parallel neighbour its rank 0 aborted in 2 of 4
+# full-suite runs ("terminate called without an active exception", SIGABRT) and in none of 14 runs
+# alone, with or without other CPU load; the cause is not found yet (stdout goes into the message).
+@pytest.mark.serial
 def test_torchrun_starts_every_rank_the_same_script_runs(tiny_llama: Path, tmp_path: Path) -> None:
     """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT from its env:// rendezvous) the same
     offline script runs on every rank: rank 0 generates, rank 1 serves it as a worker and exits."""
@@ -107,7 +112,7 @@ def test_torchrun_starts_every_rank_the_same_script_runs(tiny_llama: Path, tmp_p
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)],
                           capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=256, device="cpu")
     want = llm.generate([{"prompt_token_ids": [1, 17, 300, 42]}], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
