@@ -49,16 +49,8 @@ class GptOssAttention(LlamaAttention):
                               with_sinks=True)
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)  # (H,) one logit per head
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, self.sinks)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+    def attention_sinks(self) -> torch.Tensor:
+        return self.sinks
 
 
 class GptOssExperts(nn.Module):

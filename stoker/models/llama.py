@@ -69,6 +69,10 @@ class LlamaAttention(nn.Module):
         """Hook for Qwen3's per-head q/k RMSNorm; identity here."""
         return q, k
 
+    def attention_sinks(self) -> torch.Tensor | None:
+        """Hook for gpt-oss's per-head sink logits (H,); none here."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
@@ -78,7 +82,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v)  # (T, H, D)
+        out = self.attn(q, k, v, self.attention_sinks())  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
