@@ -82,7 +82,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, self.attention_sinks())  # (T, H, D)
+        sinks = self.attention_sinks()  # only gpt-oss has them; other attentions take (q, k, v) alone
+        out = self.attn(q, k, v) if sinks is None else self.attn(q, k, v, sinks)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
