@@ -242,14 +242,20 @@ def test_a_full_queue_answers_503_with_retry_after(folders: dict[str, Path]) -> 
     from stoker.pooling.batcher import BatcherConfig
     from stoker.server.pooling.models import PoolingModelSpec
 
-    # a 2-input queue whose batches wait 1.5 s for company: the first request fills it
-    batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=1_500_000, max_queue_size=2)
+    # a 2-input queue whose batches wait 4 s for company: the first request fills it, and the
+    # second is sent once the batcher holds the first (a fixed sleep lost the race on a loaded
+    # machine: the second arrived first and was taken)
+    batcher = BatcherConfig(max_batch_size=8, max_queue_delay_microseconds=4_000_000, max_queue_size=2)
     live = _start([PoolingModelSpec(str(folders["emb"]), (EMB,), batcher)])
     url = live.url
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(httpx.post, url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
-            time.sleep(0.5)
+            queue = live.app.state.stoker.pooling.models[0].batcher
+            deadline = time.monotonic() + 15
+            while queue.num_queued < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert queue.num_queued == 2, "the first request never reached the batcher's queue"
             busy = httpx.post(url + "/v1/embeddings", json={"input": "c"}, timeout=60)
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
             assert first.result().status_code == 200
