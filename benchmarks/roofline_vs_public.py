@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stoker.roofline import published
+from stoker.roofline import moe_kernels, published
 from stoker.roofline.calibrate import fit_points, points_loss
 from stoker.roofline.profiles import ENGINE, KERNEL
 
@@ -59,7 +59,10 @@ def main() -> None:
               for name, e in (("kernel", KERNEL), ("engine", ENGINE))}
     print("L1 log loss (fitted / held out): " + "; ".join(f"{k} {a:.3f} / {b:.3f}" for k, (a, b) in losses.items()))
     refit = fit_points(published.fit_points())
-    print(f"re-fitted engine profile: {refit}\nmatches profiles.ENGINE: {refit == ENGINE}")
+    floor = moe_kernels.moe_layer_floor(refit.memory)
+    print(f"re-fitted engine profile: {refit}\nmatches profiles.ENGINE (with the MoE floor {floor * 1e6:.0f} us): "
+          f"{refit.replace(moe_layer_overhead_s=floor) == ENGINE}")
+    moe_kernel_table()
     moe_table()
 
 
@@ -81,6 +84,21 @@ def moe_table() -> None:
     print(f"\nMoE points: {e['n']}; kernel profile median {k['median_ratio']:.2f}, {k['within']} within 25%; engine "
           f"profile median {e['median_ratio']:.2f}, {e['within']} within 25%; ceiling at or above every one: "
           f"{all(published.ceiling_ratio(p) >= 1 for p in published.MOE_POINTS)}")
+
+
+def moe_kernel_table() -> None:
+    """The fused-MoE kernel timings (moe_kernels.MOE_KERNEL_POINTS) the MoE layer floor comes from."""
+    print("\nFused-MoE kernel timings at batch 1 (moe_kernels.MOE_KERNEL_POINTS; their median residual is the "
+          "engine profile's moe_layer_overhead_s):\n")
+    print("| point | source | expert bytes | measured | bytes at peak | bytes at engine share | residual | "
+          "engine pred. / measured |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for p in moe_kernels.MOE_KERNEL_POINTS:
+        print(f"| {p.label} | {p.source.removeprefix('github.com/')} | {moe_kernels.expert_bytes(p) / 1e6:.1f} MB | "
+              f"{p.measured_us:.1f} us | {moe_kernels.byte_time_s(p, 1.0) * 1e6:.1f} us | "
+              f"{moe_kernels.byte_time_s(p, ENGINE.memory) * 1e6:.1f} us | "
+              f"{moe_kernels.residual_s(p, ENGINE.memory) * 1e6:.1f} us | "
+              f"{moe_kernels.predict_us(p, ENGINE.memory, ENGINE.moe_layer_overhead_s) / p.measured_us:.2f} |")
 
 
 if __name__ == "__main__":

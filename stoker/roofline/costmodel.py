@@ -17,7 +17,8 @@ A float32 engine (Stoker on CPU) is `weight_dtype="fp32", act_dtype="fp32"`: act
 head and the router are then 4-byte, priced at the device's fp32 rate where it has one.
 `last_token_logits=True` applies the LM head to one row per prompt in prefill, as engines do
 (Stoker's runner gathers `logits_indices` first); the default keeps every row (the old model).
-Fixed costs: `launch_gaps` (layers x layer_overhead_s + step_overhead_s) on every step, and
+Fixed costs: `launch_gaps` (layers x layer_overhead_s + step_overhead_s) on every step, `moe_gaps`
+(sparse layers x moe_layer_overhead_s) on every step of a MoE model, and
 `prefill_gaps` (layers x prefill_layer_overhead_s) once more on a step holding prefill tokens
 (a prefill step, a chunk, a mixed step): efficiency.py says what each stands for.
 `lora=LoRASpec(rank, max_loras)`: every sequence on an adapter; their weight reads and FLOPs are
@@ -331,6 +332,10 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     gaps = L * eff.layer_overhead_s + eff.step_overhead_s
     if gaps > 0:
         ops.append(OpCost("launch_gaps", "overhead", 0.0, 0.0, gaps, "overhead"))
+    if m.is_moe and eff.moe_layer_overhead_s > 0:
+        # The fused-MoE kernels' fixed cost per sparse layer beyond the experts' bytes (sort and
+        # pad, grouped GEMMs of few rows): published kernel timings, moe_kernels.py.
+        ops.append(OpCost("moe_gaps", "overhead", 0.0, 0.0, m.num_sparse_layers * eff.moe_layer_overhead_s, "overhead"))
     if prefill and eff.prefill_layer_overhead_s > 0:
         # A fixed cost per layer of a step holding context tokens, beside the launch gaps every
         # step pays: TensorRT-LLM's first-token latency at 128 tokens (performance.md, v0.5) sits

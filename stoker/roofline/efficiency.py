@@ -57,6 +57,11 @@ class Efficiencies:
     # 3.7-17 ms above a forward pass that fits the 2048-token rows, ~115-150 us per layer on H100
     # and ~215 on A100. 0 at kernel peak; the engine profile fits one value (profiles.py).
     prefill_layer_overhead_s: float = 0.0
+    # Seconds per sparse (Mixture-of-Experts) layer per step beyond its experts' bytes: the
+    # fused-MoE kernels' sort-and-pad of (token, expert) pairs and grouped GEMMs too short, at a
+    # few rows per expert, to keep the memory system busy. 0 at kernel peak; the engine profile
+    # takes the median residual of published fused-MoE kernel timings (moe_kernels.py).
+    moe_layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gemm_compute", "attention_compute", "memory", "comm"):
@@ -66,7 +71,8 @@ class Efficiencies:
         if not 0 <= self.gemm_compute_8bit <= 1:
             raise ValueError(f"efficiency gemm_compute_8bit must be in [0, 1] (0: same as gemm_compute), "
                              f"got {self.gemm_compute_8bit}")
-        if min(self.layer_overhead_s, self.step_overhead_s, self.comm_latency_s, self.prefill_layer_overhead_s) < 0:
+        if min(self.layer_overhead_s, self.step_overhead_s, self.comm_latency_s, self.prefill_layer_overhead_s,
+               self.moe_layer_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
 
     @classmethod

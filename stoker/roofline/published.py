@@ -265,9 +265,10 @@ def _vllm_latency(gpu: str, build: int, mean_ms: float) -> PublicPoint:
                        "static", 8, 32, 128, 8 * 128 / (mean_ms / 1e3), VLLM_NIGHTLY.format(build=build))
 
 
-QWEN3_A100_NOTE = ("unexplained: 1.6x optimistic at batch 1, where the step reads 8 of 128 small experts "
-                   "(9.4 MB each) in each of 48 layers; the source gives no kernel or launch breakdown to say "
-                   "which cost the roofline misses")
+QWEN3_A100_NOTE = ("1.3x optimistic at batch 1 (1.6x before the MoE layer floor, moe_kernels.py): the step reads 8 "
+                   "of 128 small experts (9.4 MB each) in each of 48 layers, and the A100's fused-MoE kernel loses "
+                   "50 us per layer beyond those bytes in the one A100 kernel timing (vLLM #19049), where the "
+                   "floor, the median over four GPUs, charges 29")
 
 MOE_POINTS: tuple[PublicPoint, ...] = (
     _gf_moe(2, "bf16", 96.67),
