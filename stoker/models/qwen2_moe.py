@@ -36,3 +36,9 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return SparseMoeBlock(cfg, tp, num_experts=num_experts_of(cfg), intermediate_size=cfg["moe_intermediate_size"],
                               renormalize=bool(cfg.get("norm_topk_prob", False)),
                               shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """With `shared_expert_intermediate_size` 0, transformers still writes an empty shared
+        expert (gate/up (0, H), down (H, 0)) and its gate (1, H); the expert's output is an empty
+        sum, 0, whatever the gate says, so the block is built without them and they are not read."""
+        return not self.config.get("shared_expert_intermediate_size") and ".mlp.shared_expert" in name

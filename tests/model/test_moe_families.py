@@ -28,6 +28,9 @@ CONFIGS = {
     "mixtral-sliding": ("mixtral", dict(MOE, num_local_experts=4, intermediate_size=40, sliding_window=24)),
     "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_hidden_layers=3, mlp_only_layers=[0])),
+    # no shared expert: transformers still writes an empty one and its gate
+    "qwen2_moe-no-shared": ("qwen2_moe", dict(MOE, num_experts=4, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=0, num_hidden_layers=2)),
     "olmoe": ("olmoe", dict(MOE, num_experts=8, intermediate_size=32)),
     # grouped routing (2 of 4 groups), correction bias, scaling, 2 shared experts, a dense first
     # layer, per-head q/k norm, q/k/v biases, half the head rotated (transformers' default)
