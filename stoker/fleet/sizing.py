@@ -32,7 +32,8 @@ def memory_need_bytes(dep: DeploymentSpec) -> int:
     if dep.memory_gib is not None:
         return int(dep.memory_gib * GiB)
     spec = _model_spec(dep)
-    kv = spec.kv_bytes_per_token(roofline_dtype(dep.kv_cache_dtype)) * dep.max_model_len * dep.max_num_seqs
+    # a sliding-window layer holds at most its window of K/V (ModelSpec.kv_context), as roofline/memory.py counts
+    kv = spec.kv_bytes_per_seq(dep.max_model_len, roofline_dtype(dep.kv_cache_dtype)) * dep.max_num_seqs
     return int((spec.weight_bytes(roofline_dtype(dep.dtype)) + kv) / dep.gpu_memory_utilization)
 
 
@@ -44,7 +45,7 @@ def decode_tokens_per_s(dep: DeploymentSpec, gpu_model: str) -> float:
     gpu = get_gpu(get_gpu_model(gpu_model).roofline_name)
     batch = dep.max_num_seqs
     context = dep.max_model_len / 2
-    kv_bytes_per_seq = spec.kv_bytes_per_token(roofline_dtype(dep.kv_cache_dtype)) * context
+    kv_bytes_per_seq = spec.kv_bytes_per_seq(context, roofline_dtype(dep.kv_cache_dtype))
     t_memory = (batch * kv_bytes_per_seq + spec.weight_bytes(roofline_dtype(dep.dtype))) / gpu.hbm_bytes_per_s
     compute_dtype = "fp8" if roofline_dtype(dep.dtype) == "fp8" else "bf16"
     t_compute = 2 * batch * spec.num_active_params / gpu.peak_flops(compute_dtype)
