@@ -18,6 +18,7 @@ CUDA only when STOKER_TIME_COLLECTIVES=1, since timing needs a synchronize aroun
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ class TensorParallelGroup:
         self.time_collectives = time_collectives
         self.is_cuda = device_group is not None and dist.get_backend(device_group) == "nccl"
         self.log = CollectiveLog()
+        # broadcast_object's tensors: the size (int64) and the last payload (bytes)
+        self._size = torch.zeros(1, dtype=torch.int64)
+        self._payload = torch.zeros(0, dtype=torch.uint8)
         # --enable-expert-parallel: the MoE layers deal their experts out over these same ranks
         # (EP = TP) instead of cutting each expert's I; set by the runner from the engine config
         # before the model is built, read by the MoE blocks (models/moe_block.moe_partitions).
@@ -97,12 +101,36 @@ class TensorParallelGroup:
 
     # ---------------------------------------------------------------- control (CPU group)
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled by torch: one size, one payload broadcast)."""
+        """Rank 0's `obj` on every rank: one size, one payload broadcast over the gloo group.
+
+        The two tensors are the group's own (`_size`, `_payload`), not temporaries as in
+        torch's broadcast_object_list, so `drain` can tell when gloo's worker threads have let
+        go of them: a worker drops its reference after the caller's wait returns, and dropping it
+        takes the GIL, which at interpreter exit aborts the process ("terminate called without
+        an active exception" in ~AsyncWork)."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            self._size[0] = len(data)
+            dist.broadcast(self._size, src=0, group=self.cpu_group)
+            self._payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(self._payload, src=0, group=self.cpu_group)
+            return obj
+        dist.broadcast(self._size, src=0, group=self.cpu_group)
+        self._payload = torch.empty(int(self._size[0]), dtype=torch.uint8)
+        dist.broadcast(self._payload, src=0, group=self.cpu_group)
+        return pickle.loads(self._payload.numpy().tobytes())
+
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Wait (GIL released) until gloo's worker threads hold no reference to the last message's
+        tensors; True if they let go within `timeout_s`. Called before the process may exit."""
+        deadline = time.monotonic() + timeout_s
+        while any(t._use_count() > 1 for t in (self._size, self._payload)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV blocks all ranks can hold)."""

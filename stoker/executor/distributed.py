@@ -183,6 +183,8 @@ class DistributedExecutor(Executor):
         if self.tp is not None and self._failure is None:
             try:
                 self.tp.broadcast_object(("shutdown", None))
+                if not self.tp.drain():
+                    logger.warning("gloo still held the shutdown message after 5 s; exiting may abort")
             except Exception:
                 logger.warning("could not tell the tensor-parallel workers to stop; stopping them", exc_info=True)
         for p in self.procs:
