@@ -19,6 +19,10 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
+    if str(model_dir).lower().endswith(".gguf"):  # the folder's HF tokenizer, else the file's own vocabulary
+        from stoker.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_dir)
     path = Path(model_dir)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise FileNotFoundError(

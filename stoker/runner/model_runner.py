@@ -113,6 +113,8 @@ class ModelRunner:
         from stoker.roofline.modelspec import spec_from_config
 
         rest = str(self.dtype).removeprefix("torch.")
+        if self.quant is not None and self.quant.source == "gguf":  # a type per tensor: no one-dtype formula
+            return f"{_size(self.weight_bytes_held())} held ({self.quant.description}; embeddings/norms {rest})"
         projections = self.quant.method if self.quant is not None else rest
         predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
