@@ -112,13 +112,17 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "hidden_act": "silu",
-        "torch_dtype": "float32",
     }
     if tokens is not None and len(tokens) != vocab:
         logger.info("GGUF %s: %d tokens in the vocabulary, %d embedding rows", path, len(tokens), vocab)
-    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
-        if (value := _meta(reader, key)) is not None:
-            cfg[hf_key] = int(value)
+    if (bos := _meta(reader, "tokenizer.ggml.bos_token_id")) is not None:
+        cfg["bos_token_id"] = int(bos)
+    # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at
+    # (Llama 3's <|eot_id|>, <|eom_id|>), as a generation_config.json lists them
+    eog = [int(v) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if (v := _meta(reader, f"tokenizer.ggml.{key}")) is not None]
+    if eog:
+        cfg["eos_token_id"] = list(dict.fromkeys(eog)) if len(set(eog)) > 1 else eog[0]
     if arch == "qwen2":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     cfg.update(_rope_scaling(get, path))
@@ -273,12 +277,10 @@ class GGUFTensors:
         return torch.from_numpy(np.array(t.data))  # (N, bytes per row) uint8, copied out of the read-only map
 
     def _float(self, t: Any) -> torch.Tensor:
-        kind = _type_name(t)
-        data = np.ascontiguousarray(t.data)
-        if kind == "BF16":  # GGUFReader gives BF16 rows as raw bytes
-            return torch.from_numpy(data).view(torch.int16).view(torch.bfloat16).reshape(
-                tuple(int(d) for d in reversed(t.shape.tolist())))
-        return torch.from_numpy(data.copy())
+        data = torch.from_numpy(np.array(t.data))  # copied out of the read-only map
+        if _type_name(t) == "BF16":  # GGUFReader gives BF16 rows as raw bytes: (N, 2 K) uint8
+            return data.view(torch.bfloat16).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        return data
 
     def _decode(self, t: Any, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         kind = _type_name(t)

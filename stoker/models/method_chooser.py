@@ -92,6 +92,7 @@ class LinearMethodChooser:
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
+                self.quant.weights_for(names)  # a config with a scheme per tensor (GGUF) says which types clash
                 raise QuantizationError(
                     f"the quantization config ignores {[n for n, i in zip(names, ignored) if i]} but not "
                     f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"

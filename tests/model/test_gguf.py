@@ -18,7 +18,7 @@ from stoker import LLM, SamplingParams
 from stoker.layers.embedding import LMHead
 from stoker.layers.linear import Linear
 from stoker.layers.quantized_method import QuantizedLinearMethod
-from stoker.models.gguf_names import permute_rows, unpermute_rows
+from stoker.models.gguf_names import hf_name, permute_rows, unpermute_rows
 from stoker.models.loader import read_hf_config
 from stoker.quantization import gguf_blocks
 from stoker.quantization.config import QuantizationError
@@ -35,9 +35,10 @@ CASES = {
     # v and down in Q6_K beside Q8_0 q/k and gate/up: the merged q/k/v runs at groups of 16
     "llama": ({}, {r"v_proj\.weight|down_proj": "Q6_K", r"proj\.weight|embed_tokens|lm_head": "Q8_0"}),
     # tied embeddings: the file has no output.weight, so the LM head is token_embd's Q8_0 blocks
-    "qwen2": (dict(tie_word_embeddings=True), {r"proj\.weight": "Q6_K", r"embed_tokens": "Q8_0"}),
-    # o_proj F16 (float beside quantized projections of other layers), norms F32
-    "qwen3": (dict(head_dim=32), {r"o_proj": "F16", r"proj\.weight|lm_head": "Q8_0", r"embed_tokens": "F16"}),
+    # (and o_proj BF16)
+    "qwen2": (dict(tie_word_embeddings=True), {r"o_proj": "BF16", r"proj\.weight": "Q6_K", r"embed_tokens": "Q8_0"}),
+    # o_proj F16 (float beside quantized projections of other layers), norms F32 and F16
+    "qwen3": (dict(head_dim=32), {r"o_proj": "F16", r"proj\.weight|lm_head": "Q8_0", r"embed_tokens|input_layernorm": "F16"}),
 }
 
 
@@ -129,6 +130,16 @@ def test_qk_permutation_round_trip() -> None:
     assert torch.equal(unpermute_rows(permute_rows(w, 4), 4), w)
 
 
+def test_tensor_names() -> None:
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="rope_freqs.weight"):  # Llama 3.1 rope as frequency factors
+        hf_name("rope_freqs.weight")
+    with pytest.raises(ValueError, match="blk.0.ssm_a"):
+        hf_name("blk.0.ssm_a")
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q4_1"])
 def test_unsupported_types_refused_by_name(kind: str, tiny_checkpoints, tmp_path) -> None:
     src = tiny_checkpoints("llama", **WIDE)
@@ -141,7 +152,7 @@ def test_float_beside_quantized_shard_refused(tiny_checkpoints, tmp_path) -> Non
     """q/k/v are one GEMM in Stoker: an F16 q beside Q8_0 k/v has no exact common method."""
     src = tiny_checkpoints("llama", **WIDE)
     path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.0\.self_attn\.q_proj": "F16", r"proj\.weight": "Q8_0"}, "llama")
-    with pytest.raises(QuantizationError, match=r"q_proj"):
+    with pytest.raises(QuantizationError, match=r"blk\.0\.attn_q\.weight \(F16\), blk\.0\.attn_k\.weight \(Q8_0\)"):
         LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
 
 
@@ -166,7 +177,7 @@ def test_tokenizer_and_chat_template_from_the_file(tiny_checkpoints, tmp_path) -
     tok, ref = load_tokenizer(path), load_tokenizer(src)
     for text in ["Hello world, a stoker feeds the furnace.", "  two spaces\nand lines", "<|eot_id|>x"]:
         assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
-    assert tok.eos_token_id == 4
+    assert tok.eos_token_id == 4 and read_hf_config(path)["eos_token_id"] == 4
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert chat == "[user] hi<|eot_id|>"
 
