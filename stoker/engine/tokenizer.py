@@ -1,4 +1,4 @@
-"""Tokenizer and generation defaults from a checkpoint folder (no network)."""
+"""Tokenizer and generation defaults from a checkpoint folder or a GGUF file (no network)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
-def load_tokenizer(model_dir: str | Path) -> Any:
-    if str(model_dir).lower().endswith(".gguf"):  # the folder's HF tokenizer, else the file's own vocabulary
-        from stoker.models.gguf_loader import load_gguf_tokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
-        return load_gguf_tokenizer(model_dir)
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    if str(model_dir).lower().endswith(".gguf"):
+        return _gguf_tokenizer(Path(model_dir))
     path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no tokenizer files in {path}: add tokenizer.json (or tokenizer.model / vocab.json + merges.txt) and tokenizer_config.json"
         )
@@ -32,6 +33,25 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF file's tokenizer: the Hugging Face one of its folder when it has one, else the
+    file's vocabulary (transformers converts it, offline); the chat template is the file's
+    `tokenizer.chat_template` where the tokenizer has none."""
+    from stoker.models.gguf_loader import chat_template
+
+    if any((path.parent / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = load_tokenizer(path.parent)
+    else:
+        with _LOAD_LOCK:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    template = chat_template(path)
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:

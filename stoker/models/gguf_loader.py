@@ -16,10 +16,8 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
     so the logits GEMM reads one byte per weight.
-Which tensor types run how, and what is refused, is quantization/gguf.py's. The tokenizer
-is the folder's Hugging Face one when it has one, else the file's vocabulary through
-transformers' GGUF tokenizer support; the chat template is the file's
-`tokenizer.chat_template` where the tokenizer has none.
+Which tensor types run how, and what is refused, is quantization/gguf.py's; the tokenizer,
+engine/tokenizer.py's.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from stoker.quantization import gguf_blocks
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -157,23 +154,9 @@ def _rope_scaling(get: Any, path: str | Path) -> dict[str, Any]:
     raise ValueError(f"GGUF rope scaling {kind!r} (factor {factor}) in {path} is not supported; linear and yarn are")
 
 
-def load_gguf_tokenizer(path: str | Path) -> Any:
-    """The folder's HF tokenizer if it has one, else the file's vocabulary (transformers'
-    GGUF tokenizer conversion, offline); the file's chat template where the tokenizer has none."""
-    from stoker.engine.tokenizer import _LOAD_LOCK, load_tokenizer
-
-    p = Path(path)
-    if any((p.parent / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = load_tokenizer(p.parent)
-    else:
-        with _LOAD_LOCK:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
-    template = _meta(_reader(p), "tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = template
-    return tokenizer
+def chat_template(path: str | Path) -> str | None:
+    """The file's `tokenizer.chat_template`, if it has one."""
+    return _meta(_reader(path), "tokenizer.chat_template")
 
 
 class _Slice:

@@ -142,10 +142,6 @@ def parse_checkpoint_config(qc: dict[str, Any]) -> QuantConfig:
         return _compressed_tensors(qc)
     if method == "fp8":
         return _fp8_checkpoint(qc)
-    if method == "gguf":  # synthesized by models/gguf_loader.py from a .gguf file's tensor types
-        from stoker.quantization.gguf import gguf_quant_config
-
-        return gguf_quant_config(qc)
     raise QuantizationError(
         f"quantization_config quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED_CHECKPOINTS)}"
     )

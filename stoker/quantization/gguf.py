@@ -16,7 +16,8 @@ int8 shards of different group sizes (Q8_0 beside Q6_K) run at the finer group (
 coarse scale repeated, which is exact; float beside quantized shards is refused, naming both.
 
 The loader (models/gguf_loader.py) writes what this needs into the synthesized config.json's
-`quantization_config`: {"quant_method": "gguf", "tensors": {hf module: [gguf tensor, type]}}.
+`quantization_config`: {"quant_method": "gguf", "tensors": {hf module: [gguf tensor, type]}};
+the runner reads it through `resolve` here rather than config.resolve.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ class GGUFQuantConfig(QuantConfig):
         for _, _, kind in self.tensors:
             counts[kind] = counts.get(kind, 0) + 1
         return "gguf (" + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())) + ")"
+
+
+def resolve(hf_config: dict[str, Any], quantization: str | None) -> QuantConfig | None:
+    """config.resolve for a GGUF file: its tensors' types (None when all are float); a
+    --quantization flag is refused, since the file is already in its types."""
+    if quantization is not None:
+        raise QuantizationError(f"--quantization {quantization}: a GGUF file is already quantized tensor by tensor; "
+                                "drop --quantization")
+    qc = hf_config.get("quantization_config")
+    return None if qc is None else gguf_quant_config(qc)
 
 
 def gguf_quant_config(qc: dict[str, Any]) -> QuantConfig:

@@ -204,3 +204,8 @@ def test_stoker_serve_takes_a_gguf_file(gguf_files) -> None:
         live.stop()
     with pytest.raises(FileNotFoundError, match="no such GGUF file"):
         build_app(build_parser().parse_args(["serve", str(path.parent / "missing.gguf")]))
+
+
+def test_quantization_flag_refused(gguf_files) -> None:
+    with pytest.raises(QuantizationError, match="GGUF file is already quantized"):
+        LLM(str(gguf_files("llama")[0]), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu", quantization="int8")
