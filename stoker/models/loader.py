@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory: config.json + safetensors (single or sharded).
+"""Load a Hugging Face checkpoint directory: config.json + safetensors (single or sharded), or a
+GGUF file (models/gguf_loader.py: its config synthesized, its tensors read under HF names).
 
 Every tensor in the checkpoint must land in a parameter of the right shape and every
 parameter must be filled; anything else is an error that names the tensor.
