@@ -119,6 +119,18 @@ def test_q6_k_writer_round_trips() -> None:
     assert (np.abs(deq - w).reshape(8, -1, 16) <= 0.6 * step + 1e-7).all()
 
 
+def test_llama_file_reads_the_same_in_transformers(gguf_files) -> None:
+    """transformers' own GGUF loader (its reverse of llama.cpp's q/k permutation, written
+    against llama.cpp's files) reads the test's llama file as the dequantized checkpoint: the
+    writer lays rows out as llama.cpp does, not merely as Stoker's loader expects."""
+    import transformers
+
+    path, deq = gguf_files("llama")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = PROMPTS[0]
+    torch.testing.assert_close(hf_logits(theirs.eval(), ids), hf_logits(load_hf(deq), ids), rtol=0, atol=1e-5)
+
+
 def test_qk_permutation_round_trip() -> None:
     """llama.cpp interleaves each head's rotary halves: rows [a0 a1 b0 b1] of a head_dim-4 head
     become [a0 b0 a1 b1]; unpermute_rows undoes it for weights and per-row scales alike."""
