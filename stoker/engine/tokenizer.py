@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import threading
@@ -44,14 +46,23 @@ def _gguf_tokenizer(path: Path) -> Any:
     if any((path.parent / f).is_file() for f in _TOKENIZER_FILES):
         tokenizer = load_tokenizer(path.parent)
     else:
-        with _LOAD_LOCK:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        stat = path.stat()
+        # A copy per caller (the server holds one per thread); the conversion, which re-reads
+        # the file's whole metadata, runs once per file
+        tokenizer = copy.deepcopy(_gguf_vocab_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
     template = chat_template(path)
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     return tokenizer
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_vocab_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:

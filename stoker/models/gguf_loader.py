@@ -22,6 +22,7 @@ engine/tokenizer.py's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,22 @@ def is_gguf_file(path: str | Path) -> bool:
 
 
 def _reader(path: str | Path) -> Any:
-    from gguf import GGUFReader
-
+    """The file's GGUFReader, one per file and version in the process: gguf-py parses every
+    metadata array element by element when it opens a file, which for a 150k-token vocabulary
+    and its merges takes seconds (tens of seconds on a busy machine); the config, the weights
+    and the chat template all read the same one. Tensor data stays memory-mapped."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
-    return GGUFReader(str(p))
+    stat = p.stat()
+    return _open_reader(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def _meta(reader: Any, key: str, default: Any = None) -> Any:

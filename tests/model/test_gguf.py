@@ -221,3 +221,15 @@ def test_stoker_serve_takes_a_gguf_file(gguf_files) -> None:
 def test_quantization_flag_refused(gguf_files) -> None:
     with pytest.raises(QuantizationError, match="GGUF file is already quantized"):
         LLM(str(gguf_files("llama")[0]), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu", quantization="int8")
+
+
+def test_vocab_tokenizer_converted_once_and_copied(tiny_checkpoints, tmp_path) -> None:
+    """Each caller (the server loads one per thread) gets its own tokenizer; the conversion from
+    the file's metadata runs once."""
+    from stoker.engine import tokenizer as tokenizers
+
+    path = write_gguf(tiny_checkpoints("llama", **WIDE), tmp_path / "m.gguf", {r"proj\.weight": "Q8_0"}, "llama")
+    before = tokenizers._gguf_vocab_tokenizer.cache_info().misses
+    a, b = tokenizers.load_tokenizer(path), tokenizers.load_tokenizer(path)
+    assert a is not b and a.encode("a stoker") == b.encode("a stoker")
+    assert tokenizers._gguf_vocab_tokenizer.cache_info().misses == before + 1
