@@ -233,3 +233,15 @@ def test_vocab_tokenizer_converted_once_and_copied(tiny_checkpoints, tmp_path) -
     a, b = tokenizers.load_tokenizer(path), tokenizers.load_tokenizer(path)
     assert a is not b and a.encode("a stoker") == b.encode("a stoker")
     assert tokenizers._gguf_vocab_tokenizer.cache_info().misses == before + 1
+
+
+def test_float_file_with_tied_embeddings(tiny_checkpoints, tmp_path) -> None:
+    """An F16 file (no quantized tensor: no quantization config) with the output tied to token_embd."""
+    src = tiny_checkpoints("qwen2", tie_word_embeddings=True)
+    (tmp_path / "f").mkdir()
+    path = write_gguf(src, tmp_path / "f" / "m.gguf", {r"weight": "F16"}, "qwen2", dequantized_dst=tmp_path / "deq")
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20, device="cpu")
+    runner = llm.engine.executor.driver_runner
+    assert runner.quant is None and runner.model.config["tie_word_embeddings"] is True
+    ids = PROMPTS[1]
+    torch.testing.assert_close(engine_logits(llm, ids), hf_logits(load_hf(tmp_path / "deq"), ids), rtol=1e-4, atol=1e-4)
