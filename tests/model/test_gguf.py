@@ -245,3 +245,18 @@ def test_float_file_with_tied_embeddings(tiny_checkpoints, tmp_path) -> None:
     assert runner.quant is None and runner.model.config["tie_word_embeddings"] is True
     ids = PROMPTS[1]
     torch.testing.assert_close(engine_logits(llm, ids), hf_logits(load_hf(tmp_path / "deq"), ids), rtol=1e-4, atol=1e-4)
+
+
+def test_mistral_written_as_llama(tiny_checkpoints, tmp_path) -> None:
+    """llama.cpp's converter writes Mistral as the llama architecture (q/k permuted): it runs as
+    Llama and matches HF's Mistral on the dequantized weights."""
+    src = tiny_checkpoints("mistral")
+    (tmp_path / "f").mkdir()
+    path = write_gguf(src, tmp_path / "f" / "m.gguf", {r"proj\.weight|lm_head|embed": "Q8_0"}, "llama",
+                      dequantized_dst=tmp_path / "deq")
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20, device="cpu")
+    assert llm.engine.hf_config["architectures"] == ["LlamaForCausalLM"]
+    hf = load_hf(tmp_path / "deq")
+    assert type(hf).__name__ == "MistralForCausalLM"
+    for ids in PROMPTS:
+        torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
