@@ -110,6 +110,20 @@ def test_block_decoders_equal_gguf_dequantize(kind: str) -> None:
         assert int(q.max()) <= (31 if kind == "Q5_K" else 15)
 
 
+def test_q6_k_groups_of_16_through_the_gpu_kernel() -> None:
+    """On CUDA a Q6_K projection runs the Triton weight-only GEMM at group_k 16 (its smallest
+    tile): interpreted here, against the twin, on decoded Q6_K blocks."""
+    pytest.importorskip("triton")
+    from stoker.kernels import reference
+    from stoker.kernels.w8_linear import w8_linear
+
+    w = np.random.default_rng(3).normal(0, 0.1, size=(70, 512)).astype(np.float32)
+    q, scale = gguf_blocks.q6_k(torch.from_numpy(quantize_q6_k(w)))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    out, ref = w8_linear(x, q, scale, 16, None), reference.w8_linear(x, q, scale, 16, None)
+    assert float((out - ref).norm() / ref.norm()) < 1e-6
+
+
 def test_q6_k_writer_round_trips() -> None:
     """The test's Q6_K blocks are what ggml reads: gguf's dequantize gives back the weights to
     within half a step of each sub-block."""
