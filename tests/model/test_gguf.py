@@ -274,3 +274,21 @@ def test_mistral_written_as_llama(tiny_checkpoints, tmp_path) -> None:
     assert type(hf).__name__ == "MistralForCausalLM"
     for ids in PROMPTS:
         torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_models_yaml_takes_a_gguf_path(gguf_files, tmp_path) -> None:
+    """`stoker serve --config models.yaml` with a .gguf path: a generative model; under pooling, refused."""
+    from stoker.server.repository.model_config import ConfigError, load_serve_config
+
+    path = gguf_files("llama")[0]
+    good = tmp_path / "models.yaml"
+    good.write_text(f"generate:\n  path: {path}\n  served_model_name: tiny-gguf\n")
+    assert load_serve_config(good).generate.path == str(path)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(f"generate:\n  path: {path.parent / 'nope.gguf'}\n")
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        load_serve_config(missing)
+    pooling = tmp_path / "pooling.yaml"
+    pooling.write_text(f"pooling:\n  - path: {path}\n")
+    with pytest.raises(ConfigError, match="is a generate model"):
+        load_serve_config(pooling)
