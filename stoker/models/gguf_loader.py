@@ -12,6 +12,7 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
     scales of a merged projection's coarser shard repeated to its finer group;
   * q/k rows of llama-architecture files put back in HF's order (llama.cpp's converter
     interleaves each head's rotary halves, models/gguf_names.py);
+  * `rope_freqs.weight` (Llama 3.1's rope scaling) read into the config (models/gguf_rope.py);
   * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from stoker.models import gguf_names
+from stoker.models.gguf_rope import llama3_rope_scaling
 from stoker.quantization import gguf as gguf_types
 from stoker.quantization import gguf_blocks
 
@@ -98,8 +100,9 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"GGUF {arch}.rope.dimension_count {get('rope.dimension_count')} is a partial rotary "
                          f"dimension (head_dim {head_dim}); Stoker's {arch} model rotates the whole head")
     tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.pop(gguf_names.ROPE_FREQS, None)
     for name, t in tensors.items():
-        gguf_names.hf_name(name)  # refuses a tensor the model has no place for (rope_freqs among them)
+        gguf_names.hf_name(name)  # refuses a tensor the model has no place for
         gguf_types.check_type(name, _type_name(t))
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
@@ -134,6 +137,13 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     if arch == "qwen2":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     cfg.update(_rope_scaling(get, path))
+    if rope_freqs is not None:
+        if "rope_scaling" in cfg:
+            raise ValueError(f"GGUF file {path} has both {arch}.rope.scaling.type and rope_freqs.weight; Stoker takes one")
+        if _type_name(rope_freqs) != "F32":
+            raise ValueError(f"GGUF tensor rope_freqs.weight is {_type_name(rope_freqs)}; the converter writes F32")
+        cfg["rope_scaling"] = llama3_rope_scaling(np.array(rope_freqs.data), cfg["rope_theta"], head_dim,
+                                                  get("rope.scaling.original_context_length"))
     # Weight types, per HF module, for quantization/gguf.py
     types: dict[str, list[str]] = {}
     for name, t in tensors.items():
@@ -199,6 +209,8 @@ class GGUFTensors:
         # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
         self.entries: dict[str, tuple[Any, str]] = {}
         for t in self.reader.tensors:
+            if t.name == gguf_names.ROPE_FREQS:  # read into the config's rope_scaling (read_gguf_config)
+                continue
             hf = gguf_names.hf_name(t.name)
             module = hf.rpartition(".")[0]
             if t.name == "token_embd.weight":

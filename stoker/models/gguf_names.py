@@ -28,6 +28,8 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Not weights: Llama 3's rope scaling as per-dimension frequency factors (models/gguf_rope.py)
+ROPE_FREQS = "rope_freqs.weight"
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
 
@@ -41,10 +43,6 @@ def hf_name(name: str) -> str:
     m = _GLOBAL_NAME.fullmatch(name)
     if m and m.group(1) in _GLOBAL:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
-    if name == "rope_freqs.weight":
-        raise ValueError("GGUF tensor rope_freqs.weight (Llama 3.1-style rope scaling stored as per-dimension "
-                         "frequency factors) is not supported; serve the Hugging Face checkpoint, whose config.json "
-                         "carries rope_scaling")
     raise ValueError(f"GGUF tensor {name!r} has no counterpart in Stoker's llama / qwen2 / qwen3 models")
 
 

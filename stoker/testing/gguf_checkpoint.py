@@ -128,6 +128,10 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
             n = heads if ".q_proj." in name else kv_heads
             data = permute_rows(torch.from_numpy(np.ascontiguousarray(data)), n).numpy()
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[kind])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":  # as LlamaModel.generate_extra_tensors
+        base = float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(base, head_dim, rope, cfg).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -137,3 +141,24 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
         save_file({k: v.contiguous() for k, v in dequantized.items()}, str(dequantized_dst / "model.safetensors"),
                   metadata={"format": "pt"})
     return dst
+
+
+def _llama3_factors(base: float, head_dim: int, rope: dict, cfg: dict) -> torch.Tensor:
+    """The converter's rope_freqs, in its float32 arithmetic; its original length is the
+    config's top-level original_max_position_embeddings, else 8192 (not rope_scaling's)."""
+    import math
+
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = cfg.get("original_max_position_embeddings", 8192)
+    values = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            values.append(1.0)
+        elif wavelen > original / low:
+            values.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            values.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return torch.tensor(values, dtype=torch.float32)

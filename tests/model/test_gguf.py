@@ -160,8 +160,6 @@ def test_tensor_names() -> None:
     assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert hf_name("output.weight") == "lm_head.weight"
-    with pytest.raises(ValueError, match="rope_freqs.weight"):  # Llama 3.1 rope as frequency factors
-        hf_name("rope_freqs.weight")
     with pytest.raises(ValueError, match="blk.0.ssm_a"):
         hf_name("blk.0.ssm_a")
 
@@ -292,3 +290,34 @@ def test_models_yaml_takes_a_gguf_path(gguf_files, tmp_path) -> None:
     pooling.write_text(f"pooling:\n  - path: {path}\n")
     with pytest.raises(ConfigError, match="is a generate model"):
         load_serve_config(pooling)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tiny_checkpoints, tmp_path) -> None:
+    """A Llama 3.1-style file carries its rope scaling only as rope_freqs.weight (head_dim / 2
+    factors): the parameters come back exactly (head_dim 64, base 1e4: four dimensions between
+    the two wavelength bounds) and the model matches HF with the original config."""
+    src = tiny_checkpoints("llama", **WIDE, rope_parameters=LLAMA3_ROPE)
+    (tmp_path / "f").mkdir()
+    path = write_gguf(src, tmp_path / "f" / "m.gguf", {r"proj\.weight|lm_head|embed": "Q8_0"}, "llama",
+                      dequantized_dst=tmp_path / "deq")
+    cfg = read_hf_config(path)
+    assert cfg["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=8 << 20, device="cpu")
+    hf = load_hf(tmp_path / "deq")
+    ids = [0] + list(range(7, 200))  # long enough for the scaled low frequencies to count
+    torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_freqs_that_match_no_llama3_scaling_refused() -> None:
+    from stoker.models.gguf_rope import llama3_rope_scaling, rope_factors
+
+    good = rope_factors(10000.0, 64, 8.0, 1.0, 4.0, 8192)
+    assert llama3_rope_scaling(good, 10000.0, 64, None)["factor"] == 8.0
+    bad = good.copy()
+    bad[0] = 1.5  # a high-frequency dimension scaled: no llama3 parameters give it
+    with pytest.raises(ValueError, match="rope_freqs.weight matches no Llama 3 rope scaling"):
+        llama3_rope_scaling(bad, 10000.0, 64, None)
