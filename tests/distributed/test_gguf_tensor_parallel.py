@@ -12,7 +12,7 @@ from stoker.testing.tiny_checkpoint import copy_demo_tokenizer
 from tests.distributed.test_tensor_parallel import engine, run
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-WIDE = dict(hidden_size=256, intermediate_size=512)
+WIDE = dict(hidden_size=256, intermediate_size=256)
 
 
 # Llama (q/k permuted in the file), v and down in Q6_K beside Q8_0 (merged q/k/v at groups of 16),

@@ -27,7 +27,7 @@ from stoker.testing.tiny_checkpoint import copy_demo_tokenizer
 from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
 
 # K-quants need rows of whole 256-value super-blocks: hidden and intermediate multiples of 256.
-WIDE = dict(hidden_size=256, intermediate_size=512)
+WIDE = dict(hidden_size=256, intermediate_size=256)
 PROMPTS = [[0] + list(range(7, 70)), [0, 99, 5, 17, 256, 800, 3]]
 # Per family: config overrides and the type of each tensor (regex over HF names, first match;
 # unmatched tensors are F32), mixed as Q4_K_M / Q8_0 files mix them.
@@ -184,7 +184,7 @@ def test_config_from_metadata(gguf_files) -> None:
     cfg = read_hf_config(gguf_files("qwen3")[0])
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (256, 2, 4, 2, 32, 512, 1024)
+            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (256, 2, 4, 2, 32, 256, 1024)
     assert cfg["rms_norm_eps"] == pytest.approx(1e-6) and cfg["max_position_embeddings"] == 1024
     assert cfg["tie_word_embeddings"] is False and cfg["eos_token_id"] == 4
     assert read_hf_config(gguf_files("qwen2")[0])["quantization_config"]["tensors"]["lm_head"] == ["token_embd.weight", "Q8_0"]
