@@ -1,7 +1,9 @@
-"""Tokenizer and generation defaults from a checkpoint folder (no network)."""
+"""Tokenizer and generation defaults from a checkpoint folder or a GGUF file (no network)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import threading
@@ -18,9 +20,14 @@ logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
+    if str(model_dir).lower().endswith(".gguf"):
+        return _gguf_tokenizer(Path(model_dir))
     path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no tokenizer files in {path}: add tokenizer.json (or tokenizer.model / vocab.json + merges.txt) and tokenizer_config.json"
         )
@@ -28,6 +35,34 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF file's tokenizer: the Hugging Face one of its folder when it has one, else the
+    file's vocabulary (transformers converts it, offline); the chat template is the file's
+    `tokenizer.chat_template` where the tokenizer has none."""
+    from stoker.models.gguf_loader import chat_template
+
+    if any((path.parent / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = load_tokenizer(path.parent)
+    else:
+        stat = path.stat()
+        # A copy per caller (the server holds one per thread); the conversion, which re-reads
+        # the file's whole metadata, runs once per file
+        tokenizer = copy.deepcopy(_gguf_vocab_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+    template = chat_template(path)
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_vocab_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:

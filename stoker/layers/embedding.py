@@ -57,8 +57,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(Linear):
-    """(num_sampled, hidden) -> (num_sampled, vocab). Never quantized (vLLM and the FP8/INT8
-    checkpoints keep it in the model dtype); tied to the embedding when the config says so,
+    """(num_sampled, hidden) -> (num_sampled, vocab). Not quantized (vLLM and the FP8/INT8
+    checkpoints keep it in the model dtype) except from a GGUF file, whose output tensor is; tied to the embedding when the config says so,
     which its method (TiedMethod) honours: both hold the same vocabulary rows on each rank."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory: config.json + safetensors (single or sharded).
+"""Load a Hugging Face checkpoint directory: config.json + safetensors (single or sharded), or a
+GGUF file (models/gguf_loader.py: its config synthesized, its tensors read under HF names).
 
 Every tensor in the checkpoint must land in a parameter of the right shape and every
 parameter must be filled; anything else is an error that names the tensor.
@@ -26,6 +27,7 @@ from stoker.layers.linear import Linear
 from stoker.layers.moe import FusedMoE
 from stoker.layers.rotary import rope_parameters
 from stoker.models import moe_loading
+from stoker.models.gguf_loader import GGUFTensors, is_gguf_file, read_gguf_config
 from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
 from stoker.quantization.config import QuantConfig, QuantizationError
@@ -37,6 +39,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    if is_gguf_file(model_dir):  # a llama.cpp file: its config.json synthesized from the metadata
+        cfg = read_gguf_config(model_dir)
+        rope_parameters(cfg)
+        return cfg
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a Hugging Face checkpoint folder")
@@ -124,8 +130,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     # A family's tensors it does not run (GLM-4.5's multi-token-prediction layer)
     skip: Callable[[str], bool] = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     filled: set[str] = set()
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    for file in [Path(model_dir)] if is_gguf_file(model_dir) else safetensors_files(model_dir):
+        with GGUFTensors(file, model) if is_gguf_file(file) else safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or skip(name):
                     continue

@@ -3,7 +3,8 @@
 `LinearMethodChooser(name, layer)` is called by `models/loader.build_with_methods` for every
 projection, before its parameters exist:
 
-  * the LM head: tied to the embedding (TiedMethod), else float like the rest;
+  * the LM head: tied to the embedding (TiedMethod), else float, unless the config quantizes it
+    (a GGUF file's quantized output tensor);
   * a MoE router (float32 whatever the model dtype) and Qwen2-MoE's shared_expert_gate: float,
     never quantized;
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
@@ -81,7 +82,8 @@ class LinearMethodChooser:
         if isinstance(layer, LMHead):
             if layer.tied_embedding is not None:
                 return TiedMethod(layer.tied_embedding.weight)
-            return self._float(name, layer)
+            if self.quant is None or not self.quant.quantizes_lm_head:
+                return self._float(name, layer)
         if isinstance(layer, RouterLinear):
             return self._float(name, layer)  # a discrete choice: never quantized, always float32
         if name.endswith(".shared_expert_gate"):
@@ -90,6 +92,7 @@ class LinearMethodChooser:
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
+                self.quant.weights_for(names)  # a config with a scheme per tensor (GGUF) says which types clash
                 raise QuantizationError(
                     f"the quantization config ignores {[n for n, i in zip(names, ignored) if i]} but not "
                     f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"
@@ -97,14 +100,15 @@ class LinearMethodChooser:
             if not all(ignored):
                 from stoker.layers.quantized_method import QuantizedLinearMethod
 
-                backend = quantized_backend(self.quant.weights, self.device, self.dtype)
-                if self.quant.weights.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
+                scheme = self.quant.weights_for(names)  # one per checkpoint; per tensor in a GGUF file
+                backend = quantized_backend(scheme, self.device, self.dtype)
+                if scheme.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
                     # Not dropped silently: the activations stay in the model dtype, which only
                     # removes a rounding the scheme allowed (W8A16 instead of W8A8).
                     logger.info("the %s scheme quantizes activations too; on %s (%s) Stoker runs it weight-only, "
                                 "activations in %s", self.quant.method, self.device, backend, str(self.dtype).removeprefix("torch."))
                     self.weight_only_said = True
-                return QuantizedLinearMethod(self.quant.weights, self.quant.online, backend, self._fuse_silu(name, layer, backend))
+                return QuantizedLinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend))
         return self._float(name, layer)
 
     def _float(self, name: str, layer: Linear) -> LinearMethod:

@@ -88,6 +88,17 @@ class QuantConfig:
         detail = w.strategy + (f" {w.group_size}" if w.group_size else "") + (f" {w.block[0]}x{w.block[1]}" if w.block else "")
         return f"{self.method} ({self.source}, per-{detail} scales)"
 
+    def weights_for(self, module_names: list[str]) -> WeightScheme:
+        """The scheme of one projection, given its checkpoint modules (a merged projection's
+        shards): the checkpoint's one scheme here; a GGUF file's differs per tensor
+        (quantization/gguf.py)."""
+        return self.weights
+
+    @property
+    def quantizes_lm_head(self) -> bool:
+        """Whether the LM head is quantized too (only a GGUF file's can be)."""
+        return False
+
     def is_ignored(self, module_name: str) -> bool:
         """True if the checkpoint module `module_name` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
         for pattern in self.ignore:

@@ -22,6 +22,7 @@ from stoker.layers.moe import FusedMoE
 from stoker.kernels._common import FP8_KV_DTYPE
 from stoker.models.loader import build_model, load_weights
 from stoker.quantization import config as quant_config
+from stoker.quantization import gguf as gguf_quant
 from stoker.runner.lora import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
@@ -59,7 +60,10 @@ class ModelRunner:
         max_position = max(max_model_len, hf_config.get("max_position_embeddings", max_model_len))
         # Quantization is decided once, before any parameter exists (an unsupported scheme is
         # refused here, before a tensor is read); each projection's method follows from it.
-        self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
+        if hf_config.get("gguf_architecture"):  # a GGUF file: a scheme per tensor type (quantization/gguf.py)
+            self.quant = gguf_quant.resolve(hf_config, config.model_config.quantization)
+        else:
+            self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
         lora = config.lora_config
@@ -113,6 +117,8 @@ class ModelRunner:
         from stoker.roofline.modelspec import spec_from_config
 
         rest = str(self.dtype).removeprefix("torch.")
+        if self.quant is not None and self.quant.source == "gguf":  # a type per tensor: no one-dtype formula
+            return f"{_size(self.weight_bytes_held())} held ({self.quant.description}; embeddings/norms {rest})"
         projections = self.quant.method if self.quant is not None else rest
         predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()

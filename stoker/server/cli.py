@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "With no MODEL_DIR, a small random-weight demo model is made and served.",
     )
     p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="checkpoint folder (config.json + *.safetensors + tokenizer); default: the built-in demo model")
+                   help="checkpoint folder (config.json + *.safetensors + tokenizer) or a .gguf file; default: the "
+                        "built-in demo model")
     add_engine_args(p, model_required=False)
     s = p.add_argument_group("server")
     s.add_argument("--config", default=None, metavar="models.yaml|REPOSITORY",
@@ -185,8 +186,12 @@ def build_app(args: argparse.Namespace, on_fatal: Any = None) -> tuple[Any, Any]
         default_name = DEMO_NAME
     else:
         model_path = args.model_dir
-        if not (Path(model_path) / "config.json").is_file():
-            raise FileNotFoundError(f"{model_path}: no config.json; MODEL_DIR must be a Hugging Face checkpoint folder")
+        if model_path.lower().endswith(".gguf"):  # a llama.cpp file (models/gguf_loader.py)
+            if not Path(model_path).is_file():
+                raise FileNotFoundError(f"{model_path}: no such GGUF file")
+        elif not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"{model_path}: no config.json; MODEL_DIR must be a Hugging Face checkpoint folder "
+                                    "or a .gguf file")
         default_name = model_path
     if models_config is None:
         kwargs = _llm_kwargs(args)

@@ -142,8 +142,11 @@ def _entry(where: str, entry: Any, kind: str, actions: dict[str, argparse.Action
     path = Path(path_value).expanduser()
     if not path.is_absolute():
         path = base / path  # relative to the config file
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{label}: path: {path}: no config.json; give a Hugging Face checkpoint folder")
+    if path.suffix.lower() == ".gguf":  # a llama.cpp file (models/gguf_loader.py): a generative model
+        if not path.is_file():
+            raise ConfigError(f"{label}: path: {path}: no such GGUF file")
+    elif not (path / "config.json").is_file():
+        raise ConfigError(f"{label}: path: {path}: no config.json; give a Hugging Face checkpoint folder or a .gguf file")
     runner = entry.get("runner", "auto")
     if runner not in ("auto", kind):
         raise ConfigError(f"{label}: runner: must be auto or {kind} in the {where.split('[')[0]} section, got {runner!r}")

@@ -1,0 +1,297 @@
+"""Load a GGUF file (llama.cpp's format) as Stoker loads a Hugging Face folder.
+
+`read_gguf_config(path)` synthesizes the config.json fields Stoker's models read from the
+file's metadata ({arch}.embedding_length, .block_count, .attention.head_count, ...), for the
+architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2 and qwen3;
+`GGUFTensors` gives the file's tensors under HF names, as safetensors' `safe_open` does, so
+`models/loader.load_weights` reads it like any checkpoint:
+
+  * float tensors (F32, F16, BF16) as they are;
+  * 8-bit blocks (Q8_0, Q6_K) decoded exactly (quantization/gguf_blocks.py) into `weight`
+    (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint tensors, the
+    scales of a merged projection's coarser shard repeated to its finer group;
+  * q/k rows of llama-architecture files put back in HF's order (llama.cpp's converter
+    interleaves each head's rotary halves, models/gguf_names.py);
+  * `rope_freqs.weight` (Llama 3.1's rope scaling) read into the config (models/gguf_rope.py);
+  * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
+    token); when the file ties the output to a quantized token_embd, the LM head gets
+    token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
+    so the logits GEMM reads one byte per weight.
+Which tensor types run how, and what is refused, is quantization/gguf.py's; the tokenizer,
+engine/tokenizer.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stoker.models import gguf_names
+from stoker.models.gguf_rope import llama3_rope_scaling
+from stoker.quantization import gguf as gguf_types
+from stoker.quantization import gguf_blocks
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def _reader(path: str | Path) -> Any:
+    """The file's GGUFReader, one per file and version in the process: gguf-py parses every
+    metadata array element by element when it opens a file, which for a 150k-token vocabulary
+    and its merges takes seconds (tens of seconds on a busy machine); the config, the weights
+    and the chat template all read the same one. Tensor data stays memory-mapped."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
+    stat = p.stat()
+    return _open_reader(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _meta(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _type_name(tensor: Any) -> str:
+    return tensor.tensor_type.name
+
+
+def read_gguf_config(path: str | Path) -> dict[str, Any]:
+    """The HF config.json a GGUF file stands for; refuses an architecture, a tensor type or a
+    rope scheme Stoker cannot run, naming it, before any weight is read."""
+    reader = _reader(path)
+    arch = _meta(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} ({path}) is not supported; supported: {', '.join(ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = _meta(reader, f"{arch}.{key}", default)
+        if required and value is None:
+            raise ValueError(f"GGUF file {path} has no {arch}.{key}, which the model needs")
+        if isinstance(value, list):  # per-layer values (some files give head counts per layer)
+            if len(set(value)) != 1:
+                raise ValueError(f"GGUF {arch}.{key} differs between layers ({value[:4]} ...); Stoker needs one value")
+            value = value[0]
+        return value
+
+    hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length {head_dim}; Stoker needs them equal")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count {get('rope.dimension_count')} is a partial rotary "
+                         f"dimension (head_dim {head_dim}); Stoker's {arch} model rotates the whole head")
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.pop(gguf_names.ROPE_FREQS, None)
+    for name, t in tensors.items():
+        gguf_names.hf_name(name)  # refuses a tensor the model has no place for
+        gguf_types.check_type(name, _type_name(t))
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ValueError(f"GGUF file {path} has no token_embd.weight")
+    vocab = int(get("vocab_size", None) or int(embd.shape[1]))
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "vocab_size": vocab,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+    }
+    if tokens is not None and len(tokens) != vocab:
+        logger.info("GGUF %s: %d tokens in the vocabulary, %d embedding rows", path, len(tokens), vocab)
+    if (bos := _meta(reader, "tokenizer.ggml.bos_token_id")) is not None:
+        cfg["bos_token_id"] = int(bos)
+    # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at
+    # (Llama 3's <|eot_id|>, <|eom_id|>), as a generation_config.json lists them
+    eog = [int(v) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if (v := _meta(reader, f"tokenizer.ggml.{key}")) is not None]
+    if eog:
+        cfg["eos_token_id"] = list(dict.fromkeys(eog)) if len(set(eog)) > 1 else eog[0]
+    if arch == "qwen2":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    cfg.update(_rope_scaling(get, path))
+    if rope_freqs is not None:
+        if "rope_scaling" in cfg:
+            raise ValueError(f"GGUF file {path} has both {arch}.rope.scaling.type and rope_freqs.weight; Stoker takes one")
+        if _type_name(rope_freqs) != "F32":
+            raise ValueError(f"GGUF tensor rope_freqs.weight is {_type_name(rope_freqs)}; the converter writes F32")
+        cfg["rope_scaling"] = llama3_rope_scaling(np.array(rope_freqs.data), cfg["rope_theta"], head_dim,
+                                                  get("rope.scaling.original_context_length"))
+    # Weight types, per HF module, for quantization/gguf.py
+    types: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        if len(t.shape) == 2 and name != "token_embd.weight":
+            types[gguf_names.hf_name(name).rpartition(".")[0]] = [name, _type_name(t)]
+    embd_type = _type_name(embd)
+    tied = "output.weight" not in tensors
+    if tied and embd_type not in gguf_types.FLOAT_TYPES:
+        types["lm_head"] = ["token_embd.weight", embd_type]  # its own int8 projection, see the module docstring
+        tied = False
+    cfg["tie_word_embeddings"] = tied
+    if any(kind not in gguf_types.FLOAT_TYPES for _, kind in types.values()):
+        cfg["quantization_config"] = {"quant_method": "gguf", "tensors": types}
+    cfg["gguf_architecture"] = arch
+    return cfg
+
+
+def _rope_scaling(get: Any, path: str | Path) -> dict[str, Any]:
+    kind = get("rope.scaling.type", "none")
+    if kind in (None, "none"):
+        return {}
+    factor = get("rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
+    if kind == "yarn" and factor:
+        orig = get("rope.scaling.original_context_length")
+        return {"rope_scaling": {"rope_type": "yarn", "factor": float(factor),
+                                 **({"original_max_position_embeddings": int(orig)} if orig else {})}}
+    raise ValueError(f"GGUF rope scaling {kind!r} (factor {factor}) in {path} is not supported; linear and yarn are")
+
+
+def chat_template(path: str | Path) -> str | None:
+    """The file's `tokenizer.chat_template`, if it has one."""
+    return _meta(_reader(path), "tokenizer.chat_template")
+
+
+class _Slice:
+    """safetensors' get_slice: the shape without the data, and a part of it."""
+
+    def __init__(self, owner: GGUFTensors, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.owner.shape(self.name))
+
+    def __getitem__(self, part: Any) -> torch.Tensor:
+        return self.owner.get_tensor(self.name)[part]
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under HF names, through safetensors' `safe_open` interface
+    (keys, get_tensor, get_slice), decoded for the methods `model` was built with."""
+
+    def __init__(self, path: str | Path, model: torch.nn.Module) -> None:
+        self.path = str(path)
+        self.reader = _reader(path)
+        config = model.config
+        self.arch = config.get("gguf_architecture") or _meta(self.reader, "general.architecture")
+        self.heads, self.kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+        qc = config.get("quantization_config") or {}
+        self.types: dict[str, list[str]] = qc.get("tensors", {})
+        self.groups = self._groups(model)
+        # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
+        self.entries: dict[str, tuple[Any, str]] = {}
+        for t in self.reader.tensors:
+            if t.name == gguf_names.ROPE_FREQS:  # read into the config's rope_scaling (read_gguf_config)
+                continue
+            hf = gguf_names.hf_name(t.name)
+            module = hf.rpartition(".")[0]
+            if t.name == "token_embd.weight":
+                self.entries[hf] = (t, "float" if _type_name(t) in gguf_types.FLOAT_TYPES else "dequant")
+                if "lm_head" in self.types and self.types["lm_head"][0] == t.name:
+                    self.entries["lm_head.weight"], self.entries["lm_head.weight_scale"] = (t, "q"), (t, "scale")
+            elif _type_name(t) in gguf_types.FLOAT_TYPES:
+                self.entries[hf] = (t, "float")
+            else:
+                self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
+        self._decoded: dict[str, tuple[torch.Tensor, torch.Tensor, set[str]]] = {}
+
+    def _groups(self, model: torch.nn.Module) -> dict[str, int]:
+        """HF module -> the scale group its projection runs at: its own type's, or for a shard
+        of a merged projection the finest of its siblings' (quantization/gguf.py)."""
+        siblings: dict[str, list[str]] = {}
+        for leaf, (merged, _) in getattr(model, "packed_modules", {}).items():
+            siblings.setdefault(merged, []).append(leaf)
+        groups: dict[str, int] = {}
+        for module, (_, kind) in self.types.items():
+            if kind not in gguf_types.INT8_GROUPS:
+                continue
+            parent, _, leaf = module.rpartition(".")
+            merged = next((m for m, leaves in siblings.items() if leaf in leaves), None)
+            names = [f"{parent}.{s}" for s in siblings[merged]] if merged else [module]
+            groups[module] = min(gguf_types.INT8_GROUPS[self.types[n][1]] for n in names if n in self.types
+                                 and self.types[n][1] in gguf_types.INT8_GROUPS)
+        return groups
+
+    # -- safe_open's interface
+    def __enter__(self) -> GGUFTensors:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._decoded.clear()
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self, name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        t, what = self.entries[name]
+        dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (K) first
+        if what == "scale":
+            return dims[0], dims[1] // self.groups[name.rpartition(".")[0]]
+        return dims
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        t, what = self.entries[name]
+        module = name.rpartition(".")[0]
+        if what == "float":
+            out = self._float(t)
+        elif what == "dequant":
+            out = gguf_blocks.dequantize(self._raw(t), _type_name(t))
+        else:  # weight and scale come from one decode, kept until both have been read
+            if module not in self._decoded:
+                self._decoded[module] = (*self._decode(t, self.groups[module]), set())
+            q, scale, taken = self._decoded[module]
+            out = q if what == "q" else scale
+            taken.add(what)
+            if len(taken) == 2:
+                del self._decoded[module]
+        heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
+        return out if heads is None else gguf_names.unpermute_rows(out, heads)
+
+    # -- decoding
+    def _raw(self, t: Any) -> torch.Tensor:
+        return torch.from_numpy(np.array(t.data))  # (N, bytes per row) uint8, copied out of the read-only map
+
+    def _float(self, t: Any) -> torch.Tensor:
+        data = torch.from_numpy(np.array(t.data))  # copied out of the read-only map
+        if _type_name(t) == "BF16":  # GGUFReader gives BF16 rows as raw bytes: (N, 2 K) uint8
+            return data.view(torch.bfloat16).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        return data
+
+    def _decode(self, t: Any, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kind = _type_name(t)
+        q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t))
+        own = gguf_blocks.GROUP_K[kind]
+        if group != own:  # a coarser shard of a merged projection: each scale repeated, exact
+            scale = scale.repeat_interleave(own // group, dim=1)
+        return q, scale

@@ -1,0 +1,164 @@
+"""Write a GGUF file from a tiny HF checkpoint, as llama.cpp's convert_hf_to_gguf.py lays one
+out (metadata keys, tensor names, q/k rows permuted for llama), with each tensor in the type
+the test asks for; and the HF checkpoint of the weights the file stands for (dequantized), the
+reference transformers runs.
+
+Q8_0, Q4_0 and Q4_1 blocks come from `gguf.quants.quantize`; the gguf package cannot quantize
+K-quants, so Q6_K blocks are written here (`quantize_q6_k`, the layout of ggml's block_q6_K,
+checked against `gguf.quants.dequantize` by the tests) and Q4_K as any bytes (only refusals
+are tested with it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stoker.models.gguf_names import permute_rows
+
+# HF module suffix -> llama.cpp name inside blk.N
+_BLOCK = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str) -> str:
+    module, _, leaf = hf.rpartition(".")
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{leaf}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    assert m, hf
+    return f"blk.{m.group(1)}.{_BLOCK[m.group(2)]}.{leaf}"
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """(N, K) float32, K a multiple of 256 -> (N, K / 256 * 210) uint8 Q6_K blocks: per 16
+    values a scale s = max|w| / 31, per 256 d = max|s| / 127 (fp16) and sc = round(s / d)."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+    s = np.abs(x).max(axis=-1) / 31.0  # (n, nb, 16)
+    d = (np.abs(s).max(axis=-1) / 127.0).astype(np.float16)  # (n, nb)
+    df = d.astype(np.float32)
+    sc = np.where(df[..., None] > 0, np.round(s / np.where(df[..., None] > 0, df[..., None], 1)), 0).clip(-128, 127)
+    step = df[..., None] * sc
+    q = np.where(step[..., None] > 0, np.round(x / np.where(step[..., None] > 0, step[..., None], 1)), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # halves of 128, 4 runs of 32
+    lo, hi = q & 0x0F, q >> 4
+    ql = np.concatenate([lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], axis=-1)  # (n, nb, 2, 64)
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)  # (n, nb, 2, 32)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.astype(np.int8).view(np.uint8),
+                             d.reshape(n, -1, 1).view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
+def encode(w: np.ndarray, kind: str) -> np.ndarray:
+    """A float (N, K) tensor in GGUF type `kind`: its data as the writer takes it."""
+    import gguf
+
+    if kind == "F32":
+        return w.astype(np.float32)
+    if kind == "F16":
+        return w.astype(np.float16)
+    if kind == "Q6_K":
+        return quantize_q6_k(w)
+    if kind == "Q4_K":  # any bytes with finite scales: only refusals are tested with it
+        rng = np.random.default_rng(0)
+        raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // 256, 144), dtype=np.uint8)
+        raw[..., 0:4] = 0
+        return raw.reshape(w.shape[0], -1)
+    return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
+
+
+def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantized_dst: Path | None = None,
+               with_tokenizer: bool = True, chat_template: str | None = None) -> Path:
+    """The GGUF file of HF checkpoint `src` at `dst`. `types`: regex over HF tensor names ->
+    GGUF type (first match; 1-D tensors are F32 unless named). llama: q/k rows permuted as
+    convert_hf_to_gguf.py does. `dequantized_dst`: the HF checkpoint of what the file holds."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(dst), arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    if with_tokenizer:
+        tok = json.loads((src / "tokenizer.json").read_text())
+        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        added = {a["id"] for a in tok["added_tokens"]}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([t for t, _ in vocab])
+        writer.add_token_types([gguf.TokenType.CONTROL if i in added else gguf.TokenType.NORMAL for _, i in vocab])
+        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+        writer.add_bos_token_id(cfg["bos_token_id"])
+        writer.add_eos_token_id(cfg["eos_token_id"])
+        if chat_template:
+            writer.add_chat_template(chat_template)
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        kind = next((k for pat, k in types.items() if re.search(pat, name)), "F32" if t.dim() == 1 else "F32")
+        w = t.numpy()
+        data = encode(w, kind) if t.dim() == 2 else w.astype(np.float32 if kind == "F32" else np.float16)
+        deq = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(w.shape).copy())
+        dequantized[name] = deq
+        if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.", name):  # as convert_hf_to_gguf.py
+            n = heads if ".q_proj." in name else kv_heads
+            data = permute_rows(torch.from_numpy(np.ascontiguousarray(data)), n).numpy()
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[kind])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":  # as LlamaModel.generate_extra_tensors
+        base = float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(base, head_dim, rope, cfg).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if dequantized_dst is not None:
+        shutil.copytree(src, dequantized_dst, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in dequantized.items()}, str(dequantized_dst / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return dst
+
+
+def _llama3_factors(base: float, head_dim: int, rope: dict, cfg: dict) -> torch.Tensor:
+    """The converter's rope_freqs, in its float32 arithmetic; its original length is the
+    config's top-level original_max_position_embeddings, else 8192 (not rope_scaling's)."""
+    import math
+
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = cfg.get("original_max_position_embeddings", 8192)
+    values = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            values.append(1.0)
+        elif wavelen > original / low:
+            values.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            values.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,33 @@
+"""A GGUF file under tensor parallelism on CPU over gloo: each rank reads its rows and columns
+of the decoded blocks (q/k rows un-permuted first, Q8_0 scales repeated to a merged layer's
+groups of 16, a tied LM head from token_embd's blocks split by vocabulary rows), and TP=2
+gives TP=1's greedy tokens."""
+
+from __future__ import annotations
+
+from stoker import SamplingParams
+from stoker.layers.quantized_method import QuantizedLinearMethod
+from stoker.testing.gguf_checkpoint import write_gguf
+from stoker.testing.tiny_checkpoint import copy_demo_tokenizer
+from tests.distributed.test_tensor_parallel import engine, run
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+WIDE = dict(hidden_size=256, intermediate_size=256)
+
+
+# Llama (q/k permuted in the file), v and down in Q6_K beside Q8_0 (merged q/k/v at groups of 16),
+# the output tied to a Q8_0 token_embd (the LM head's int8 blocks split by vocabulary rows)
+ARCH, OVERRIDES = "llama", {"tie_word_embeddings": True}
+TYPES = {r"v_proj\.weight|down_proj": "Q6_K", r"proj\.weight|embed_tokens": "Q8_0"}
+
+
+def test_gguf_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    path = write_gguf(tiny_checkpoints(ARCH, **WIDE, **OVERRIDES), tmp_path / "m.gguf", TYPES, ARCH)
+    copy_demo_tokenizer(tmp_path)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        rank0 = llm.engine.executor.driver_runner
+        assert rank0.tp.world_size == 2
+        assert isinstance(rank0.model.get_submodule("lm_head").method, QuantizedLinearMethod)
