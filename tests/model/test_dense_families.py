@@ -147,3 +147,22 @@ def test_bad_configs_are_refused_by_name(tiny_checkpoints, tmp_path) -> None:
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="logits_scaling"):
         LLM(str(bad), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+
+
+def test_phi3_lora_on_stacked_projections_equals_peft(tiny_checkpoints, tmp_path) -> None:
+    """A PEFT adapter trained on Phi-3 targets its stacked qkv_proj and gate_up_proj: one A,
+    B over the q, k, v (gate, up) rows; Stoker serves it on its merged layers' shards."""
+    from stoker import LoRARequest
+    from tests.model.helpers import make_adapter, peft_greedy
+
+    base = tiny_checkpoints("phi3", **PHI3_SHORT[1])  # short factors: the prompts are within the pretraining length
+    adapter = make_adapter(base, tmp_path / "a", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 8, seed=1)
+    llm = LLM(str(base), max_model_len=128, kv_cache_memory_bytes=4 << 20, enable_lora=True, max_lora_rank=8)
+    prompts = [[1, 17, 300, 42, 7, 99, 5, 600, 2, 3]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                         use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))]
+    assert got == [peft_greedy(base, adapter, p, 8) for p in prompts]
+    base_out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                              use_tqdm=False)]
+    assert base_out != got  # the adapter changed something
