@@ -273,6 +273,14 @@ def _load_fused(target: tuple[Linear, str], name: str, f: Any) -> list[str]:
     shape = tuple(f.get_slice(name).get_shape())
     total = sum(rows for rows, _ in layer.checkpoint_shards.values())
     per_tensor = len(shape) == 0 or shape == (1,)
+    if param_name == "weight_shape":  # compressed-tensors' [rows, in] of the whole stacked tensor: each shard's own
+        whole = [int(v) for v in f.get_tensor(name).reshape(-1).tolist()]
+        if whole != [total, layer.checkpoint_in_features]:
+            raise ValueError(f"checkpoint tensor {name} says {whole}; the stacked layer is {[total, layer.checkpoint_in_features]}")
+        assert layer.method is not None
+        for shard, (rows, _) in layer.checkpoint_shards.items():
+            layer.method.load(layer, param_name, shard, torch.tensor([rows, layer.checkpoint_in_features]))
+        return [f"{module_name}.{param_name}#{shard}" for shard in layer.checkpoint_shards]
     if not per_tensor and shape[0] != total:
         raise ValueError(f"checkpoint tensor {name} has shape {shape}: a stacked {module_name.rpartition('.')[2]} "
                          f"needs {total} rows ({', '.join(f'{s} {r}' for s, (r, _) in layer.checkpoint_shards.items())}), "

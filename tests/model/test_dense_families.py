@@ -166,3 +166,17 @@ def test_phi3_lora_on_stacked_projections_equals_peft(tiny_checkpoints, tmp_path
     base_out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
                                                               use_tqdm=False)]
     assert base_out != got  # the adapter changed something
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "ct-int8-pack-group", "ct-fp8-channel"])
+def test_phi3_prequantized_stacked_tensors(tiny_checkpoints, tmp_path, fmt: str) -> None:
+    """A quantized Phi-3 checkpoint stacks qkv_proj and gate_up_proj with their scales: per-tensor
+    (one scale for q, k and v), per-channel and per-group scales cut with the rows, and
+    compressed-tensors' weight_shape of the stacked tensor. Equal to HF on the dequantized weights."""
+    from stoker.testing.quantized_checkpoint import quantize_checkpoint
+
+    src = tiny_checkpoints("phi3", **PHI3_SHORT[1])
+    q = quantize_checkpoint(src, tmp_path / "q", fmt, dequantized_dst=tmp_path / "deq")
+    llm = LLM(str(q), max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    ids = [0] + list(range(7, 60))
+    torch.testing.assert_close(engine_logits(llm, ids), hf_logits(load_hf(tmp_path / "deq"), ids), rtol=1e-4, atol=2e-4)
