@@ -180,3 +180,16 @@ def test_phi3_prequantized_stacked_tensors(tiny_checkpoints, tmp_path, fmt: str)
     llm = LLM(str(q), max_model_len=128, kv_cache_memory_bytes=1 << 20)
     ids = [0] + list(range(7, 60))
     torch.testing.assert_close(engine_logits(llm, ids), hf_logits(load_hf(tmp_path / "deq"), ids), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "granite"])
+def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch) -> None:
+    """The spec parsed from config.json counts every parameter the engine holds (OLMo 2's q/k
+    norms over the whole projection, Granite's tied head)."""
+    from stoker.roofline.modelspec import spec_from_config
+
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # no panel padding
+    arch, overrides = CONFIGS[name]
+    llm = LLM(str(tiny_checkpoints(arch, **overrides)), max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.driver_runner
+    assert runner.weight_bytes_held() == spec_from_config(runner.hf_config).weight_bytes("fp32", rest_dtype="fp32")
