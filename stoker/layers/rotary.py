@@ -37,6 +37,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     params["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ValueError("longrope rope scaling needs both short_factor and long_factor lists in rope_scaling")
     return params
 
 
