@@ -39,3 +39,19 @@ def test_tp_equals_tp1(tiny_checkpoints, arch: str, overrides: dict, tp: int) ->
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_phi3_lora_on_stacked_projections_at_tp2_equals_peft(tiny_checkpoints, tmp_path) -> None:
+    """A Phi-3 adapter on the stacked qkv_proj / gate_up_proj at TP=2: each rank holds its rows
+    of the q, k and v (gate, up) parts of the stacked B."""
+    from stoker import LoRARequest
+    from tests.model.helpers import make_adapter, peft_greedy
+
+    path = tiny_checkpoints(*PHI3_SHORT[:1], **PHI3_SHORT[1])
+    adapter = make_adapter(path, tmp_path / "a", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 8, seed=5)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with engine(path, tensor_parallel_size=2, enable_lora=True, max_lora_rank=8) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy, use_tqdm=False,
+                           lora_request=LoRARequest("a", 1, str(adapter)))
+        llm.engine.check_integrity()
+    assert out[0].outputs[0].token_ids == peft_greedy(path, adapter, PROMPTS[0], 8)
