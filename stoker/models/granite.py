@@ -8,7 +8,7 @@
 The residual multiplier scales each branch before the add that the next norm fuses, so the
 fused add + RMSNorm kernels stay as they are. Granite 3 ties the LM head to the embedding
 (tie_word_embeddings), so the embedding multiplier is applied to the looked-up rows, never
-folded into the shared weight.
+folded into the shared weight. A multiplier config.json leaves out is 1.0, as in transformers.
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ import torch
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.attention import Attention
 from stoker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+# transformers' GraniteConfig defaults, for a config.json that leaves a multiplier out
+DEFAULT_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
+                       "logits_scaling": 1.0}
+
+
+def granite_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the four multipliers filled in as transformers would (1.0 when absent)."""
+    return {**cfg, **{k: v for k, v in DEFAULT_MULTIPLIERS.items() if cfg.get(k) is None}}
 
 
 class GraniteAttention(LlamaAttention):
@@ -68,11 +78,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
 
     def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
-        for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-            if cfg.get(field) is None:
-                raise ValueError(f"a Granite config.json needs {field!r} (transformers' GraniteConfig writes it)")
-        super().__init__(cfg, max_position, tp)
-        self.logits_scaling = float(cfg["logits_scaling"])
+        super().__init__(granite_config(cfg), max_position, tp)
+        self.logits_scaling = float(self.config["logits_scaling"])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

@@ -12,8 +12,8 @@ columns of gate and of up, from the one checkpoint tensor. A PEFT adapter traine
 targets qkv_proj / o_proj / gate_up_proj / down_proj; its stacked B is cut into the q, k, v
 (gate, up) rows when it is read (lora/adapter.py), with A shared.
 
-Refused when built: biases on the projections (no released Phi-3 has them; HF's Phi3 has none)
-and a hidden_act other than SiLU-gated ones the shared MLP takes.
+Refused when built: biases on the projections (`attention_bias` / `mlp_bias` true: no released
+Phi-3 has them, and transformers' Phi3 builds none).
 """
 
 from __future__ import annotations

@@ -135,17 +135,21 @@ def test_family_layers_are_what_the_config_says(tiny_checkpoints) -> None:
     assert [a.attn.sliding_window for a in attns] == [None, 40]
 
 
-def test_bad_configs_are_refused_by_name(tiny_checkpoints, tmp_path) -> None:
+def test_config_fields_as_transformers_reads_them(tiny_checkpoints, tmp_path) -> None:
+    """A Granite multiplier left out of config.json is 1.0, as in transformers; projection biases
+    on Phi-3 (which transformers' Phi3 does not build) are refused by name."""
     import json
     import shutil
 
-    src = tiny_checkpoints("granite", **CONFIGS["granite"][1])
-    bad = tmp_path / "granite"
-    shutil.copytree(src, bad)
+    from stoker.models.granite import granite_config
+
+    assert granite_config({"embedding_multiplier": 12.0})["logits_scaling"] == 1.0
+    bad = tmp_path / "phi3"
+    shutil.copytree(tiny_checkpoints("phi3", **PHI3_SHORT[1]), bad)
     cfg = json.loads((bad / "config.json").read_text())
-    del cfg["logits_scaling"]
+    cfg["attention_bias"] = True
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="logits_scaling"):
+    with pytest.raises(ValueError, match="attention_bias"):
         LLM(str(bad), max_model_len=64, kv_cache_memory_bytes=1 << 20)
 
 
