@@ -3,7 +3,8 @@
 `rope_parameters` (transformers >= 5) or `rope_scaling` + `rope_theta` (older configs) give
 the type: default, linear (positions divided by `factor`), llama3 (Llama 3.1: long
 wavelengths divided by `factor`, short ones kept, a smooth ramp between), yarn (NTK-by-parts
-interpolation with an attention temperature). Inverse frequencies follow the formulas in
+interpolation with an attention temperature), longrope (Phi-3: per-dimension short / long
+factors, layers/longrope.py, which says how the list is chosen). Inverse frequencies follow the formulas in
 the Llama 3.1 paper / YaRN paper as transformers implements them, in float32, so the
 cos/sin cache matches the reference bit for bit. `partial_rotary_factor` (in the rope
 parameters, or at the config's top level, which transformers moves there) rotates only the
@@ -19,8 +20,9 @@ import torch
 from torch import nn
 
 from stoker.kernels import ops
+from stoker.layers.longrope import longrope_inv_freq
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -30,9 +32,13 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     if hf_config.get("partial_rotary_factor") is not None:  # the Hub's GLM-4.5 config says it at the top level
         params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su" or (rope_type == "yarn" and "long_factor" in params):
+        rope_type = "longrope"  # early Phi-3 configs' names for it (transformers' Phi3Config renames them too)
     params["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ValueError("longrope rope scaling needs both short_factor and long_factor lists in rope_scaling")
     return params
 
 
@@ -92,7 +98,9 @@ class RotaryEmbedding(nn.Module):
         base = float(p["rope_theta"])
         rot_dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
         attention_factor = 1.0
-        if p["rope_type"] == "yarn":
+        if p["rope_type"] == "longrope":
+            inv_freq, attention_factor = longrope_inv_freq(base, rot_dim, p, hf_config, max_position)
+        elif p["rope_type"] == "yarn":
             inv_freq, attention_factor = _yarn_inv_freq(base, rot_dim, p, hf_config.get("max_position_embeddings", max_position))
         else:
             inv_freq = _base_inv_freq(base, rot_dim)

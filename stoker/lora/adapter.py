@@ -2,7 +2,8 @@
 checked against the served model and held in host memory until a slot needs it.
 
 Each target projection p of layer i gets W x + scaling * B (A x), A: (r, in), B: (out, r),
-scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT computes it. What this
+scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT computes it. An adapter on
+a stacked projection (Phi-3's qkv_proj, gate_up_proj) is read as one per part (FUSED_TARGETS). What this
 server cannot apply (DoRA, trained biases, modules_to_save, per-module rank or alpha patterns,
 targets outside the attention and MLP projections, fan_in_fan_out weights, and on
 Mixture-of-Experts models the experts, shared experts and routers: `target_parameters` or
@@ -26,6 +27,12 @@ logger = logging.getLogger(__name__)
 
 # The projections an adapter may target, as PEFT names them in Llama/Qwen checkpoints.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections a checkpoint stores stacked (Phi-3): an adapter on one has a single A and a stacked
+# B, rows in this order; B (q + 2 kv, r) x A (r, in) is [B_q A; B_k A; B_v A], so it is read as one
+# adapter per part, A shared, and served by the same slots.
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                             "gate_up_proj": ("gate_proj", "up_proj")}
+_ACCEPTED = (*TARGETS, *FUSED_TARGETS)
 _WEIGHT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # A Mixture-of-Experts module an adapter may name (PEFT's keys): an expert (experts.{e}.gate_proj,
 # Mixtral's block_sparse_moe.experts.{e}.w1), the shared expert, or a router (mlp.gate, shared_expert_gate).
@@ -102,10 +109,10 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     targets = cfg.get("target_modules") or []
     if isinstance(targets, str):
-        targets = [t for t in TARGETS if re.fullmatch(targets, t) or re.search(targets + "$", t)]
-    unknown = sorted(set(targets) - set(TARGETS))
+        targets = [t for t in _ACCEPTED if re.fullmatch(targets, t) or re.search(targets + "$", t)]
+    unknown = sorted(set(targets) - set(_ACCEPTED))
     if unknown:
-        raise LoRAError(f"{where}: target_modules {unknown} are not supported (only {', '.join(TARGETS)})")
+        raise LoRAError(f"{where}: target_modules {unknown} are not supported (only {', '.join(_ACCEPTED)})")
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise LoRAError(f"{where}: no adapter_model.safetensors (.bin adapters are not read: save with safetensors)")
@@ -119,8 +126,8 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
         if m is None:
             raise LoRAError(f"{where}: weight {key!r} is not a LoRA A/B matrix of an attention or MLP projection")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in TARGETS:
-            raise LoRAError(f"{where}: weight {key!r} targets {module!r}; only {', '.join(TARGETS)} are supported")
+        if module not in _ACCEPTED:
+            raise LoRAError(f"{where}: weight {key!r} targets {module!r}; only {', '.join(_ACCEPTED)} are supported")
         pairs.setdefault((layer, module), {})[which] = tensor.float()
     base = cfg.get("base_model_name_or_path")
     if served_model and base and Path(str(base)).name != Path(served_model).name and str(base) != served_model:
@@ -136,7 +143,12 @@ def load_adapter(name: str, path: str | Path, hf_config: dict[str, Any], max_ran
             raise LoRAError(f"{where}: layer {layer} {module} has A {tuple(a.shape)}, B {tuple(b.shape)}; this model "
                             f"needs A ({rank}, {want_in}) and B ({want_out}, {rank}) in layers < "
                             f"{hf_config['num_hidden_layers']}: the adapter was trained for another model")
-        adapter.weights[(layer, module)] = (a.contiguous(), b.contiguous())
+        parts = FUSED_TARGETS.get(module, (module,))
+        sizes = [_shape(hf_config, part)[1] for part in parts]
+        for part, b_part in zip(parts, b.split(sizes)):
+            if (layer, part) in adapter.weights or (part != module and (layer, part) in pairs):
+                raise LoRAError(f"{where}: layer {layer} has weights for both {module} and {part}")
+            adapter.weights[(layer, part)] = (a.contiguous(), b_part.contiguous())
     if not adapter.weights:
         raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return adapter
@@ -164,6 +176,8 @@ def _shape(cfg: dict[str, Any], module: str) -> tuple[int, int]:
     head_dim = cfg.get("head_dim") or hidden // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     inter = cfg["intermediate_size"]
+    if module in FUSED_TARGETS:
+        return hidden, sum(_shape(cfg, part)[1] for part in FUSED_TARGETS[module])
     return {
         "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
         "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),

@@ -124,6 +124,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     embeddings = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, VocabEmbedding)}
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    # checkpoint modules stored already stacked, as the merged layer holds them (Phi-3's qkv_proj)
+    fused: dict[str, tuple[str, ...]] = getattr(model, "fused_checkpoint_modules", {})
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params: dict[str, str] = getattr(model, "expert_params", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
@@ -141,6 +143,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 experts = moe_loading.load_expert_tensor(moes, expert_params, name, f) if moes else None
                 if experts is not None:
                     filled.update(experts)
+                    continue
+                fused_into = _fused_shards(linears, fused, name)
+                if fused_into is not None:
+                    filled.update(_load_fused(fused_into, name, f))
                     continue
                 filled.add(_load_one(params, linears, embeddings, packed, name, f))
     expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in (*linears, *moes))}
@@ -225,6 +231,81 @@ def _load_one(
     with torch.no_grad():
         param.copy_(tensor)
     return name
+
+
+def _fused_shards(linears: dict[str, Linear], fused: dict[str, tuple[str, ...]], name: str) -> tuple[Linear, str] | None:
+    """(the merged layer, its module name) when `name` is a tensor of a checkpoint module that
+    stacks the layer's shards itself (model.layers.0.self_attn.qkv_proj.weight: q, k, v rows)."""
+    module_name = name.rpartition(".")[0]
+    if module_name.rpartition(".")[2] not in fused or module_name not in linears:
+        return None
+    return linears[module_name], module_name
+
+
+class _ShardRows:
+    """One shard's rows of a stacked checkpoint tensor, read as if it were the shard's own
+    tensor: the weight method asks for its part (`checkpoint_slice`) of a (rows, ...) tensor and
+    gets those rows of the stacked one, so a tensor-parallel rank still reads only its bytes
+    (its q rows, its k rows, its v rows, each cut over the ranks on its own)."""
+
+    def __init__(self, f: Any, name: str, first: int, rows: int | None) -> None:
+        self.f, self.name, self.first, self.rows = f, name, first, rows
+
+    def get_slice(self, name: str) -> _ShardRows:
+        return self
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.f.get_slice(self.name).get_shape())
+        return shape if self.rows is None else [self.rows, *shape[1:]]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(self.name) if self.rows is None else self[(slice(None),)]
+
+    def __getitem__(self, part: tuple[slice, ...]) -> torch.Tensor:
+        if self.rows is None:  # a per-tensor value (a scale): the same for every shard
+            return self.f.get_slice(self.name)[part]
+        rows, *rest = part
+        start, stop, _ = rows.indices(self.rows)
+        return self.f.get_slice(self.name)[(slice(self.first + start, self.first + stop), *rest)]
+
+
+def _load_fused(target: tuple[Linear, str], name: str, f: Any) -> list[str]:
+    """Load a stacked checkpoint tensor (rows [shard 0; shard 1; ...] in the layer's shard
+    order, each shard's whole rows) into the merged layer's shards; returns their keys. A tensor
+    with one row per output row is cut at the shards' boundaries; a per-tensor one (a scalar
+    scale) is given whole to every shard; any other shape is refused by name."""
+    layer, module_name = target
+    param_name = name.rpartition(".")[2]
+    shape = tuple(f.get_slice(name).get_shape())
+    total = sum(rows for rows, _ in layer.checkpoint_shards.values())
+    per_tensor = len(shape) == 0 or shape == (1,)
+    if param_name == "weight_shape":  # compressed-tensors' [rows, in] of the whole stacked tensor: each shard's own
+        whole = [int(v) for v in f.get_tensor(name).reshape(-1).tolist()]
+        if whole != [total, layer.checkpoint_in_features]:
+            raise ValueError(f"checkpoint tensor {name} says {whole}; the stacked layer is {[total, layer.checkpoint_in_features]}")
+        assert layer.method is not None
+        for shard, (rows, _) in layer.checkpoint_shards.items():
+            layer.method.load(layer, param_name, shard, torch.tensor([rows, layer.checkpoint_in_features]))
+        return [f"{module_name}.{param_name}#{shard}" for shard in layer.checkpoint_shards]
+    if not per_tensor and shape[0] != total:
+        raise ValueError(f"checkpoint tensor {name} has shape {shape}: a stacked {module_name.rpartition('.')[2]} "
+                         f"needs {total} rows ({', '.join(f'{s} {r}' for s, (r, _) in layer.checkpoint_shards.items())}), "
+                         "or one value for the whole tensor")
+    keys, first = [], 0
+    assert layer.method is not None
+    for shard, (rows, _) in layer.checkpoint_shards.items():
+        assert shard is not None
+        view = _ShardRows(f, name, first, None if per_tensor else rows)
+        try:
+            tensor = _read(view, name, layer.method.checkpoint_slice(layer, param_name, shard, tuple(view.get_shape())))
+            if param_name == "bias" and layer.reduce is not None and not layer.reduce.is_first:
+                tensor = torch.zeros_like(tensor)
+            layer.method.load(layer, param_name, shard, tensor)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (checkpoint tensor {name}, rows of {shard})") from None
+        keys.append(f"{module_name}.{param_name}#{shard}")
+        first += rows
+    return keys
 
 
 # FP8 KV-cache scales: vLLM's and compressed-tensors' names (self_attn.k_scale), older FP8

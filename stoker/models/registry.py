@@ -17,6 +17,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("stoker.models.qwen3", "Qwen3ForCausalLM"),
     "OlmoeForCausalLM": ("stoker.models.olmoe", "OlmoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("stoker.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    # dense families with a layer feature of their own (issue 38)
+    "Phi3ForCausalLM": ("stoker.models.phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("stoker.models.olmo2", "Olmo2ForCausalLM"),
+    "GraniteForCausalLM": ("stoker.models.granite", "GraniteForCausalLM"),
+    "SmolLM3ForCausalLM": ("stoker.models.smollm3", "SmolLM3ForCausalLM"),
 }
 
 

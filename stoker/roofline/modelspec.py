@@ -100,7 +100,7 @@ class ModelSpec:
     num_dense_layers: int = 0  # layers of a MoE model whose MLP is dense
     attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
-    qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE)
+    qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE, OLMo 2)
     # Sliding-window attention on `num_sliding_layers` of the layers (gpt-oss: every other one,
     # config.json `layer_types`): those layers attend to, and hold K/V of, at most `sliding_window` tokens.
     sliding_window: int = 0
@@ -336,8 +336,8 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             attention_sinks=model_type == "gpt_oss",
             num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
             attention_bias=qkv_bias(config),
-            qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe")))),
-            qk_norm_per_head=model_type != "olmoe",
+            qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2")))),
+            qk_norm_per_head=model_type not in ("olmoe", "olmo2"),
             sliding_window=int(config.get("sliding_window") or 0) if sliding_layers(config) else 0,
             num_sliding_layers=sliding_layers(config),
             expert_dtype=expert_dtype(config) if num_experts > 1 else "",

@@ -103,6 +103,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=28672, vocab_size=32000,
         published_params=68.98e9, source="huggingface.co/meta-llama/Llama-2-70b-hf config.json; 68.98B",
     ),
+    # Dense families of issue 38. Each count below is the sum of the config's shapes.
+    "phi-4": dict(
+        hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+        intermediate_size=17920, vocab_size=100352, tie_word_embeddings=False, model_type="phi3",
+        published_params=14.66e9,
+        source="huggingface.co/microsoft/phi-4 config.json (quoted verbatim, _name_or_path microsoft/phi-4, in a "
+               "public notes file; the same shape in the GGUF metadata of smcleod/phi-4's README: embedding 5120, "
+               "feed-forward 17920, 40 blocks, 40 heads, 10 KV heads); Hub metadata 14.66B (fitmygpu.com: 14.7B)",
+    ),
+    "olmo-2-32b": dict(
+        hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+        intermediate_size=27648, vocab_size=100352, tie_word_embeddings=False, model_type="olmo2",
+        published_params=32e9,
+        source="huggingface.co/allenai/OLMo-2-0325-32B config.json (as quoted in a public model table; the same "
+               "shape in allenai/OLMo-core src/olmo_core/nn/transformer/config.py olmo2_32B: d_model 5120, 64 "
+               "layers, 40 heads, 8 KV heads, hidden 27648, q/k norm); model name 32B (our count 32.23B)",
+    ),
+    "granite-3.3-8b": dict(
+        hidden_size=4096, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=12800, vocab_size=49159, tie_word_embeddings=True, model_type="granite",
+        published_params=8.17e9,
+        source="huggingface.co/ibm-granite/granite-3.3-8b-instruct config.json and parameter shapes (a public dump "
+               "of both: embed_tokens 49159 x 4096, tied, 40 layers); 8,170,864,640 parameters from those shapes",
+    ),
 }
 
 # Common spellings of HF repo ids -> preset (after lowercasing and dropping the org).
@@ -112,4 +136,6 @@ ALIASES: dict[str, str] = {
     "llama-3.3-70b": "llama-3-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
     "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
+    "olmo-2-0325-32b": "olmo-2-32b", "olmo-2-0325-32b-instruct": "olmo-2-32b",
+    "granite-3.3-8b-instruct": "granite-3.3-8b", "granite-3.3-8b-base": "granite-3.3-8b",
 }

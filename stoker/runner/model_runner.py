@@ -57,7 +57,9 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(config.model_config.seed)
-        max_position = max(max_model_len, hf_config.get("max_position_embeddings", max_model_len))
+        # Positions the engine serves: [0, max_model_len). The rotary cache holds exactly those,
+        # and LongRoPE chooses its factor list by whether they pass the pretraining length.
+        max_position = max_model_len
         # Quantization is decided once, before any parameter exists (an unsupported scheme is
         # refused here, before a tensor is read); each projection's method follows from it.
         if hf_config.get("gguf_architecture"):  # a GGUF file: a scheme per tensor type (quantization/gguf.py)

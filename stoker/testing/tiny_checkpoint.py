@@ -27,6 +27,11 @@ _ARCH = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    # dense families with a layer feature of their own (issue 38)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
 }
 
 # Per family, the 1-D tensors transformers initialises to zero that the tests should see
@@ -34,6 +39,12 @@ _ARCH = {
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
+}
+
+# Per family, config defaults the tiny vocabulary needs (pad_token_id 32000 in Phi3Config, 128004 in SmolLM3Config).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "phi3": dict(pad_token_id=2),
+    "smollm3": dict(pad_token_id=2),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
@@ -81,7 +92,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **overrides}
+    kwargs = {**TINY, **_FAMILY_DEFAULTS.get(arch, {}), **overrides}
     kwargs.setdefault("bos_token_id", 0)
     kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
     config = config_cls(**kwargs)
