@@ -158,7 +158,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # (B, H, D)
     return _for_attention(query, k_cache).paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale,
-        logits_soft_cap=logits_soft_cap)
+        **_soft_cap(logits_soft_cap))
 
 
 def paged_attention(
@@ -176,7 +176,12 @@ def paged_attention(
 ) -> torch.Tensor:  # (T, H, D)
     return _for_attention(query, k_cache).paged_attention(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, k_scale, v_scale,
-        logits_soft_cap=logits_soft_cap)
+        **_soft_cap(logits_soft_cap))
+
+
+def _soft_cap(cap: float | None) -> dict[str, float]:
+    """The soft cap as a keyword, only when set (a set's kernels are then called as without one)."""
+    return {"logits_soft_cap": cap} if cap else {}
 
 
 def _for_attention(query: torch.Tensor, k_cache: torch.Tensor) -> Kernels:

@@ -157,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[LlamaModel] = LlamaModel  # embedding, layers, final norm (Gemma scales its embeddings)
 
     def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -170,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(cfg["num_hidden_layers"])
         ]
-        self.model = LlamaModel(cfg, layers, tp)
+        self.model = self.model_cls(cfg, layers, tp)
         self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

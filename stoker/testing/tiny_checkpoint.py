@@ -28,12 +28,19 @@ _ARCH = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
+# Gemma 2 and 3 (text); their norms scale by (1 + w), so w is drawn around 0 below
+_ARCH.update({
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+})
 
 # Per family, the 1-D tensors transformers initialises to zero that the tests should see
 # nonzero: biases, GLM-4.5's router correction bias (which steers the expert choice).
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
+    "gemma2": ("norm.weight", "layernorm.weight"),  # (1 + w) norms, w initialised to 0
+    "gemma3_text": ("norm.weight", "layernorm.weight"),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
