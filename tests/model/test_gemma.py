@@ -202,3 +202,22 @@ def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch)
     spec = spec_from_config(runner.hf_config)
     assert spec.num_sliding_layers == {"gemma2": 1, "gemma3_text": 2}[name] and spec.sliding_window == WINDOW
     assert runner.weight_bytes_held() == spec.weight_bytes("fp32", rest_dtype="fp32")
+
+
+def test_lora_equals_peft(tiny_checkpoints, tmp_path) -> None:
+    """A PEFT adapter on every projection of Gemma 2 (the GeGLU gate/up included): greedy tokens as PEFT's."""
+    from stoker import LoRARequest
+    from tests.model.helpers import make_adapter, peft_greedy
+
+    base = tiny_checkpoints(CONFIGS["gemma2"][0], **CONFIGS["gemma2"][1])
+    adapter = make_adapter(base, tmp_path / "a", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"], 8, seed=1)
+    llm = LLM(str(base), max_model_len=128, kv_cache_memory_bytes=4 << 20, enable_lora=True, max_lora_rank=8)
+    prompts = [[1, 17, 300, 42, 7, 99, 5], [600, 2, 3]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))]
+    assert got == [peft_greedy(base, adapter, p, 10) for p in prompts]
+    base_out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    assert base_out != got  # the adapter changed something

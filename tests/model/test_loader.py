@@ -30,7 +30,7 @@ def test_unknown_architecture_names_the_supported_ones(tiny_llama, tmp_path) -> 
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="not supported; supported: Glm4MoeForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
+    with pytest.raises(ValueError, match="not supported; supported: Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Glm4MoeForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
                        "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         LLM(str(path))
 
