@@ -176,17 +176,47 @@ def test_the_text_tower_of_a_multimodal_checkpoint(tmp_path, prompts) -> None:
         torch.testing.assert_close(engine_logits(llm, ids), want, rtol=1e-4, atol=2e-4)
 
 
-def test_online_int8_stays_close_to_the_float_model(tiny_checkpoints, prompts) -> None:
-    """tests/model/test_online_quantization.py's bounds for int8 weights (mean KL <= 6e-4, top-1 >= 0.93)."""
+@pytest.mark.parametrize("quantization, kv", [("int8", "auto"), ("none", "fp8")])
+def test_int8_weights_and_fp8_kv_stay_close_to_the_float_model(quantization, kv, tiny_checkpoints) -> None:
+    """tests/model/test_online_quantization.py's bounds (int8 weights: mean KL <= 6e-4, top-1 >= 0.93;
+    FP8 KV cache: 2e-3, 0.88), teacher-forced over 256 positions of Gemma 2 (soft caps, a window)."""
     from tests.model.test_online_quantization import BOUNDS, kl_and_top1
 
     path = tiny_checkpoints(CONFIGS["gemma2"][0], **CONFIGS["gemma2"][1])
     ids = [0] + [random.Random(0).randrange(5, 1000) for _ in range(255)]
     ref = engine_logits(LLM(str(path), max_model_len=512, kv_cache_memory_bytes=8 << 20), ids)
-    out = engine_logits(LLM(str(path), max_model_len=512, kv_cache_memory_bytes=8 << 20, quantization="int8"), ids)
+    out = engine_logits(LLM(str(path), max_model_len=512, kv_cache_memory_bytes=8 << 20, kv_cache_dtype=kv,
+                            quantization=None if quantization == "none" else quantization), ids)
     kl, top1 = kl_and_top1(ref, out)
-    max_kl, min_top1 = BOUNDS[("int8", "auto")]
+    max_kl, min_top1 = BOUNDS[(quantization, kv)]
     assert 0 < kl <= max_kl and top1 >= min_top1, (kl, top1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_norm_scales_by_one_plus_w_in_float32_as_transformers(dtype) -> None:
+    """GemmaRMSNorm against transformers' Gemma2RMSNorm: bit for bit in bfloat16 (scaled in float32,
+    then cast), to float32 rounding in float32 (the kernel set's RMSNorm with the weight 1 + w)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from stoker.layers.norm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype), torch.randn(64)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        ours = GemmaRMSNorm(64, 1e-6)
+    finally:
+        torch.set_default_dtype(previous)
+    ref = Gemma2RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        ref.weight.copy_(w)
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours(x), ref(x), **tol)
+    normed, summed = ours(x, res)
+    torch.testing.assert_close(summed, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref(x + res), **tol)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
