@@ -30,29 +30,10 @@ from stoker.layers.norm import GemmaRMSNorm
 from stoker.layers.rotary import RotaryEmbedding
 from stoker.models.gemma2 import Gemma2ForCausalLM, GemmaAttention
 from stoker.models.llama import head_dim_of
+from stoker.roofline.text_config import GEMMA3_TEXT_DEFAULTS as TEXT_CONFIG_DEFAULTS
+from stoker.roofline.text_config import is_multimodal, text_model_config
 
-# transformers' Gemma3TextConfig defaults (configuration_gemma3.py): a multimodal config.json's
-# text_config lists only the fields that differ from them.
-TEXT_CONFIG_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
-    final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-    model_type="gemma3_text",
-)
 SLIDING_WINDOW_PATTERN = 6  # transformers' default: every sixth layer global
-
-
-def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A `Gemma3ForConditionalGeneration` config.json -> its language model's config, the
-    defaults filled in, the architecture kept (it names this file's class)."""
-    text = {**TEXT_CONFIG_DEFAULTS, **(cfg.get("text_config") or {})}
-    text["architectures"] = cfg.get("architectures")
-    if "tie_word_embeddings" in cfg:  # the top-level flag is the one transformers ties by
-        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    if "quantization_config" in cfg:
-        text["quantization_config"] = cfg["quantization_config"]
-    return text
 
 
 def rope_configs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,7 +94,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     @staticmethod
     def model_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        return text_model_config(cfg) if "text_config" in cfg else cfg
+        return text_model_config(cfg) if is_multimodal(cfg) else cfg
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         return name.startswith(self._VISION)

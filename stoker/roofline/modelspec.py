@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.roofline.presets import ALIASES, PRESETS
+from stoker.roofline.text_config import is_multimodal, text_model_config
 
 INT4_GROUP_SIZE = 128
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
@@ -414,6 +415,8 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if is_multimodal(config):  # a multimodal checkpoint: its language model (what the engine serves)
+            config = text_model_config(config)
         return spec_from_config(config, name=path.parent.name or path.stem)
     key = _preset_key(name_or_path)
     if key is None:

@@ -119,6 +119,22 @@ def test_configs_written_before_layer_types_and_rope_parameters() -> None:
     assert local["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e4}
 
 
+def test_the_roofline_reads_a_hub_multimodal_config(tmp_path) -> None:
+    """gemma-3-27b-it's config.json shape (text_config lists only what differs from transformers'
+    defaults: no vocab_size): the roofline prices its language model as the preset does."""
+    from stoker.roofline.modelspec import get_model_spec
+
+    text = dict(head_dim=128, hidden_size=5376, intermediate_size=21504, model_type="gemma3_text",
+                num_attention_heads=32, num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168,
+                rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)
+    cfg = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=text,
+               vision_config=dict(hidden_size=1152, model_type="siglip_vision_model"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec, preset = get_model_spec(str(tmp_path)), get_model_spec("gemma-3-27b")
+    assert (spec.num_params, spec.vocab_size, spec.num_sliding_layers) == (preset.num_params, 262_208, 52)
+    assert spec.tie_word_embeddings and spec.qk_norm and spec.norms_per_layer == 4
+
+
 def test_what_the_families_refuse(tiny_checkpoints, tmp_path) -> None:
     path = tiny_checkpoints(CONFIGS["gemma3_text"][0], **CONFIGS["gemma3_text"][1])
     for field, value, match in (("use_bidirectional_attention", True, "use_bidirectional_attention"),
