@@ -28,7 +28,7 @@ _ARCH = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
-# Gemma 2 and 3 (text); their norms scale by (1 + w), so w is drawn around 0 below
+# Gemma 2 and 3 (text)
 _ARCH.update({
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -39,9 +39,14 @@ _ARCH.update({
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
-    "gemma2": ("norm.weight", "layernorm.weight"),  # (1 + w) norms, w initialised to 0
-    "gemma3_text": ("norm.weight", "layernorm.weight"),
 }
+# Gemma's norms scale by (1 + w) with w initialised to 0: drawn around 0 so that they count
+_RANDOM_VECTORS.update({
+    "gemma2": ("norm.weight", "layernorm.weight"),
+    "gemma3_text": ("norm.weight", "layernorm.weight"),
+})
+# Per family, TINY's fields it needs otherwise: Gemma's configs default to head_dim 256
+_TINY_FOR: dict[str, dict[str, Any]] = {"gemma2": {"head_dim": 16}, "gemma3_text": {"head_dim": 16}}
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
 TINY: dict[str, Any] = dict(
@@ -88,7 +93,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **overrides}
+    kwargs = {**TINY, **_TINY_FOR.get(arch, {}), **overrides}
     kwargs.setdefault("bos_token_id", 0)
     kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
     config = config_cls(**kwargs)
