@@ -101,14 +101,14 @@ def _triton() -> Kernels:
     norm = _kernel("rms_norm")
 
     def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None,
-                               k_scale=1.0, v_scale=1.0):  # the launcher takes the scales by keyword
+                               k_scale=1.0, v_scale=1.0, *, logits_soft_cap=None):  # the launcher takes these by keyword
         return decode(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
-                      k_scale=k_scale, v_scale=v_scale)
+                      k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
 
     def paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window=None,
-                        k_scale=1.0, v_scale=1.0):
+                        k_scale=1.0, v_scale=1.0, *, logits_soft_cap=None):
         return prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window,
-                       k_scale=k_scale, v_scale=v_scale)
+                       k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
 
     return Kernels("triton", _kernel("store_kvcache").store_kvcache, paged_decode_attention, paged_attention,
                    norm.rms_norm, norm.fused_add_rms_norm, _kernel("activation").silu_and_mul,
@@ -154,9 +154,11 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap)
 ) -> torch.Tensor:  # (B, H, D)
     return _for_attention(query, k_cache).paged_decode_attention(
-        query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale)
+        query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale,
+        **_soft_cap(logits_soft_cap))
 
 
 def paged_attention(
@@ -170,9 +172,16 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap)
 ) -> torch.Tensor:  # (T, H, D)
     return _for_attention(query, k_cache).paged_attention(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, k_scale, v_scale)
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, k_scale, v_scale,
+        **_soft_cap(logits_soft_cap))
+
+
+def _soft_cap(cap: float | None) -> dict[str, float]:
+    """The soft cap as a keyword, only when set (a set's kernels are then called as without one)."""
+    return {"logits_soft_cap": cap} if cap else {}
 
 
 def _for_attention(query: torch.Tensor, k_cache: torch.Tensor) -> Kernels:

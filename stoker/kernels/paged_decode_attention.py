@@ -15,6 +15,8 @@ K/V at memory speed. Two choices do that:
 FP8 caches (float8_e4m3fn): each K/V tile is widened to the query's dtype as it is loaded
 (exact: every E4M3 value is a bf16/fp16/fp32 value); the layer's k scale joins the softmax
 scale and its v scale multiplies the output, so the loop is the float one.
+Logit soft-capping (Gemma 2, USE_SOFT_CAP): each score s becomes cap x tanh(s / cap) before the
+mask, in the log2 units the loop works in (cap x log2(e)); tanh from exp2 (`soft_cap`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """cap x tanh(s / cap), elementwise; tanh(x) = sign(x) (1 - e) / (1 + e), e = 2^(-2|x| log2(e)),
+    which stays finite for any |x| (e -> 0, tanh -> +-1)."""
+    x = s / cap
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # (B, H, D)
     k_cache_ptr,  # (num_blocks, block_size, Hkv, D)
@@ -51,6 +63,7 @@ def _decode_split_kernel(
     scale_log2,  # softmax scale * k_scale * log2(e): the kernel works with exp2
     v_scale,  # FP8 caches: multiplies the output (1.0 otherwise)
     window,  # sliding window in tokens (used when USE_WINDOW)
+    cap_log2,  # logit soft cap x log2(e) (used when USE_SOFT_CAP)
     block_size,
     stride_qb,
     stride_qh,
@@ -67,6 +80,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -115,6 +129,8 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
+        if USE_SOFT_CAP:
+            s = soft_cap(s, cap_log2)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -215,6 +231,7 @@ def paged_decode_attention(
     num_splits: int | None = None,  # power of two <= 64; chosen from shapes if None
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (B, H, D)
     check(query.dim() == 3, f"query must be (B, H, D), got {tuple(query.shape)}")
     check(k_cache.dim() == 4, f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
@@ -234,6 +251,7 @@ def paged_decode_attention(
     check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
     check(k_cache.dtype in (query.dtype, FP8_KV_DTYPE) and v_cache.dtype == k_cache.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype} (or float8_e4m3fn)")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    check(logits_soft_cap is None or logits_soft_cap >= 0, f"logits_soft_cap must be >= 0, got {logits_soft_cap}")
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
     check(context_lens.is_contiguous(), "context_lens must be contiguous")
@@ -274,6 +292,7 @@ def paged_decode_attention(
         scale * k_scale * _LOG2E,
         v_scale,
         sliding_window or 0,
+        (logits_soft_cap or 1.0) * _LOG2E,
         block_size,
         query.stride(0),
         query.stride(1),
@@ -287,6 +306,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=bool(logits_soft_cap),
         DOT_FP32=dot_fp32,
         PRECISION=precision,
         **tiles,

@@ -13,6 +13,8 @@ sharing that KV head, so each K/V tile it loads serves all of them (GQA read onc
 The grid is shaped from T and B alone, never from per-sequence lengths: sequence s owns tiles
 [cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1), which covers its cdiv(q_len, BLOCK_Q)
 tiles, and a program finds its sequence by counting tile starts <= its id. No host sync.
+Logit soft-capping (Gemma 2, USE_SOFT_CAP) as in the decode kernel: each score bent to
+cap x tanh(score / cap) before the causal / window mask.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from stoker.kernels._common import (
     dot_args,
     next_pow2,
 )
+from stoker.kernels.paged_decode_attention import soft_cap
 
 _LOG2E = 1.4426950408889634
 
@@ -47,6 +50,7 @@ def _paged_prefill_kernel(
     v_scale,  # FP8 caches: multiplies the output (1.0 otherwise)
     num_seqs,
     window,  # sliding window in tokens (used when USE_WINDOW)
+    cap_log2,  # logit soft cap x log2(e) (used when USE_SOFT_CAP)
     block_size,
     stride_qt,
     stride_qh,
@@ -64,6 +68,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr,  # num_seqs padded to a power of two
     USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -121,6 +126,8 @@ def _paged_prefill_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        if USE_SOFT_CAP:
+            s = soft_cap(s, cap_log2)
         allowed = pos[None, :] <= q_pos[:, None]  # causal (for valid rows this implies pos < hi)
         if USE_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -176,6 +183,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # (T, H, D) in query's dtype; allocated if None
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (T, H, D); rows past cu_seqlens_q[-1] are left untouched
     check(query.dim() == 3, f"query must be (T, H, D), got {tuple(query.shape)}")
     check(k_cache.dim() == 4, f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
@@ -195,6 +203,7 @@ def paged_attention(
     check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
     check(k_cache.dtype in (query.dtype, FP8_KV_DTYPE) and v_cache.dtype == k_cache.dtype, f"cache dtype {k_cache.dtype} != query {query.dtype} (or float8_e4m3fn)")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    check(logits_soft_cap is None or logits_soft_cap >= 0, f"logits_soft_cap must be >= 0, got {logits_soft_cap}")
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
     check_same_device(query=query, k_cache=k_cache, block_tables=block_tables)
@@ -225,6 +234,7 @@ def paged_attention(
         v_scale,
         num_seqs,
         sliding_window or 0,
+        (logits_soft_cap or 1.0) * _LOG2E,
         block_size,
         query.stride(0),
         query.stride(1),
@@ -238,6 +248,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_B=next_pow2(num_seqs),
         USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=bool(logits_soft_cap),
         DOT_FP32=dot_fp32,
         PRECISION=precision,
         **tiles,

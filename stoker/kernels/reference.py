@@ -6,6 +6,8 @@ Shapes used throughout:
     slot_mapping (T,) int64 with -1 for tokens whose K/V are not stored (padding).
 A query token at index i of sequence s sits at position context_lens[s] - q_len[s] + i and
 attends causally to every cached position <= its own (and > position - sliding_window, if set).
+With `logits_soft_cap` c (Gemma 2), each score s = q.k x scale becomes c x tanh(s / c) before
+the mask and the softmax (transformers' eager attention).
 """
 
 from __future__ import annotations
@@ -151,12 +153,14 @@ def paged_decode_attention(
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (B, H, D)
     plan = _decode_plan(block_tables, context_lens, k_cache.shape[1], sliding_window, query.dtype)
     q_sorted = query.index_select(0, plan.order)
     out_sorted = torch.empty_like(q_sorted)
     for g in plan.groups:
-        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale, sinks)
+        out_sorted[g.rows] = _decode_group(q_sorted[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale, sinks,
+                                           logits_soft_cap)
     return out_sorted.index_select(0, plan.inverse)
 
 
@@ -169,6 +173,7 @@ def _decode_group(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # (b, H, D)
     b = query.shape[0]
     rows = group.block_ids.shape[0]
@@ -186,6 +191,7 @@ def _decode_group(
         False,
         scale,
         sinks,
+        logits_soft_cap,
     )
     return out.squeeze(2)
 
@@ -198,23 +204,30 @@ def _attend(
     is_causal: bool,
     scale: float,
     sinks: torch.Tensor | None,  # (H,)
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # (b, H, Lq, D)
-    """SDPA; with attention sinks, the same attention written out: each head's sink is one more
-    logit in the softmax's denominator, with no value (gpt-oss; transformers' eager path)."""
+    """SDPA; with attention sinks or a soft cap, the same attention written out: each head's
+    sink is one more logit in the softmax's denominator, with no value (gpt-oss), the soft cap
+    bends every score to cap x tanh(score / cap) before the mask (Gemma 2; transformers' eager path)."""
     gqa = q.shape[1] != k.shape[1]
-    if sinks is None:
+    if sinks is None and not logits_soft_cap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (b, H, Lq, L)
+    if logits_soft_cap:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     if is_causal:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (b, H, Lq, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (b, H, Lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
     return (probs @ v.float()).to(q.dtype)
 
 
@@ -230,6 +243,7 @@ def paged_attention(
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss): the twins and the C kernels take them
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (T, H, D)
     """Prefill / extend / decode in one: each sequence's new tokens attend causally to its
     whole cached context (prefix-cache hits and earlier chunks included)."""
@@ -261,6 +275,7 @@ def paged_attention(
             plain_causal,
             scale,
             sinks,
+            logits_soft_cap,
         )
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out

@@ -47,9 +47,16 @@ class AttentionMetadata:
 class Attention(nn.Module):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
-        with_sinks: bool = False,
+        with_sinks: bool = False, logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
+        # Logit soft-capping (Gemma 2's attn_logit_softcapping): every score s -> cap x tanh(s / cap)
+        # before the softmax; all three kernel sets take it. Passed to the kernels only when set,
+        # so a layer without it calls them as before.
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"attn_logit_softcapping must be positive (or null: off), got {logits_soft_cap}")
+        self.logits_soft_cap = logits_soft_cap
+        self._soft_cap_kwargs: dict[str, float] = {"logits_soft_cap": logits_soft_cap} if logits_soft_cap else {}
         # Attention sinks (gpt-oss): a learned logit per head in the softmax's denominator, passed
         # to `forward` by the layer that holds them. The torch twins and the C kernels take them,
         # the Triton ones not yet: the builder binds the torch twins for such a layer on CUDA
@@ -85,7 +92,7 @@ class Attention(nn.Module):
             raise RuntimeError("paged attention ran in a forward without AttentionMetadata")
         if (sinks is not None) != self.with_sinks:
             raise ValueError("attention sinks are given exactly when the layer was built with_sinks")
-        kernels = self.kernels
+        kernels, cap = self.kernels, self._soft_cap_kwargs
         kv_scales = (self.k_scale, self.v_scale)
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping, *kv_scales)
         if sinks is not None:  # the last argument of the torch twins and the C kernels (Triton takes none)
@@ -93,7 +100,8 @@ class Attention(nn.Module):
         nd = md.num_decodes
         if nd == len(md.context_lens_list):  # pure decode step
             return kernels.paged_decode_attention(
-                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window, *kv_scales
+                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.sliding_window, *kv_scales,
+                **cap,
             )
         if kernels.takes_device_lists and md.prefill_cu_seqlens_q is not None:
             cu_seqlens, context_lens = md.prefill_cu_seqlens_q, md.context_lens[nd:]
@@ -102,14 +110,15 @@ class Attention(nn.Module):
             cu_seqlens, context_lens = [x - cu[nd] for x in cu[nd:]], md.context_lens_list[nd:]
         prefill = kernels.paged_attention(
             q[nd:], self.k_cache, self.v_cache, md.block_tables[nd:], cu_seqlens, context_lens, self.scale,
-            self.sliding_window, *kv_scales,
+            self.sliding_window, *kv_scales, **cap,
         )  # fmt: skip
         if not nd:  # pure prefill: the kernel's output is the answer (no (T, H, D) copy)
             return prefill
         out = torch.empty_like(q)
         block_tables, decode_lens = md.decode_views()
         out[:nd] = kernels.paged_decode_attention(
-            q[:nd], self.k_cache, self.v_cache, block_tables, decode_lens, self.scale, self.sliding_window, *kv_scales
+            q[:nd], self.k_cache, self.v_cache, block_tables, decode_lens, self.scale, self.sliding_window, *kv_scales,
+            **cap,
         )
         out[nd:] = prefill
         return out

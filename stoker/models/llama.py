@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    model_cls: type[LlamaModel] = LlamaModel  # a family that scales its embeddings (Granite) brings its own
+    model_cls: type[LlamaModel] = LlamaModel  # a family that scales its embeddings (Granite, Gemma) brings its own
 
     def __init__(self, cfg: dict[str, Any], max_position: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()

@@ -50,6 +50,10 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing: a checkpoint folder needs config.json")
     cfg = json.loads(config_file.read_text())
+    # A multimodal checkpoint served by its language model reads that model's config (Gemma 3: text_config)
+    model_config = getattr(get_model_class(cfg.get("architectures")), "model_config", None)
+    if model_config is not None:
+        cfg = model_config(cfg)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if key not in cfg:
             raise ValueError(f"{config_file} has no {key!r}, which the model needs")
@@ -129,11 +133,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params: dict[str, str] = getattr(model, "expert_params", {})
     tied = bool(model.config.get("tie_word_embeddings", False))
-    # A family's tensors it does not run (GLM-4.5's multi-token-prediction layer)
+    # A family's tensors it does not run (GLM-4.5's multi-token-prediction layer, a vision tower)
     skip: Callable[[str], bool] = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+    # A family whose checkpoint names its tensors under another prefix (a multimodal model's language model)
+    rename: Callable[[str], str] | None = getattr(model, "checkpoint_name", None)
     filled: set[str] = set()
     for file in [Path(model_dir)] if is_gguf_file(model_dir) else safetensors_files(model_dir):
-        with GGUFTensors(file, model) if is_gguf_file(file) else safe_open(str(file), framework="pt", device="cpu") as f:
+        with GGUFTensors(file, model) if is_gguf_file(file) else safe_open(str(file), framework="pt", device="cpu") as raw:
+            f = raw if rename is None else _RenamedTensors(raw, rename, skip)
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or skip(name):
                     continue
@@ -175,6 +182,24 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for moe in moes.values():
         assert moe.method is not None
         moe.method.process_after_loading(moe)
+
+
+class _RenamedTensors:
+    """A safetensors file whose tensors are seen under the model's names (`rename`), the skipped
+    ones left out; reads go to the file's own names."""
+
+    def __init__(self, f: Any, rename: Callable[[str], str], skip: Callable[[str], bool]) -> None:
+        self.f = f
+        self.names = {rename(n): n for n in f.keys() if not skip(n)}
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(self.names[name])
+
+    def get_slice(self, name: str) -> Any:
+        return self.f.get_slice(self.names[name])
 
 
 def _shape(f: Any, name: str) -> tuple[int, ...]:

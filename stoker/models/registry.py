@@ -7,6 +7,10 @@ import importlib
 from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    # Gemma 2 and 3 (text; a multimodal Gemma 3 checkpoint serves its language model)
+    "Gemma2ForCausalLM": ("stoker.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("stoker.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("stoker.models.gemma3", "Gemma3ForConditionalGeneration"),
     "Glm4MoeForCausalLM": ("stoker.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("stoker.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("stoker.models.llama", "LlamaForCausalLM"),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.roofline.presets import ALIASES, PRESETS
+from stoker.roofline.text_config import is_multimodal, text_model_config
 
 INT4_GROUP_SIZE = 128
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
@@ -101,6 +102,9 @@ class ModelSpec:
     attention_bias: bool = False  # on q, k and v
     qk_norm: bool = False
     qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE, OLMo 2)
+    # RMSNorms of hidden_size per layer: 2 (before attention and before the MLP); Gemma 2 / 3 also
+    # normalise after each (4).
+    norms_per_layer: int = 2
     # Sliding-window attention on `num_sliding_layers` of the layers (gpt-oss: every other one,
     # config.json `layer_types`): those layers attend to, and hold K/V of, at most `sliding_window` tokens.
     sliding_window: int = 0
@@ -182,7 +186,7 @@ class ModelSpec:
             "router": router,
             "mlp_gate_up": gate_up,
             "mlp_down": down,
-            "norms": 2 * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0),
+            "norms": self.norms_per_layer * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0),
         }
 
     def param_counts(self) -> dict[str, int]:
@@ -336,8 +340,10 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             attention_sinks=model_type == "gpt_oss",
             num_dense_layers=num_dense_layers(config) if num_experts > 1 else 0,
             attention_bias=qkv_bias(config),
-            qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2")))),
+            qk_norm=bool(config.get("qk_norm", config.get("use_qk_norm", model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2",
+                                                                                       "gemma3_text")))),
             qk_norm_per_head=model_type not in ("olmoe", "olmo2"),
+            norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
             sliding_window=int(config.get("sliding_window") or 0) if sliding_layers(config) else 0,
             num_sliding_layers=sliding_layers(config),
             expert_dtype=expert_dtype(config) if num_experts > 1 else "",
@@ -349,8 +355,14 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
 
 
 def sliding_layers(config: dict) -> int:
-    """Layers config.json's `layer_types` marks "sliding_attention" (gpt-oss: every other one)."""
-    return sum(1 for t in config.get("layer_types") or [] if t == "sliding_attention")
+    """Layers config.json's `layer_types` marks "sliding_attention" (gpt-oss: every other one).
+    Gemma configs written before `layer_types` existed say it by rule (transformers' defaults):
+    Gemma 2 every other layer from the first, Gemma 3 all but every `sliding_window_pattern`-th (6)."""
+    if config.get("layer_types") or not config.get("sliding_window"):
+        return sum(1 for t in config.get("layer_types") or [] if t == "sliding_attention")
+    period = {"gemma2": 2, "gemma3_text": int(config.get("sliding_window_pattern") or 6)}.get(config.get("model_type", ""))
+    layers = int(config["num_hidden_layers"])
+    return layers - layers // period if period else 0
 
 
 def expert_dtype(config: dict) -> str:
@@ -403,6 +415,8 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if is_multimodal(config):  # a multimodal checkpoint: its language model (what the engine serves)
+            config = text_model_config(config)
         return spec_from_config(config, name=path.parent.name or path.stem)
     key = _preset_key(name_or_path)
     if key is None:

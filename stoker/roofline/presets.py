@@ -88,6 +88,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128, intermediate_size=25600, vocab_size=151936, qk_norm=True,
         published_params=32.8e9, source="huggingface.co/Qwen/Qwen3-32B config.json; model card 32.8B",
     ),
+    # Gemma: four norms per layer (before and after attention and the MLP), sliding-window layers
+    # (Gemma 2 every other one, 4096 tokens; Gemma 3 five of every six, 1024 tokens), tied embeddings.
+    "gemma-2-9b": dict(
+        hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=14336, vocab_size=256000, query_pre_attn_scalar=224, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True, model_type="gemma2",
+        published_params=9.242e9,
+        source="huggingface.co/google/gemma-2-9b config.json (the same fields: huggingface/transformers "
+               "src/transformers/models/gemma2/convert_gemma2_weights_to_hf.py gemma_9b_config, vocab_size "
+               "Gemma2Config's 256000); Gemma 2 report (arXiv 2408.00118) Table 2: 917,962,752 embedding + "
+               "8,324,201,984 non-embedding = 9.242B",
+    ),
+    "gemma-3-27b": dict(
+        hidden_size=5376, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+        intermediate_size=21504, vocab_size=262208, query_pre_attn_scalar=168, sliding_window=1024,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, tie_word_embeddings=True, model_type="gemma3_text",
+        published_params=27.016e9,
+        source="huggingface.co/google/gemma-3-27b-it config.json text_config (the same fields: brb-nv/TensorRT-LLM "
+               "tests/unittest/_torch/modeling/test_modeling_gemma3vl.py GEMMA3_27B_MINI_CONFIG, its layers and "
+               "window cut for the test; 62 layers and window 1024: AI-Hypercomputer/maxtext "
+               "MaxText/utils/ckpt_conversion/utils/hf_model_configs.py gemma3_27b_config); vocab_size: transformers' Gemma3TextConfig default, "
+               "which that text_config leaves; Gemma 3 report (arXiv 2503.19786) Table 1: 1,416M embedding + "
+               "25,600M non-embedding = 27.016B for the language model (its 417M vision encoder not served)",
+    ),
     "llama-2-7b": dict(
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=11008, vocab_size=32000,
@@ -135,6 +159,7 @@ ALIASES: dict[str, str] = {
     "meta-llama-3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b", "meta-llama-3.1-70b": "llama-3-70b",
     "llama-3.3-70b": "llama-3-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "gemma-2-9b-it": "gemma-2-9b", "gemma-3-27b-it": "gemma-3-27b", "gemma-3-27b-pt": "gemma-3-27b",
     "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
     "olmo-2-0325-32b": "olmo-2-32b", "olmo-2-0325-32b-instruct": "olmo-2-32b",
     "granite-3.3-8b-instruct": "granite-3.3-8b", "granite-3.3-8b-base": "granite-3.3-8b",

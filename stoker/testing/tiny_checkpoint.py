@@ -33,6 +33,11 @@ _ARCH = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
 }
+# Gemma 2 and 3 (text)
+_ARCH.update({
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+})
 
 # Per family, the 1-D tensors transformers initialises to zero that the tests should see
 # nonzero: biases, GLM-4.5's router correction bias (which steers the expert choice).
@@ -40,6 +45,13 @@ _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
 }
+# Gemma's norms scale by (1 + w) with w initialised to 0: drawn around 0 so that they count
+_RANDOM_VECTORS.update({
+    "gemma2": ("norm.weight", "layernorm.weight"),
+    "gemma3_text": ("norm.weight", "layernorm.weight"),
+})
+# Per family, TINY's fields it needs otherwise: Gemma's configs default to head_dim 256
+_TINY_FOR: dict[str, dict[str, Any]] = {"gemma2": {"head_dim": 16}, "gemma3_text": {"head_dim": 16}}
 
 # Per family, config defaults the tiny vocabulary needs (pad_token_id 32000 in Phi3Config, 128004 in SmolLM3Config).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -92,7 +104,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **_FAMILY_DEFAULTS.get(arch, {}), **overrides}
+    kwargs = {**TINY, **_TINY_FOR.get(arch, {}), **_FAMILY_DEFAULTS.get(arch, {}), **overrides}
     kwargs.setdefault("bos_token_id", 0)
     kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
     config = config_cls(**kwargs)

@@ -49,8 +49,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         ("qwen3", {"attention_bias": True}),  # q/k norm per head; o_proj bias: row-parallel, added once
         # one KV head for two ranks (replicated), tied LM head, a vocabulary no rank count divides
         ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True, "vocab_size": 1023}),
+        # (1 + w) norms before and after attention and MLP, per-head q/k norms, scaled embeddings,
+        # a windowed local layer and a global one (their own rotary bases), a final logit soft cap
+        ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 2, "query_pre_attn_scalar": 16,
+                         "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 6.0}),
     ],
-    ids=["llama", "mistral-window", "qwen2-bias", "qwen3-qknorm-obias", "llama-kv1-tied-vocab1023"],
+    ids=["llama", "mistral-window", "qwen2-bias", "qwen3-qknorm-obias", "llama-kv1-tied-vocab1023", "gemma3"],
 )
 def test_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> None:
     path = tiny_checkpoints(arch, **overrides)

@@ -113,6 +113,33 @@ def test_paged_attention(
 
 
 @compiled_only
+def test_soft_capped_attention_gemma2_shape(gen: torch.Generator) -> None:
+    """Gemma 2 9B's attention (16 query heads over 8 KV heads of 256, query_pre_attn_scalar 224,
+    a window, attn_logit_softcapping 50) with queries scaled so that scores reach the cap."""
+    from stoker.kernels.paged_decode_attention import paged_decode_attention
+    from stoker.kernels.paged_prefill_attention import paged_attention
+
+    seqs, cap, window, scale = [(700, 700), (100, 1), (650, 300)], 50.0, 256, 224**-0.5
+    ctx = [c for c, _ in seqs]
+    cu = [0]
+    for _, q_len in seqs:
+        cu.append(cu[-1] + q_len)
+    b = make_paged_batch(ctx, 8, 256, 16, BF16, "cuda", gen)
+    q = (torch.randn(cu[-1], 16, 256, generator=gen) * 8).to("cuda", BF16)
+    out = paged_attention(q, b.k_cache, b.v_cache, b.block_tables, cu, ctx, scale, window, out=poisoned_like(q),
+                          logits_soft_cap=cap)
+    ref = reference.paged_attention(q.float(), b.k_ref, b.v_ref, b.block_tables, cu, ctx, scale, window,
+                                    logits_soft_cap=cap)
+    assert_close(out, ref, 2e-2, "prefill bf16 soft cap")
+    qd, lens = q[: len(ctx)].contiguous(), b.context_lens_tensor()
+    out = paged_decode_attention(qd, b.k_cache, b.v_cache, b.block_tables, lens, scale, window, out=poisoned_like(qd),
+                                 logits_soft_cap=cap)
+    ref = reference.paged_decode_attention(qd.float(), b.k_ref, b.v_ref, b.block_tables, lens, scale, window,
+                                           logits_soft_cap=cap)
+    assert_close(out, ref, 2e-2, "decode bf16 soft cap")
+
+
+@compiled_only
 def test_norm_activation_rotary(gen: torch.Generator) -> None:
     from stoker.kernels.activation import silu_and_mul
     from stoker.kernels.rms_norm import fused_add_rms_norm, rms_norm

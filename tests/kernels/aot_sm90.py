@@ -25,7 +25,7 @@ from stoker.kernels import activation, paged_decode_attention, paged_prefill_att
 from stoker.kernels import store_kvcache, w8_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale"}
+FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
 FP8_CACHE = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv"}
 TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -73,37 +73,42 @@ def variants():
         yield (f"store_kvcache bf16 Hkv8 D128{' fp8 cache' if fp8 else ''}", store_kvcache._store_kvcache_kernel,
                {"*": "bf16", "slot_mapping_ptr": "i64", **({"k_cache_ptr": "u8", "v_cache_ptr": "u8"} if fp8 else {})},
                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=fp8, FP8_MAX=448.0), 4)
-    for dtype, head_dim, group, splits, window in [
-        (torch.bfloat16, 128, 4, 1, False), (torch.bfloat16, 64, 8, 8, True), (torch.bfloat16, 256, 2, 4, False),
-        (torch.float32, 128, 4, 2, False),
+    # soft_cap: Gemma 2's attention logit soft-capping (9B: head_dim 256, 2 query heads per KV head, a window)
+    for dtype, head_dim, group, splits, window, soft_cap in [
+        (torch.bfloat16, 128, 4, 1, False, False), (torch.bfloat16, 64, 8, 8, True, False),
+        (torch.bfloat16, 256, 2, 4, False, False), (torch.float32, 128, 4, 2, False, False),
+        (torch.bfloat16, 256, 2, 4, True, True),
     ]:
         tiles = paged_decode_attention.tile_config(head_dim, group, dtype)
         warps = tiles.pop("num_warps")
-        yield (f"decode {TL[dtype]} D{head_dim} G{group} splits{splits}", paged_decode_attention._decode_split_kernel,
-               {"*": TL[dtype], **idx, **part},
-               dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, USE_WINDOW=window, DOT_FP32=False,
-                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
+        yield (f"decode {TL[dtype]} D{head_dim} G{group} splits{splits}{' soft cap' if soft_cap else ''}",
+               paged_decode_attention._decode_split_kernel, {"*": TL[dtype], **idx, **part},
+               dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, USE_WINDOW=window, USE_SOFT_CAP=soft_cap,
+                    DOT_FP32=False, PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
     tiles = paged_decode_attention.tile_config(128, 4, torch.bfloat16)
     warps = tiles.pop("num_warps")
     yield ("decode bf16 D128 G4 splits4 fp8 cache", paged_decode_attention._decode_split_kernel,
            {"*": "bf16", **idx, **part, **FP8_CACHE},
-           dict(GROUP=4, HEAD_DIM=128, NUM_SPLITS=4, USE_WINDOW=False, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+           dict(GROUP=4, HEAD_DIM=128, NUM_SPLITS=4, USE_WINDOW=False, USE_SOFT_CAP=False, DOT_FP32=False,
+                PRECISION="tf32", **tiles), warps)
     yield ("decode reduce D128 splits64", paged_decode_attention._decode_reduce_kernel, {"*": "bf16", **idx, **part},
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=64), 4)
-    for dtype, head_dim, group, window in [
-        (torch.bfloat16, 128, 4, True), (torch.bfloat16, 64, 1, False), (torch.bfloat16, 256, 2, False),
-        (torch.bfloat16, 128, 7, False), (torch.float32, 128, 4, False),
+    for dtype, head_dim, group, window, soft_cap in [
+        (torch.bfloat16, 128, 4, True, False), (torch.bfloat16, 64, 1, False, False),
+        (torch.bfloat16, 256, 2, False, False), (torch.bfloat16, 128, 7, False, False),
+        (torch.float32, 128, 4, False, False), (torch.bfloat16, 256, 2, True, True),
     ]:
         tiles = paged_prefill_attention.tile_config(head_dim, group, dtype)
         warps = tiles.pop("num_warps")
-        yield (f"prefill {TL[dtype]} D{head_dim} G{group}", paged_prefill_attention._paged_prefill_kernel,
-               {"*": TL[dtype], **idx},
-               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_B=256, USE_WINDOW=window, DOT_FP32=False,
-                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
+        yield (f"prefill {TL[dtype]} D{head_dim} G{group}{' soft cap' if soft_cap else ''}",
+               paged_prefill_attention._paged_prefill_kernel, {"*": TL[dtype], **idx},
+               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_B=256, USE_WINDOW=window, USE_SOFT_CAP=soft_cap,
+                    DOT_FP32=False, PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
     tiles = paged_prefill_attention.tile_config(128, 4, torch.bfloat16)
     warps = tiles.pop("num_warps")
     yield ("prefill bf16 D128 G4 fp8 cache", paged_prefill_attention._paged_prefill_kernel, {"*": "bf16", **idx, **FP8_CACHE},
-           dict(GROUP=4, HEAD_DIM=128, BLOCK_B=256, USE_WINDOW=False, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+           dict(GROUP=4, HEAD_DIM=128, BLOCK_B=256, USE_WINDOW=False, USE_SOFT_CAP=False, DOT_FP32=False,
+                PRECISION="tf32", **tiles), warps)
     for wtype, rows, group_k in (("i8", 1, 4096), ("fp8e4nv", 64, 128), ("i8", 256, 4096)):
         tiles = w8_linear.tile_config(rows, group_k, 4096)
         warps = tiles.pop("num_warps")

@@ -41,14 +41,20 @@ def _mixed_batch(rng: random.Random, target: list[int], params: SamplingParams) 
     return [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts], sampling, where
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# Gemma 2: attention soft-capped in the C kernels, a 64-token window, GeGLU, (1 + w) norms
+FAMILIES = {"llama": {}, "qwen2": {},
+            "gemma2": dict(head_dim=32, sliding_window=64, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+                           final_logit_softcapping=10.0)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def llm(request, tiny_checkpoints) -> LLM:
     # Sizes that leave partial weight panels of one vector (vocab 1000 with AVX2's 32-column
     # panels; [gate; up] 600 with AVX-512's 64): the tiles where gcc's znver2 tuning broke
     # invariance. Qwen2's q/k/v add biases. A 96-token step budget splits the long prompts
     # into chunks that share steps with decodes.
     ckpt = tiny_checkpoints(request.param, hidden_size=128, intermediate_size=300, vocab_size=1000,
-                            num_attention_heads=4, num_key_value_heads=2)
+                            num_attention_heads=4, num_key_value_heads=2, **FAMILIES[request.param])
     return LLM(str(ckpt), max_model_len=512, max_num_batched_tokens=96, kv_cache_memory_bytes=32 << 20)
 
 
@@ -61,7 +67,9 @@ def llm(request, tiny_checkpoints) -> LLM:
     ids=["greedy", "seeded"],
 )
 @pytest.mark.parametrize("prefix_cached", [False, True], ids=["cold", "prefix-hit"])
-def test_same_tokens_alone_and_in_a_batch_of_32(llm: LLM, params: SamplingParams, prefix_cached: bool) -> None:
+def test_same_tokens_alone_and_in_a_batch_of_32(llm: LLM, params: SamplingParams, prefix_cached: bool, request) -> None:
+    if request.node.callspec.params["llm"] == "gemma2" and prefix_cached != (params.temperature > 0):
+        pytest.skip("Gemma 2 runs two of the four cases (cold greedy, seeded after a prefix hit): the suite's time")
     rng = random.Random(7)
     target = [rng.randrange(5, 1000) for _ in range(PROMPT_LEN)]
     if not prefix_cached:

@@ -34,7 +34,8 @@ def test_unknown_architecture_names_the_supported_ones(tiny_llama, tmp_path) -> 
     from stoker.models.registry import supported_architectures
 
     names = supported_architectures()
-    assert {"LlamaForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"} <= set(names)
+    assert {"LlamaForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+            "Gemma2ForCausalLM", "Gemma3ForCausalLM"} <= set(names)
     with pytest.raises(ValueError, match="not supported; supported: " + re.escape(", ".join(names))):
         LLM(str(path))
 

@@ -189,8 +189,8 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
-        "stoker_paged_decode_attention_f32": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, i32, p], i32),
-        "stoker_paged_decode_attention_fp8": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, f32, f32, i32, p], i32),
+        "stoker_paged_decode_attention_f32": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, i32, p, f32], i32),
+        "stoker_paged_decode_attention_fp8": ([p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i64, f32, f32, i32, p, f32], i32),
         "stoker_rms_norm_f32": ([p, i64, p, i64, p, p, p, i64, i64, f32, i32], None),
         "stoker_silu_and_mul_f32": ([p, i64, p, i64, i64, i32], None),
         "stoker_rotary_f32": ([p, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i32], i32),
@@ -199,8 +199,8 @@ def library() -> ctypes.CDLL | None:
         "stoker_linear_nr": ([], i32),
         "stoker_linear_vl": ([], i32),
         "stoker_cpu_target": ([], ctypes.c_char_p),
-        "stoker_paged_prefill_attention_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, i32, p], i32),
-        "stoker_paged_prefill_attention_fp8": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, f32, f32, i32, p], i32),
+        "stoker_paged_prefill_attention_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, i32, p, f32], i32),
+        "stoker_paged_prefill_attention_fp8": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i64, f32, f32, i32, p, f32], i32),
         "stoker_prefill_attention_bidirectional_f32": ([p, p, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i32], i32),
         "stoker_store_kvcache_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, i32], i64),
         "stoker_store_kvcache_fp8": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, f32, i32], i64),

@@ -27,6 +27,10 @@
  *
  * Attention sinks (gpt-oss; sinks non-NULL, (num_heads,) float32): head h's sink is one more
  * logit in its softmax's denominator, with no value: the row's max and sum start from it.
+ *
+ * Logit soft-capping (Gemma 2; soft_cap > 0): each score s (q . k x scale) becomes
+ * soft_cap x tanh(s / soft_cap) before the softmax, row by row, so a sequence's result still
+ * depends on its own context only (the batch-invariance the other loops keep).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -76,10 +80,14 @@ static inline void score_positions(const float *restrict q, const char *restrict
 }
 
 /* In place, each of the nh rows of scores (nh, n) becomes its softmax; with sinks (nh,), row
- * h's denominator has exp(sinks[h]) too. */
-static void softmax_rows(float *scores, int64_t nh, int64_t n, const float *sinks) {
+ * h's denominator has exp(sinks[h]) too; with soft_cap > 0 the scores are capped first. */
+static void softmax_rows(float *scores, int64_t nh, int64_t n, const float *sinks, float soft_cap) {
     for (int64_t h = 0; h < nh; h++) {
         float *row = scores + h * n;
+        if (soft_cap > 0.0f) {
+            const float inv_cap = 1.0f / soft_cap;
+            for (int64_t i = 0; i < n; i++) row[i] = soft_cap * tanhf(row[i] * inv_cap);
+        }
         float m = row[0];
         for (int64_t i = 1; i < n; i++) m = row[i] > m ? row[i] : m;
         if (sinks != NULL && sinks[h] > m) m = sinks[h];
@@ -102,7 +110,7 @@ static void softmax_rows(float *scores, int64_t nh, int64_t n, const float *sink
 static void attend(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                    const int32_t *restrict table, float *restrict out, float *restrict work, int64_t start,
                    int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-                   int64_t token_stride, float scale, int fp8, float v_mul, const float *sinks) {
+                   int64_t token_stride, float scale, int fp8, float v_mul, const float *sinks, float soft_cap) {
     const int64_t n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;          /* (nh, n) */
     float *acc = work + nh * n;    /* (nh, head_dim) */
@@ -118,7 +126,7 @@ static void attend(const float *restrict q, const void *restrict k_cache, const 
         pos = end;
     }
 
-    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL);
+    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL, soft_cap);
 
     /* out[h, :] = sum_i p[h, i] * v_{start + i} */
     memset(acc, 0, sizeof(float) * nh * head_dim);
@@ -208,7 +216,7 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const i
                                                            float *restrict work, int64_t start, int64_t ctx, int64_t h0,
                                                            int64_t h1, int64_t group, int64_t block_size,
                                                            int64_t token_stride, float scale, float v_mul,
-                                                           const float *sinks) {
+                                                           const float *sinks, float soft_cap) {
     const int64_t head_dim = 16 * nd, n = ctx - start, nh = h1 - h0, esize = fp8 ? 1 : 4;
     float *scores = work;       /* (nh, n) */
     float *acc = work + nh * n; /* (nh, head_dim) */
@@ -249,7 +257,7 @@ static inline __attribute__((always_inline)) void attend16(const int nd, const i
         pos = end;
     }
 
-    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL);
+    softmax_rows(scores, nh, n, sinks != NULL ? sinks + h0 : NULL, soft_cap);
 
     /* out[h, :] = sum_i p[h, i] * v_{start + i}, accumulated in registers over 16 positions */
     memset(acc, 0, sizeof(float) * nh * head_dim);
@@ -286,7 +294,7 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         int64_t block_size, float scale, int64_t sliding_window, int num_threads, int fp8,
-                        float v_mul, const float *sinks) {
+                        float v_mul, const float *sinks, float soft_cap) {
     int64_t max_context_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t ctx = context_lens[s];
@@ -325,9 +333,9 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
 #ifdef FAST_PATH
 #define ATTEND16(ND)                                                                                                   \
     (fp8 ? attend16(ND, 1, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
-                    scale, v_mul, sinks)                                                                               \
+                    scale, v_mul, sinks, soft_cap)                                                                     \
          : attend16(ND, 0, qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, block_size, token_stride, \
-                    scale, v_mul, sinks))
+                    scale, v_mul, sinks, soft_cap))
             if (head_dim == 64)
                 ATTEND16(4);
             else if (head_dim == 128)
@@ -339,7 +347,7 @@ static int paged_decode(const float *query, const void *k_cache, const void *v_c
             else
 #endif
                 attend(qs, k_cache, v_cache, table, o, work, start, ctx, h0, h1, group, head_dim, block_size, token_stride,
-                       scale, fp8, v_mul, sinks);
+                       scale, fp8, v_mul, sinks, soft_cap);
         }
         free(work);
     }
@@ -355,10 +363,10 @@ int stoker_paged_decode_attention_f32(const float *query, const float *k_cache, 
                                       const int32_t *context_lens, float *out, int64_t num_seqs,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       int64_t block_size, float scale, int64_t sliding_window, int num_threads,
-                                      const float *sinks) {
+                                      const float *sinks, float soft_cap) {
     return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
                         num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0, 1.0f,
-                        sinks);
+                        sinks, soft_cap);
 }
 
 /* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
@@ -367,9 +375,9 @@ int stoker_paged_decode_attention_fp8(const float *query, const uint8_t *k_cache
                                       const int32_t *context_lens, float *out, int64_t num_seqs,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       int64_t block_size, float scale, int64_t sliding_window, float k_scale,
-                                      float v_scale, int num_threads, const float *sinks) {
+                                      float v_scale, int num_threads, const float *sinks, float soft_cap) {
     /* rows widen to value / 256: the 256 goes into both multipliers */
     return paged_decode(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, context_lens, out, num_seqs,
                         num_heads, num_kv_heads, head_dim, block_size, scale * k_scale * 256.0f, sliding_window,
-                        num_threads, 1, v_scale * 256.0f, sinks);
+                        num_threads, 1, v_scale * 256.0f, sinks, soft_cap);
 }

@@ -24,6 +24,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss)
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (B, H, D)
     lib = _checked_library()
     num_seqs, num_heads, head_dim = query.shape
@@ -50,10 +51,13 @@ def paged_decode_attention(
             raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({num_heads})")
         sinks = sinks.to(torch.float32).contiguous()
         sinks_ptr = sinks.data_ptr()
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be positive (or None: off), got {logits_soft_cap}")
+    soft_cap = float(logits_soft_cap or 0.0)  # 0: off
     if _is_fp8(k_cache):
-        status = lib.stoker_paged_decode_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr)
+        status = lib.stoker_paged_decode_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr, soft_cap)
     else:
-        status = lib.stoker_paged_decode_attention_f32(*args, torch.get_num_threads(), sinks_ptr)
+        status = lib.stoker_paged_decode_attention_f32(*args, torch.get_num_threads(), sinks_ptr, soft_cap)
     _raise_for_status(
         status, "paged_decode_attention",
         f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "

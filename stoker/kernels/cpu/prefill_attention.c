@@ -34,6 +34,9 @@
  *
  * Attention sinks (gpt-oss; sinks non-NULL, (num_heads,) float32): head h's sink is one more
  * logit in each of its rows' softmax denominators, with no value.
+ *
+ * Logit soft-capping (Gemma 2; soft_cap > 0): each score s (q . k x scale) becomes
+ * soft_cap x tanh(s / soft_cap) before the mask and the softmax, row by row.
  */
 #include <math.h>
 #include <stdint.h>
@@ -75,7 +78,7 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                          const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                          int64_t sliding_window, int num_threads, int fp8, float k_mul, float v_mul, int causal,
-                         int64_t ldq, int64_t ldo, int64_t token_stride, const float *sinks) {
+                         int64_t ldq, int64_t ldo, int64_t token_stride, const float *sinks, float soft_cap) {
     const int64_t nr = stoker_linear_nr(), mr_max = stoker_linear_mr(), vl = stoker_linear_vl();
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_ctx = 0, num_tasks = 0;
@@ -155,17 +158,24 @@ static int paged_prefill(const float *query, const void *k_cache, const void *v_
                         /* over whole vectors [0, span), the keys outside [first, last] masked: a
                          * short row (a 12-token query) is then one vector, not 12 scalar expf */
                         const int64_t span = (last + vl) / vl * vl; /* <= keys_pad, a multiple of vl */
+                        /* soft-capped: the row holds the capped scores, scaled already */
+                        float row_scale = scale;
+                        if (soft_cap > 0.0f) {
+                            const float s_cap = scale / soft_cap;
+                            for (int64_t j = 0; j < span; j++) row[j] = soft_cap * tanhf(row[j] * s_cap);
+                            row_scale = 1.0f;
+                        }
                         float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
                         for (int64_t j = 0; j < span; j++) {
-                            const float v = j >= first && j <= last ? row[j] * scale : -INFINITY;
+                            const float v = j >= first && j <= last ? row[j] * row_scale : -INFINITY;
                             mx = v > mx ? v : mx;
                         }
                         if (sinks != NULL && sinks[h] > mx) mx = sinks[h];
                         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                         for (int64_t j = 0; j < span; j++) {
-                            const float e = expf(row[j] * scale - mx);
+                            const float e = expf(row[j] * row_scale - mx);
                             row[j] = j >= first && j <= last ? e : 0.0f;
                             sum += row[j];
                         }
@@ -197,10 +207,11 @@ int stoker_paged_prefill_attention_f32(const float *query, const float *k_cache,
                                        const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale, int64_t sliding_window, int num_threads,
-                                       const float *sinks) {
+                                       const float *sinks, float soft_cap) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 0,
-                         1.0f, 1.0f, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks);
+                         1.0f, 1.0f, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks,
+                         soft_cap);
 }
 
 /* As stoker_paged_prefill_attention_f32 without the causal mask (and no sliding window). */
@@ -211,7 +222,7 @@ int stoker_prefill_attention_bidirectional_f32(const float *query, const float *
                                                int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, 0, num_threads, 0, 1.0f, 1.0f,
-                         0, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, NULL);
+                         0, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, NULL, 0.0f);
 }
 
 /* As above with FP8 E4M3 caches dequantized by k_scale and v_scale (per layer). */
@@ -220,10 +231,11 @@ int stoker_paged_prefill_attention_fp8(const float *query, const uint8_t *k_cach
                                        const int64_t *cu_seqlens, const int64_t *context_lens, float *out,
                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale, int64_t sliding_window, float k_scale,
-                                       float v_scale, int num_threads, const float *sinks) {
+                                       float v_scale, int num_threads, const float *sinks, float soft_cap) {
     return paged_prefill(query, k_cache, v_cache, num_blocks, block_tables, max_blocks, cu_seqlens, context_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, num_threads, 1,
-                         k_scale, v_scale, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks);
+                         k_scale, v_scale, 1, num_heads * head_dim, num_heads * head_dim, num_kv_heads * head_dim, sinks,
+                         soft_cap);
 }
 
 /* An encoder's attention straight from its fused projection: qkv (T, 3, H, D) packed over
@@ -237,5 +249,5 @@ int stoker_encoder_attention_f32(const float *qkv, int64_t num_tokens, const int
     const int64_t hd = num_heads * head_dim;
     return paged_prefill(qkv, qkv + hd, qkv + 2 * hd, num_tokens, token_table, max_len, cu_seqlens, lengths, out,
                          num_seqs, num_heads, num_heads, head_dim, 1, scale, 0, num_threads, 0, 1.0f, 1.0f, 0, 3 * hd,
-                         hd, 3 * hd, NULL);
+                         hd, 3 * hd, NULL, 0.0f);
 }

@@ -44,6 +44,7 @@ def paged_attention(
     k_scale: float = 1.0,  # FP8 caches: dequantization scales of this layer
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # (H,) attention sinks (gpt-oss)
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap x tanh(score / cap); None or 0: off
 ) -> torch.Tensor:  # (T, H, D)
     """reference.paged_attention's semantics, in C (prefill_attention.c)."""
     lib = _checked_library()
@@ -72,10 +73,13 @@ def paged_attention(
             raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({num_heads})")
         sinks = sinks.to(torch.float32).contiguous()
         sinks_ptr = sinks.data_ptr()
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be positive (or None: off), got {logits_soft_cap}")
+    soft_cap = float(logits_soft_cap or 0.0)  # 0: off
     if _is_fp8(k_cache):
-        status = lib.stoker_paged_prefill_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr)
+        status = lib.stoker_paged_prefill_attention_fp8(*args, k_scale, v_scale, torch.get_num_threads(), sinks_ptr, soft_cap)
     else:
-        status = lib.stoker_paged_prefill_attention_f32(*args, torch.get_num_threads(), sinks_ptr)
+        status = lib.stoker_paged_prefill_attention_f32(*args, torch.get_num_threads(), sinks_ptr, soft_cap)
     _raise_for_status(
         status, "paged_attention",
         f"each sequence needs 0 <= query rows <= context_len <= the block table's {block_tables.shape[1] * block_size} positions",
@@ -116,7 +120,7 @@ def varlen_attention(
         cu_seqlens.data_ptr(), lengths.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, 1, scale,
     )  # fmt: skip
     if causal:
-        status = lib.stoker_paged_prefill_attention_f32(*args, 0, torch.get_num_threads(), None)
+        status = lib.stoker_paged_prefill_attention_f32(*args, 0, torch.get_num_threads(), None, 0.0)
     else:
         status = lib.stoker_prefill_attention_bidirectional_f32(*args, torch.get_num_threads())
     _raise_for_status(status, "varlen_attention", "each sequence's length must fit its token_table row", num_tokens)
