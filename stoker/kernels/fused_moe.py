@@ -259,13 +259,14 @@ def moe_align_block_size(
 def tile_config(num_pairs: int, num_experts: int, group_k13: int, group_k2: int, hidden: int,
                 inter: int) -> dict[str, int]:
     """BLOCK_M by the average pairs per expert (decode: few, so a narrow M tile wastes little on
-    padding); BLOCK_K halved until it divides the 8-bit scale groups. Not yet tuned on a GPU;
-    tests/kernels/aot_sm90.py checks that these configs compile for sm_90 without spills."""
+    padding); BLOCK_K halved until it divides the 8-bit scale groups. 8 warps: with 4, ptxas
+    spilled the gate/up kernel's two weight tiles at BLOCK_M 16 (tests/kernels/aot_sm90.py
+    checks these configs compile for sm_90 without spills). Not yet tuned on a GPU."""
     block_m = 16 if num_pairs <= 4 * num_experts else 64
     block_k = 64
     while block_k > 16 and ((group_k13 < hidden and group_k13 % block_k) or (group_k2 < inter and group_k2 % block_k)):
         block_k //= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4 if block_m == 16 else 8}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 8}
 
 
 def _check_weight(name: str, w: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor, scale: torch.Tensor | None,
