@@ -219,3 +219,35 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="activation"):
         fused_moe(x, w13, w2, weights, ids, "tanh")
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 16)
+
+
+def test_expert_parallel_ranks_on_the_triton_method_sum_to_the_whole_layer() -> None:
+    """Under --enable-expert-parallel each rank's method gets its pairs one per row (k = 1,
+    layers/moe_expert_parallel.py): the kernel takes that shape, and the ranks' partial outputs
+    add up to the whole layer's."""
+    from stoker.distributed.expert_partition import ExpertPartition
+    from stoker.layers.moe_triton import TritonMoEMethod
+
+    class Partials:  # a stand-in group that keeps each rank's partial output
+        world_size = 2
+
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(x.clone())
+            return x
+
+    w13, w2 = experts(5, 24, 16)
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(6, 5, 2)
+    group = Partials()
+    for r in range(2):
+        held = ExpertPartition(5, 2, r)
+        layer = FusedMoE(5, 24, 16, tp=group, experts=held)  # type: ignore[arg-type]
+        layer.attach(TritonMoEMethod())
+        with torch.no_grad():
+            layer.w13.copy_(w13[held.start:held.stop])
+            layer.w2.copy_(w2[held.start:held.stop])
+        layer(x, weights, ids)
+    assert rel_err(group.seen[0] + group.seen[1], loop(x, w13, w2, weights, ids)) < 1e-6
