@@ -427,3 +427,52 @@ def fused_moe(
         h = activation(x[token_idx] @ w13[e].t()) @ w2[e].t()  # (n, H)
         out.index_add_(0, token_idx, (h * topk_weights[token_idx, slot, None]).to(x.dtype))
     return out
+
+
+def _gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """(n, 2I) [gate | up] float32 -> (n, I) float32: the gates of kernels/fused_moe.ACTIVATIONS."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    fns = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "relu": F.relu}
+    return fns[activation](gate) * up
+
+
+def fused_moe_grouped(
+    x: torch.Tensor,  # (T, H)
+    w13: torch.Tensor,  # (E, 2I, H) model dtype, or int8 / float8_e4m3fn with w13_scale
+    w2: torch.Tensor,  # (E, H, I)
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k)
+    activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,  # (E, 2I, G13) float32
+    w2_scale: torch.Tensor | None = None,  # (E, H, G2) float32
+    group_k13: int | None = None,
+    group_k2: int | None = None,
+) -> torch.Tensor:  # (T, H)
+    """Twin of kernels/fused_moe.py, rounding where it rounds: per expert, the gate/up GEMM and
+    the activation in float32 (operands in x's dtype, 8-bit weights dequantized to it first, as
+    w8_linear), rounded to x's dtype; the down GEMM in float32 times the routing weight, rounded;
+    then each token's k results summed in float32 in ascending expert order, rounded once."""
+    num_tokens, k = topk_ids.shape
+    ids, perm = topk_ids.sort(dim=1)
+    weights = topk_weights.gather(1, perm).float()
+
+    def dequantized(w: torch.Tensor, scale: torch.Tensor | None, group_k: int | None, e: int) -> torch.Tensor:
+        if scale is None:
+            return w[e].float()
+        assert group_k is not None
+        s = scale[e].float().repeat_interleave(group_k, dim=1)[:, : w.shape[2]]
+        return (w[e].float() * s).to(x.dtype).float()
+
+    per_choice = torch.zeros(num_tokens, k, x.shape[1], dtype=x.dtype, device=x.device)
+    for e in range(w13.shape[0]):
+        token_idx, slot = torch.where(ids == e)
+        if token_idx.numel() == 0:
+            continue
+        a = x[token_idx].float()
+        act = _gated(a @ dequantized(w13, w13_scale, group_k13, e).t(), activation).to(x.dtype)
+        h = act.float() @ dequantized(w2, w2_scale, group_k2, e).t()  # (n, H) float32
+        per_choice[token_idx, slot] = (h * weights[token_idx, slot, None]).to(x.dtype)
+    out = per_choice[:, 0].float()
+    for j in range(1, k):
+        out += per_choice[:, j].float()
+    return out.to(x.dtype)

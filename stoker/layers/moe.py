@@ -72,6 +72,7 @@ class FusedMoE(nn.Module):
         self.reduce = tp if not (split.is_whole and experts.is_whole) else None
         # tokens routed per expert (all E), on the device; the engine reads it at its log interval and on a scrape
         self.expert_tokens = ExpertTokenCounter(num_experts)
+        self.hidden_act = hidden_act  # the ACT2FN name, for a kernel that applies the gate itself
         self.act = get_gated_activation(hidden_act)  # (n, 2I) [gate | up] -> (n, I); kernels bound at build
         self.method: MoEMethod | None = None
 

@@ -22,9 +22,11 @@ Backends, chosen once at build (models/method_chooser.py):
   cpu_q8   CPU float32 with the C kernels: each expert's w13 and w2 as one-byte panels of
            the dense linear kernel (`cpu_linear.linear_q8`, the same panels and scales the
            dense `QuantizedLinearMethod` uses), SiLU-and-mul fused when I fills whole panels.
-  dequant  anything else, CUDA included: each routed expert's weights dequantized in torch
-           on the fly (`reference.w8_linear`), one expert at a time. Correct, not fast: a
-           grouped 8-bit GEMM for CUDA is future work.
+  triton   CUDA with Triton: the fused-MoE kernel (kernels/fused_moe.py) reads the one-byte
+           weights and their scales as stored here and dequantizes each tile in registers;
+           one call per layer, no host sync (CUDA graphs hold it).
+  dequant  anything else: each routed expert's weights dequantized in torch on the fly
+           (`reference.w8_linear`), one expert at a time. Correct, not fast.
 Both are weight-only: activations stay in the model dtype (a W8A8 scheme's activation
 quantization is not applied; the chooser logs it).
 """
@@ -41,7 +43,7 @@ from stoker.layers.weight_method import expect_shape
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
 
-MOE_BACKENDS = ("cpu_q8", "dequant")
+MOE_BACKENDS = ("cpu_q8", "triton", "dequant")
 
 
 class QuantizedMoEMethod(MoEMethod):
@@ -59,6 +61,13 @@ class QuantizedMoEMethod(MoEMethod):
         self.group_k13 = 0  # columns of H per w13 scale; set by create_weights
         self.group_k2 = 0  # columns of I per w2 scale
         self.kernel = None  # cpu_linear.linear_q8 (cpu_q8), bound after loading; tests may swap in a twin
+        # the Triton kernel aligns the pairs on the device; the per-expert loops read counts on the host
+        self.graph_capturable = backend == "triton"
+        self.activation = "silu"  # the Triton kernel's gate, from the layer's hidden_act (create_weights)
+        if backend == "triton":
+            from stoker.kernels import fused_moe
+
+            self.fused_moe = fused_moe.fused_moe  # or its twin reference.fused_moe_grouped, for tests
 
     def describe(self) -> str:
         fused = ", fused silu" if self.fuse_silu_and_mul else ""
@@ -77,6 +86,10 @@ class QuantizedMoEMethod(MoEMethod):
 
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        if self.backend == "triton":
+            from stoker.layers.moe_triton import kernel_activation
+
+            self.activation = kernel_activation(layer.hidden_act)
         g13, self.group_k13 = self._groups(h)
         g2, self.group_k2 = self._groups(i)
         layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=self.storage_dtype), requires_grad=False)
@@ -165,6 +178,14 @@ class QuantizedMoEMethod(MoEMethod):
                                       requires_grad=False)
         layer.w2 = nn.Parameter(torch.stack([cpu_linear.pack_linear_weight(w) for w in layer.w2.data]), requires_grad=False)
         self.kernel = cpu_linear.linear_q8
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # (T, H) -> (T, H)
+        if self.backend != "triton":
+            return super().apply(layer, x, topk_weights, topk_ids)
+        return self.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, self.activation,
+                              layer.w13_scale, layer.w2_scale, self.group_k13, self.group_k2)
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         i, h = layer.intermediate_size, layer.hidden_size

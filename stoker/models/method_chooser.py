@@ -128,22 +128,32 @@ class LinearMethodChooser:
 
     def moe(self, name: str, layer: FusedMoE) -> MoEMethod:
         """A FusedMoE's method: quantized experts when the config covers them
-        (layers/moe_quant.py: the C kernels' one-byte panels on CPU float32, dequantized in torch
-        elsewhere), else float experts, on CPU float32 through the C kernels' panels (SiLU fused
-        when I fills whole panels), else plain torch."""
+        (layers/moe_quant.py: the C kernels' one-byte panels on CPU float32, the Triton fused-MoE
+        kernel on CUDA, dequantized in torch elsewhere), else float experts: on CPU float32
+        through the C kernels' panels (SiLU fused when I fills whole panels), on CUDA through
+        the Triton fused-MoE kernel (layers/moe_triton.py), else plain torch."""
         from stoker.kernels.cpu import linear as cpu_linear
 
         method: MoEMethod
+        triton_moe = self.device.type == "cuda" and ops.triton_available() and not ops.triton_disabled()
         if self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
-            backend = "cpu_q8" if self.cpu_kernels else "dequant"
+            w = self.quant.weights
+            group = w.group_size if w.strategy == "group" else w.block[1] if w.strategy == "block" and w.block else None
+            # the kernel reads one scale per K tile: a group of K that is not a multiple of 16 does not tile
+            triton_groups = group is None or group % 16 == 0
+            backend = "cpu_q8" if self.cpu_kernels else "triton" if triton_moe and triton_groups else "dequant"
             self._say_weight_only(backend)
             fuse = backend == "cpu_q8" and layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = QuantizedMoEMethod(self.quant.weights, self.quant.online, backend, fuse)
         elif self.cpu_kernels:
             fuse = layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = PackedCpuMoEMethod(fuse)
+        elif triton_moe:
+            from stoker.layers.moe_triton import TritonMoEMethod
+
+            method = TritonMoEMethod()
         else:
             method = TorchMoEMethod()
         self.chosen[method.describe()] += 1

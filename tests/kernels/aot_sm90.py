@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
-from stoker.kernels import store_kvcache, w8_linear  # noqa: E402
+from stoker.kernels import fused_moe, store_kvcache, w8_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
@@ -115,6 +115,19 @@ def variants():
         yield (f"w8_linear {wtype} M{rows} group{group_k}", w8_linear._w8_linear_kernel,
                {"*": "bf16", "w_ptr": wtype, "scale_ptr": "fp32"},
                dict(HAS_BIAS=False, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+    # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
+    moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",
+               "pair_weight_ptr": "fp32"}
+    for wtype, group_k, num_pairs in (("bf16", 0, 2), ("bf16", 0, 512), ("i8", 0, 2), ("fp8e4nv", 128, 2), ("fp8e4nv", 128, 256)):
+        gk13, gk2 = (group_k, group_k) if group_k else (4096 + 64, 14336 + 64)
+        tiles = fused_moe.tile_config(num_pairs, 8, gk13, gk2, 4096, 14336)
+        warps = tiles.pop("num_warps")
+        common = dict(QUANT=wtype != "bf16", DOT_FP32=False, PRECISION="tf32", RNE_BF16=False, **tiles)
+        yield (f"fused_moe gate_up {wtype} pairs{num_pairs}", fused_moe._moe_gate_up_kernel,
+               {"*": "bf16", "w_ptr": wtype, **moe_idx}, dict(TOP_K=2, ACT=0, **common), warps)
+        yield (f"fused_moe down {wtype} pairs{num_pairs}", fused_moe._moe_down_kernel,
+               {"*": "bf16", "w_ptr": wtype, **moe_idx}, common, warps)
+    yield ("fused_moe sum top2", fused_moe._moe_sum_kernel, {"*": "bf16"}, dict(TOP_K=2, BLOCK=1024, RNE_BF16=False), 4)
     for residual in (False, True):
         yield (f"rms_norm residual={residual} hidden8192", rms_norm._rms_norm_kernel, {"*": "bf16"},
                dict(HAS_RESIDUAL=residual, BLOCK=8192), 16)

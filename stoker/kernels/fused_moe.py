@@ -1,0 +1,360 @@
+"""Fused Mixture-of-Experts for CUDA: every expert's two GEMMs in two launches, no host sync.
+
+Twin: `reference.fused_moe_grouped`. Shapes (FusedMoE's layout, layers/moe.py):
+
+    x             (T, H)       float16 / bfloat16 / float32, rows contiguous
+    w13           (E, 2I, H)   each expert's [gate; up] rows: the model dtype, or int8 / float8_e4m3fn
+    w2            (E, H, I)    each expert's down projection
+    w13_scale     (E, 2I, G13) float32, 8-bit weights only: one scale per row and group of
+                               group_k13 columns (layers/moe_quant.py; per channel G = 1,
+                               128 x 128 blocks brought to rows by formats.scale_rows, G = ceil(H/128))
+    w2_scale      (E, H, G2)   float32
+    topk_weights  (T, k)       float32 routing weights
+    topk_ids      (T, k)       int64 expert of each choice
+
+Steps, all on the device with shapes fixed by (T, k, E, BLOCK_M), so a CUDA graph holds them:
+
+1. Alignment (`moe_align_block_size`): the P = T * k (token, slot) pairs, counted per expert
+   and sorted by expert (stable: token order within an expert), each expert's run padded to a
+   multiple of BLOCK_M with the sentinel P. The padded length is at most
+   P + E * (BLOCK_M - 1) whatever the routing, so the buffers and grids are sized by that and
+   the kernels skip the blocks past the actual length, which they read on the device.
+   Every block of BLOCK_M sorted slots then belongs to one expert (`block_expert_ids`).
+2. Gate/up GEMM (`_moe_gate_up_kernel`), grid (blocks, I / BLOCK_N): the block's rows of x
+   (gathered by token = pair // k) times the expert's gate rows and up rows, two float32
+   accumulators, the gated activation in float32 in the epilogue, stored once in x's dtype as
+   `act` (P, I) at each pair's row.
+3. Down GEMM (`_moe_down_kernel`), grid (blocks, H / BLOCK_N): `act` rows times the expert's
+   w2, float32 accumulation, times the pair's routing weight, stored in x's dtype as
+   `per_choice` (P, H).
+4. Top-k sum (`_moe_sum_kernel`): each token's k rows added in float32 in ascending expert
+   order (the choices are put in that order before step 1, as layers/moe.expert_by_expert
+   sums them), rounded once.
+
+8-bit weights are dequantized in the tile as kernels/w8_linear.py does (q * scale in float32,
+then the operand dtype), so the GEMMs see the weight the twin dequantizes; BLOCK_K divides the
+scale group so one K tile reads one scale per row. Activations stay in the model dtype
+(weight-only, as the other quantized expert backends).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stoker.kernels._common import FLOAT_DTYPES, check, check_last_dim_contiguous, check_same_device, dot_args, interpreting
+
+# The gated activations FusedMoE knows (layers/activation.py), by the constexpr the kernel takes.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def _gate(g, ACT: tl.constexpr):
+    """The gate's activation, float32 in and out (ACTIVATIONS)."""
+    if ACT == 0:  # silu
+        return g / (1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu, exact (erf)
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh approximation; tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * u)))
+    else:  # relu
+        return tl.maximum(g, 0.0)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """float32 -> dtype. RNE_BF16 (interpreter, bfloat16 only): the interpreter (triton 3.9)
+    truncates float32 -> bfloat16 where the GPU rounds to nearest even, so the rounding is done
+    on the bits first and the cast is then exact; on a GPU the flag is off and this is a cast."""
+    if RNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,  # (T, H)
+    w_ptr,  # (E, 2I, H)
+    scale_ptr,  # (E, 2I, G) float32, or unused
+    sorted_ids_ptr,  # (L,) int32 pair index, P = padding
+    block_expert_ptr,  # (L / BLOCK_M,) int32
+    num_padded_ptr,  # (1,) int32 the padded length actually used
+    act_ptr,  # (P, I)
+    num_pairs,
+    H,
+    I,
+    group_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_am,
+    TOP_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # past the padded length this routing needs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # (BLOCK_M,)
+    m_mask = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < I
+    kk = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    up_rows = gate_rows + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < H
+        a = tl.load(x_ptr + token[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
+        wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+        if QUANT:
+            s_rows = scale_ptr + expert * stride_se + n * stride_sn + k0 // group_k  # (BLOCK_N,)
+            wg = wg.to(tl.float32) * tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
+            wu = wu.to(tl.float32) * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)[:, None]
+            wg = _rounded(wg, a.dtype, RNE_BF16)  # the dequantized weight in the operand dtype, as the twin
+            wu = _rounded(wu, a.dtype, RNE_BF16)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_gate += tl.dot(a, tl.trans(wg), input_precision=PRECISION)
+        acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
+    out = _gate(acc_gate, ACT) * acc_up  # (BLOCK_M, BLOCK_N) float32
+    dst = act_ptr + pair[:, None].to(tl.int64) * stride_am + n[None, :]
+    tl.store(dst, _rounded(out, act_ptr.dtype.element_ty, RNE_BF16), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr,  # (P, I)
+    w_ptr,  # (E, H, I)
+    scale_ptr,  # (E, H, G) float32, or unused
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    pair_weight_ptr,  # (P,) float32 routing weight of each pair
+    out_ptr,  # (P, H)
+    num_pairs,
+    H,
+    I,
+    group_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pair < num_pairs
+    rows = pair.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < H
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < I
+        a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANT:
+            s = tl.load(scale_ptr + expert * stride_se + n * stride_sn + k0 // group_k, mask=n_mask, other=0.0)
+            w = _rounded(w.to(tl.float32) * s[:, None], a.dtype, RNE_BF16)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    acc *= tl.load(pair_weight_ptr + pair, mask=m_mask, other=0.0)[:, None]
+    dst = out_ptr + rows[:, None] * stride_om + n[None, :]
+    tl.store(dst, _rounded(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    per_choice_ptr,  # (T * k, H), a token's k rows adjacent, in ascending expert order
+    out_ptr,  # (T, H)
+    H,
+    stride_pm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_choice_ptr + (token * TOP_K + j) * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + cols, _rounded(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=mask)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # (T, k) int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
+    block_m, in torch ops on the device (no host read, so a CUDA graph can hold them).
+
+    Returns sorted_ids (L,) int32: flat pair index t * k + j, P = T * k marks padding;
+    block_expert_ids (L / block_m,) int32: the expert of each block, num_experts past the end;
+    num_padded (1,) int32: the padded length in use. L = cdiv(P + E (block_m - 1), block_m) * block_m,
+    the worst case over every routing, so every shape depends on (T, k, E, block_m) alone.
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs, device = flat.numel(), flat.device
+    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    # counts per expert: index_add_ of ones, as layers/moe_load.py (bincount on CUDA reads the max back)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)  # (E,)
+    first = counts.cumsum(0) - counts  # where each expert's run starts, unpadded
+    order = torch.argsort(flat, stable=True)  # (P,) pairs by expert, token order within one
+    expert_of = flat.index_select(0, order)
+    rank = torch.arange(num_pairs, device=device) - first.index_select(0, expert_of)
+    dest = (padded_end - padded).index_select(0, expert_of) + rank
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.index_copy_(0, dest, order.to(torch.int32))
+    starts = torch.arange(num_blocks, device=device) * block_m
+    # the expert whose padded run holds each block's first slot (empty experts' ends repeat and are skipped)
+    block_expert_ids = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+
+
+def tile_config(num_pairs: int, num_experts: int, group_k13: int, group_k2: int, hidden: int,
+                inter: int) -> dict[str, int]:
+    """BLOCK_M by the average pairs per expert (decode: few, so a narrow M tile wastes little on
+    padding); BLOCK_K halved until it divides the 8-bit scale groups. 8 warps: with 4, ptxas
+    spilled the gate/up kernel's two weight tiles at BLOCK_M 16 (tests/kernels/aot_sm90.py
+    checks these configs compile for sm_90 without spills). Not yet tuned on a GPU."""
+    block_m = 16 if num_pairs <= 4 * num_experts else 64
+    block_k = 64
+    while block_k > 16 and ((group_k13 < hidden and group_k13 % block_k) or (group_k2 < inter and group_k2 % block_k)):
+        block_k //= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 8}
+
+
+def _check_weight(name: str, w: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor, scale: torch.Tensor | None,
+                  group_k: int | None) -> int:
+    """Checks one expert weight (and its scales); returns the group_k the kernel is given."""
+    check(tuple(w.shape) == shape, f"{name} must be {shape}, got {tuple(w.shape)}")
+    check_last_dim_contiguous(name, w)
+    k = shape[2]
+    if w.dtype in QUANT_DTYPES:
+        check(scale is not None and group_k is not None, f"{name} is {w.dtype}: its scales and group_k are needed")
+        assert scale is not None and group_k is not None
+        groups = -(-k // group_k)
+        check(tuple(scale.shape) == (*shape[:2], groups) and scale.dtype == torch.float32,
+              f"{name}_scale must be {(*shape[:2], groups)} float32, got {tuple(scale.shape)} {scale.dtype}")
+        check(scale.stride(2) == 1, f"{name}_scale: last dim must be contiguous")
+        return group_k if group_k < k else k + 64  # one group: k0 // group_k is 0 for every tile
+    check(w.dtype == x.dtype, f"{name} is {w.dtype}, x is {x.dtype}: float experts run in the model dtype")
+    check(scale is None, f"{name} is {w.dtype}: float experts take no scales")
+    return k + 64
+
+
+def fused_moe(
+    x: torch.Tensor,  # (T, H)
+    w13: torch.Tensor,  # (E, 2I, H)
+    w2: torch.Tensor,  # (E, H, I)
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) int64
+    activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,  # (E, 2I, G13) float32, 8-bit w13 only
+    w2_scale: torch.Tensor | None = None,  # (E, H, G2) float32
+    group_k13: int | None = None,
+    group_k2: int | None = None,
+) -> torch.Tensor:  # (T, H) in x's dtype
+    check(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be (T, H) float16/bfloat16/float32, got {tuple(x.shape)} {x.dtype}")
+    check(w13.dim() == 3 and w2.dim() == 3, f"w13 must be (E, 2I, H) and w2 (E, H, I), got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    check(activation in ACTIVATIONS, f"activation {activation!r}: the kernel has {list(ACTIVATIONS)}")
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    check(two_i % 2 == 0 and x.shape[1] == hidden, f"x {tuple(x.shape)} does not fit w13 {tuple(w13.shape)}")
+    gk13 = _check_weight("w13", w13, (num_experts, 2 * inter, hidden), x, w13_scale, group_k13)
+    gk2 = _check_weight("w2", w2, (num_experts, hidden, inter), x, w2_scale, group_k2)
+    check((w13.dtype in QUANT_DTYPES) == (w2.dtype in QUANT_DTYPES), "w13 and w2 must be both 8-bit or both float")
+    num_tokens, top_k = topk_ids.shape
+    check(topk_weights.shape == (num_tokens, top_k) and topk_weights.dtype == torch.float32 and num_tokens == x.shape[0],
+          f"topk_weights must be ({x.shape[0]}, k) float32 like topk_ids {tuple(topk_ids.shape)}, "
+          f"got {tuple(topk_weights.shape)} {topk_weights.dtype}")
+    check(not topk_ids.dtype.is_floating_point, f"topk_ids must be integer, got {topk_ids.dtype}")
+    check_last_dim_contiguous("x", x)
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    quant = w13.dtype in QUANT_DTYPES
+    tiles = tile_config(num_tokens * top_k, num_experts, gk13, gk2, hidden, inter)
+    warps = tiles.pop("num_warps")
+    block_m = tiles["BLOCK_M"]
+    check(gk13 >= hidden or gk13 % tiles["BLOCK_K"] == 0, f"group_k13 {group_k13} must be a multiple of 16")
+    check(gk2 >= inter or gk2 % tiles["BLOCK_K"] == 0, f"group_k2 {group_k2} must be a multiple of 16")
+
+    # each token's choices in ascending expert order (the order they are summed in), weights with them
+    ids, perm = topk_ids.sort(dim=1)
+    pair_weights = topk_weights.gather(1, perm).reshape(-1)  # (P,)
+    sorted_ids, block_expert_ids, num_padded = moe_align_block_size(ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    num_blocks = block_expert_ids.numel()
+    dot_fp32, precision = dot_args(x.dtype)
+    rne_bf16 = interpreting() and x.dtype == torch.bfloat16
+    s13 = w13_scale if quant else pair_weights  # any tensor for the unused pointer
+    s2 = w2_scale if quant else pair_weights
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
+        x, w13, s13, sorted_ids, block_expert_ids, num_padded, act,
+        num_pairs, hidden, inter, gk13,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if quant else 0, s13.stride(1) if quant else 0,
+        act.stride(0),
+        TOP_K=top_k, QUANT=quant, ACT=ACTIVATIONS[activation], DOT_FP32=dot_fp32, PRECISION=precision,
+        RNE_BF16=rne_bf16, num_warps=warps, **tiles,
+    )  # fmt: skip
+    per_choice = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
+        act, w2, s2, sorted_ids, block_expert_ids, num_padded, pair_weights, per_choice,
+        num_pairs, hidden, inter, gk2,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
+        per_choice.stride(0),
+        QUANT=quant, DOT_FP32=dot_fp32, PRECISION=precision, RNE_BF16=rne_bf16, num_warps=warps, **tiles,
+    )  # fmt: skip
+    block = 1024
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_choice, out, hidden, per_choice.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, RNE_BF16=rne_bf16,
+    )
+    return out
