@@ -135,10 +135,11 @@ class LinearMethodChooser:
 
             backend = "cpu_q8" if self.cpu_kernels else "dequant"
             self._say_weight_only(backend)
-            fuse = backend == "cpu_q8" and layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            fuse = (backend == "cpu_q8" and layer.is_silu and not layer.has_bias
+                    and cpu_linear.gate_up_fusable(layer.intermediate_size))
             method = QuantizedMoEMethod(self.quant.weights, self.quant.online, backend, fuse)
         elif self.cpu_kernels:
-            fuse = layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            fuse = layer.is_silu and not layer.has_bias and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = PackedCpuMoEMethod(fuse)
         else:
             method = TorchMoEMethod()

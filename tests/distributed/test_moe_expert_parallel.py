@@ -46,8 +46,11 @@ def experts_of(llm: LLM) -> list:
     [("qwen3_moe", QWEN3_MOE, [0, 2]), ("mixtral", MIXTRAL, [0, 1]),
      # the shared expert stays tensor-parallel beside the expert-parallel experts
      ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                        shared_expert_intermediate_size=40), [0, 1])],
-    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared"],
+                        shared_expert_intermediate_size=40), [0, 1]),
+     # whole experts with their biases and the clamped SwiGLU; attention (and its sinks) still cut
+     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                      sliding_window=24, swiglu_limit=1.0), [0, 1])],
+    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "gpt_oss"],
 )
 def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_layers: list[int]) -> None:
     path = tiny_checkpoints(arch, **overrides)

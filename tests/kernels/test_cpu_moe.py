@@ -125,3 +125,34 @@ def test_empty_batch_and_bad_input() -> None:
         cpu_moe.fused_moe(torch.randn(3, 32), p13, p2, weights, ids, 24, False)
     with pytest.raises(ValueError, match="disagree"):
         cpu_moe.fused_moe(torch.randn(4, 32), p13, p2, weights, ids, 16, False)
+
+
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES[:5], ids=IDS[:5])
+def test_biases_and_the_clamped_swiglu_match_the_twin(num_experts: int, k: int, hidden: int, inter: int,
+                                                      num_tokens: int) -> None:
+    """gpt-oss's experts: per-expert biases on [gate; up] and down, its clamped SwiGLU (a limit
+    low enough that both clamps bite), in the one C call against the expert loop twin."""
+    from stoker.layers.activation import ClampedSwiGLU
+
+    w13, w2 = experts(num_experts, hidden, inter)
+    gen = torch.Generator().manual_seed(2)
+    b13, b2 = torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    act = ClampedSwiGLU(1.702, 0.5)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, False)
+    out = cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, False, cpu_moe.pack_expert_bias(b13),
+                            cpu_moe.pack_expert_bias(b2), "swigluoai", act.alpha, act.limit)
+    want = reference.fused_moe(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # the biases count: without them the result is another one
+    without = reference.fused_moe(x, w13, w2, weights, ids, act)
+    assert (out - without).abs().max() > 1e-2
+
+
+def test_the_kernel_refuses_a_bias_on_fused_silu_panels() -> None:
+    w13, w2 = experts(2, 64, 32)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, False)
+    x, (weights, ids) = torch.randn(3, 64), routing(3, 2, 1)
+    with pytest.raises(ValueError, match="silu_fused takes SiLU without a gate/up bias"):
+        cpu_moe.fused_moe(x, p13, p2, weights, ids, 32, True, cpu_moe.pack_expert_bias(torch.zeros(2, 64)))

@@ -2,7 +2,11 @@
  * The routed experts of a Mixture-of-Experts layer in one call, CPU float32 (issue 33):
  *
  *     out[t] = sum over t's k choices, in ascending expert order, of
- *              w[t, j] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ down_e^T
+ *              w[t, j] * (act(x[t] @ gate_e^T + b13_e[:I], x[t] @ up_e^T + b13_e[I:]) @ down_e^T + b2_e)
+ *
+ * act is SiLU-and-mul (silu(gate) * up), or gpt-oss's clamped SwiGLU (vLLM's "swigluoai"):
+ * (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit). The
+ * biases (gpt-oss's) are optional: NULL for the families without them.
  *
  * Before this kernel, layers/moe.py looped over the experts in Python and called the linear
  * kernel twice per expert with tokens: at decode (one token, k experts) that is 2k ctypes
@@ -39,6 +43,24 @@ int stoker_linear_mr(void);
 /* elementwise.c: the unfused SiLU-and-mul a model's per-expert path and dense MLPs run */
 void stoker_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
                              int num_threads);
+
+enum { ACT_SILU = 0, ACT_CLAMPED_SWIGLU = 1 };
+
+/* x (num_rows, 2 * d) = [gate | up] -> out (num_rows, d), gpt-oss's clamped SwiGLU (the twin:
+ * layers/activation.clamped_swiglu). exp's argument is capped as in elementwise.c's SiLU. */
+static void clamped_swiglu_rows(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
+                                float alpha, float limit) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + d;
+        float *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            const float g = fminf(gate[i], limit);
+            const float u = fminf(fmaxf(up[i], -limit), limit);
+            const float glu = g / (1.0f + expf(fminf(-alpha * g, 88.0f)));
+            o[i] = (u + 1.0f) * glu;
+        }
+    }
+}
 
 /* The calling thread's scratch, kept across calls (decode calls this once per layer and step;
  * a fresh multi-MB malloc each time would map fresh pages). Per calling thread, not global: two
@@ -98,14 +120,17 @@ static void my_share(const int64_t *cost_end, int64_t n, int tid, int nt, int64_
  * contiguous; w13 expert e at w13 + e * w13_expert_stride, its panels w13_panel_stride floats
  * apart (rows of NR floats); w2 likewise; out (T, H) contiguous.
  * silu_fused: w13 is gate_up-packed (I a multiple of NR / 2), else plain with N = 2I and
- * SiLU-and-mul runs after the GEMM.
+ * the activation `act` (ACT_SILU, or ACT_CLAMPED_SWIGLU with alpha and limit) runs after the GEMM.
+ * b13 (E, P13 * NR) and b2 (E, P2 * NR), each expert's bias padded to its panels, or NULL
+ * (a bias needs silu_fused = 0: the gate_up-packed panels interleave the columns).
  * Returns 0; 1 when the scratch could not be allocated; 2 when an expert id is out of range
- * (then out is untouched).
+ * (then out is untouched); 3 when silu_fused is asked with another activation or a bias.
  */
 int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights, int64_t T,
                          int64_t k, int64_t E, const float *w13, int64_t w13_panel_stride, int64_t w13_expert_stride,
                          const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
-                         int silu_fused, float *out, int num_threads) {
+                         int silu_fused, const float *b13, const float *b2, int act, float alpha, float limit,
+                         float *out, int num_threads) {
     const int64_t nr = stoker_linear_nr(), mr = stoker_linear_mr();
     const int64_t pairs = T * k, n13 = 2 * I;
     const int64_t p13 = (n13 + nr - 1) / nr, p2 = (H + nr - 1) / nr;
@@ -129,6 +154,7 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
     task_t *tasks = (task_t *)(cost_end + max_tasks);
     for (int64_t i = 0; i < pairs; i++)
         if (topk_ids[i] < 0 || topk_ids[i] >= E) return 2;
+    if (silu_fused && (act != ACT_SILU || b13 != NULL)) return 3;
 
     /* Counting sort by expert: tokens in order within an expert, as a stable argsort. A
      * token's choices are first put in ascending expert order (insertion sort: k is small;
@@ -178,21 +204,24 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
             if (silu_fused)
                 stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, hs, I, t.m0, t.m1, n13, H, 1);
             else
-                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, pre, n13, t.m0, t.m1, n13, H, 0);
+                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p,
+                                             b13 != NULL ? b13 + t.e * p13 * nr : NULL, pre, n13, t.m0, t.m1, n13, H, 0);
         }
 #pragma omp single
         n2_tasks = make_tasks(first, E, p2, c2, mr, tasks2, cost2); /* (its implicit barrier ends the w13 GEMMs) */
         if (!silu_fused) { /* this thread's share of the rows, in one call (one thread: no nested team) */
             const int64_t r0 = pairs * tid / nt, r1 = pairs * (tid + 1) / nt;
-            if (r1 > r0) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+            if (r1 > r0 && act == ACT_SILU) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+            if (r1 > r0 && act == ACT_CLAMPED_SWIGLU)
+                clamped_swiglu_rows(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, alpha, limit);
 #pragma omp barrier
         }
         /* w2: ys (pairs, H) into xs, which the w13 GEMMs no longer read */
         my_share(cost2, n2_tasks, tid, nt, &b, &e);
         for (int64_t i = b; i < e; i++) {
             const task_t t = tasks2[i];
-            stoker_linear_panel_rows_f32(hs, I, w2 + t.e * w2_expert_stride, nr, w2_panel_stride, p2, t.p, NULL, xs, H,
-                                         t.m0, t.m1, H, I, 0);
+            stoker_linear_panel_rows_f32(hs, I, w2 + t.e * w2_expert_stride, nr, w2_panel_stride, p2, t.p,
+                                         b2 != NULL ? b2 + t.e * p2 * nr : NULL, xs, H, t.m0, t.m1, H, I, 0);
         }
 #pragma omp barrier
         /* each token: its k expert outputs, scaled, summed in ascending expert order */

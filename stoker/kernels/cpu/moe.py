@@ -14,12 +14,23 @@ from stoker.kernels.cpu import linear as cpu_linear
 from stoker.kernels.cpu.common import _as_rows, _checked_library
 
 
+#: the activations moe.c applies after the gate/up GEMM (its ACT_* enum)
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, silu_fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 (E, 2I, H) [gate; up], w2 (E, H, I) -> (E, P13, H, NR), (E, P2, I, NR) panels;
     gate_up-interleaved w13 when silu_fused (I a multiple of NR / 2)."""
     packed13 = torch.stack([cpu_linear.pack_linear_weight(w, gate_up=silu_fused) for w in w13])
     packed2 = torch.stack([cpu_linear.pack_linear_weight(w) for w in w2])
     return packed13, packed2
+
+
+def pack_expert_bias(bias: torch.Tensor) -> torch.Tensor:
+    """(E, N) per-expert biases -> (E, P * NR), each padded with zeros to whole panels (the
+    plain panels' column order is the natural one; gate_up-packed panels take no bias)."""
+    nr = cpu_linear.panel_width()
+    return torch.nn.functional.pad(bias.float(), (0, -bias.shape[1] % nr)).contiguous()
 
 
 def fused_moe(
@@ -30,9 +41,14 @@ def fused_moe(
     topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
     intermediate_size: int,
     silu_fused: bool,
+    b13: torch.Tensor | None = None,  # (E, P13 * NR) float32 (pack_expert_bias), or None
+    b2: torch.Tensor | None = None,  # (E, P2 * NR)
+    activation: str = "silu",  # or "swigluoai": gpt-oss's clamped SwiGLU with alpha and limit
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:  # (T, H)
     """sum over each token's choices, in ascending expert order, of
-    w * (silu(x @ gate_e^T) * (x @ up_e^T)) @ down_e^T (moe.c)."""
+    w * (act(x @ gate_e^T + b13_e[:I], x @ up_e^T + b13_e[I:]) @ down_e^T + b2_e) (moe.c)."""
     lib = _checked_library()
     num_experts, p13, hidden, nr = w13.shape
     inter = intermediate_size
@@ -46,6 +62,15 @@ def fused_moe(
         raise ValueError(f"silu_fused needs I = {inter} to fill whole panels of {nr} columns")
     if w2.shape != (num_experts, -(-hidden // nr), inter, nr):
         raise ValueError(f"w2 {tuple(w2.shape)} is not ({num_experts}, ceil({hidden} / NR), {inter}, {nr}) panels")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
+    if silu_fused and (activation != "silu" or b13 is not None):
+        raise ValueError("silu_fused takes SiLU without a gate/up bias (gate_up-packed panels interleave the columns)")
+    for name, bias, panels in (("b13", b13, p13), ("b2", b2, w2.shape[1])):
+        if bias is not None and (bias.shape != (num_experts, panels * nr) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
+                             f"({num_experts}, {panels * nr}) (pack_expert_bias)")
     num_tokens, k = topk_ids.shape
     if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
@@ -59,7 +84,9 @@ def fused_moe(
     status = lib.stoker_fused_moe_f32(
         rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
         w13.data_ptr(), hidden * nr, p13 * hidden * nr, w2.data_ptr(), inter * nr, w2.shape[1] * inter * nr,
-        hidden, inter, int(silu_fused), out.data_ptr(), torch.get_num_threads(),
+        hidden, inter, int(silu_fused), b13.data_ptr() if b13 is not None else None,
+        b2.data_ptr() if b2 is not None else None, ACTIVATIONS[activation], alpha, limit,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == 1:
         raise MemoryError("fused_moe: could not allocate the scratch buffers")
