@@ -86,7 +86,7 @@ class LinearMethodChooser:
             return self._float(name, layer)  # a discrete choice: never quantized, always float32
         if name.endswith(".shared_expert_gate"):
             return self._float(name, layer)  # Qwen2-MoE's one-logit gate: never quantized (as vLLM)
-        if self.quant is not None:
+        if self.quant is not None and not self.quant.experts_only:  # mxfp4 quantizes only MoE experts
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
@@ -130,7 +130,9 @@ class LinearMethodChooser:
         from stoker.kernels.cpu import linear as cpu_linear
 
         method: MoEMethod
-        if self.quant is not None and self._experts_quantized(name, layer):
+        if self.quant is not None and self.quant.experts_only:
+            method = self._mxfp4(name, layer)
+        elif self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
             backend = "cpu_q8" if self.cpu_kernels else "dequant"
@@ -145,6 +147,18 @@ class LinearMethodChooser:
             method = TorchMoEMethod()
         self.chosen[method.describe()] += 1
         return method
+
+    def _mxfp4(self, name: str, layer: FusedMoE) -> MoEMethod:
+        """gpt-oss's MXFP4 experts, held 4-bit (layers/moe_mxfp4.py)."""
+        from stoker.layers.moe_mxfp4 import Mxfp4MoEMethod
+
+        if layer.is_split:
+            raise QuantizationError(
+                f"MXFP4 experts ({name}) under tensor parallelism are not supported yet (it would cut each expert's "
+                "intermediate_size inside its 32-value blocks); add --enable-expert-parallel, which deals whole "
+                "experts to the ranks"
+            )
+        return Mxfp4MoEMethod()
 
     def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:
         """Whether the config quantizes this layer's experts: all of them, or none (then they load

@@ -79,6 +79,25 @@ def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_lay
     assert {layer: want_load.total(layer) for layer in want_load.tokens} == {layer: FED_TOKENS * k for layer in sparse_layers}
 
 
+def test_mxfp4_experts_ep2_equal_ep1_and_tp_without_ep_is_refused(tiny_checkpoints, tmp_path: Path) -> None:
+    """gpt-oss's MXFP4 experts dealt whole to the ranks (4-bit blocks and scales read for this
+    rank's experts only); cutting their I inside the 32-value blocks (plain TP) is refused."""
+    from tests.model.test_gpt_oss_mxfp4 import GPT_OSS, write_mxfp4_checkpoint
+
+    path, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "mxfp4")
+    with engine(path) as llm:
+        want_tokens, want_logprobs = scored(llm)
+    with engine(path, tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        tokens, logprobs = scored(llm)
+        moes = experts_of(llm)
+        assert moes and all(m.num_experts == 2 and m.w13_blocks.shape[0] == 2 for m in moes)
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    with pytest.raises(ValueError, match=r"MXFP4 experts .* under tensor parallelism are not supported yet"):
+        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
 def _route_nothing_to_the_last_expert(path: Path, layers: list[int]) -> None:
     """Plant a router that never picks expert 2 of 3 with top-1: logits (B v.x, -B v.x, 0), so
     one of experts 0 and 1 always scores >= 0 = expert 2's logit."""

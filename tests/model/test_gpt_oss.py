@@ -6,15 +6,12 @@ by the one-call C kernel on CPU float32; an attention adapter equals PEFT's."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 
 from stoker import LLM
 from stoker.kernels import ops
 from stoker.kernels.cpu import build
-from stoker.quantization.config import QuantizationError
 
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=16, sliding_window=24,
                num_hidden_layers=3)
@@ -44,15 +41,6 @@ def test_on_cuda_a_layer_with_sinks_gets_the_torch_twins(monkeypatch) -> None:
     model = torch.nn.ModuleList([Attention(4, 2, 16, 0.25, with_sinks=True), Attention(4, 2, 16, 0.25)])
     method_chooser.bind_kernels(model, torch.device("cpu"), torch.float32)
     assert model[0].kernels is ops.TORCH and model[1].kernels.name == "triton"
-
-
-def test_mxfp4_checkpoints_are_refused_by_name(tiny_checkpoints, tmp_path) -> None:
-    path = shutil.copytree(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "mxfp4")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mxfp4"):
-        engine(path)
 
 
 def test_its_experts_are_a_fused_moe_on_the_c_kernel(tiny_checkpoints) -> None:

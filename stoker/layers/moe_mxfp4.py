@@ -1,0 +1,91 @@
+"""MXFP4 Mixture-of-Experts experts (gpt-oss's checkpoints), held 4-bit as the checkpoint
+stores them and dequantized one routed expert at a time in the forward:
+
+    w13_blocks (E, 2I, H / 32, 16) uint8   each expert's [gate; up] rows, two E2M1 values a byte
+    w13_scales (E, 2I, H / 32)     uint8   E8M0 exponents, one per block of 32 values of a row
+    w2_blocks  (E, H, I / 32, 16)  uint8
+    w2_scales  (E, H, I / 32)      uint8
+
+0.5 + 1/32 bytes a weight (4.25 bits), against 2 in bf16: gpt-oss-20b's experts are ~12 GB
+in bf16 and ~3.2 GB here. The weight a value stands for is E2M1[nibble] * 2^(scale - 127)
+(quantization/formats.dequantize_mxfp4, the one definition; transformers' mxfp4 integration
+computes the same). The biases (gpt-oss's) stay in the model dtype (`MoEMethod.create_biases`).
+
+Loading: shards `(expert, "w1" | "w3" | "w2")` with parameters "blocks" and "scales"
+(models/gpt_oss_loading.py de-interleaves gate and up rows). Expert parallelism reads only
+this rank's experts; tensor parallelism (cutting I inside a block row of w2) is refused when
+the model is built (models/method_chooser.py).
+
+Backend: the torch path, chosen once at build: each routed expert's w13 and w2 dequantized
+into the model dtype for that call (2I x H + H x I values), then the float expert's GEMMs.
+Correct everywhere, not fast: the bytes read per expert are the 4-bit ones, the dequantized
+copy is a temporary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stoker.layers.moe import EXPERT_SHARDS, FusedMoE, MoEMethod
+from stoker.layers.weight_method import expect_shape
+from stoker.quantization import formats
+
+_BLOCK, _BYTES = formats.MXFP4_BLOCK, formats.MXFP4_BYTES_PER_BLOCK
+
+
+class Mxfp4MoEMethod(MoEMethod):
+    kind = "mxfp4"
+    graph_capturable = False  # the per-expert loop reads token counts on the host, as the float one
+
+    def describe(self) -> str:
+        return "experts mxfp4 via dequant"
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        for name, size in (("hidden_size", h), ("intermediate_size", i)):
+            if size % _BLOCK:
+                raise ValueError(f"MXFP4 experts need {name} ({size}) to be a multiple of {_BLOCK} (its block size)")
+        layer.w13_blocks = nn.Parameter(torch.zeros(e, 2 * i, h // _BLOCK, _BYTES, dtype=torch.uint8), requires_grad=False)
+        layer.w13_scales = nn.Parameter(torch.zeros(e, 2 * i, h // _BLOCK, dtype=torch.uint8), requires_grad=False)
+        layer.w2_blocks = nn.Parameter(torch.zeros(e, h, i // _BLOCK, _BYTES, dtype=torch.uint8), requires_grad=False)
+        layer.w2_scales = nn.Parameter(torch.zeros(e, h, i // _BLOCK, dtype=torch.uint8), requires_grad=False)
+        self.create_biases(layer)
+
+    def checkpoint_params(self) -> tuple[str, ...]:
+        return ("blocks", "scales")
+
+    def checkpoint_slice(
+        self, layer: FusedMoE, shard: str, param: str, shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        if param == "bias":
+            return layer.bias_slice(shard, shape)
+        return None  # whole experts: the chooser refuses a cut I
+
+    def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
+        if param == "bias":
+            return self.load_bias(layer, expert, shard, tensor)
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert {expert} does not exist: the config has num_experts {layer.num_experts}")
+        where = f"expert {expert} {shard} {param}"
+        if param not in ("blocks", "scales"):
+            raise ValueError(f"{where}: an mxfp4 checkpoint (quantization_config quant_method mxfp4) holds its experts "
+                             f"as *_blocks and *_scales, not {param!r}")
+        if tensor.dtype != torch.uint8:
+            raise ValueError(f"{where} is {tensor.dtype}; MXFP4 {param} are uint8")
+        i = layer.intermediate_size
+        rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(0, layer.hidden_size)}[shard]
+        stacked = getattr(layer, f"{'w2' if shard == 'w2' else 'w13'}_{param}")
+        target = stacked[expert, rows]  # (N, G, 16) or (N, G)
+        expect_shape(tuple(tensor.shape), tuple(target.shape), f"expert {expert} {param}", shard)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        w13 = formats.dequantize_mxfp4(layer.w13_blocks[e], layer.w13_scales[e], rows.dtype)  # (2I, H)
+        w2 = formats.dequantize_mxfp4(layer.w2_blocks[e], layer.w2_scales[e], rows.dtype)  # (H, I)
+        if layer.has_bias:
+            return layer.act(rows @ w13.t() + layer.w13_bias[e]) @ w2.t() + layer.w2_bias[e]
+        return layer.act(rows @ w13.t()) @ w2.t()
