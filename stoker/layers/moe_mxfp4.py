@@ -16,10 +16,14 @@ Loading: shards `(expert, "w1" | "w3" | "w2")` with parameters "blocks" and "sca
 this rank's experts; tensor parallelism (cutting I inside a block row of w2) is refused when
 the model is built (models/method_chooser.py).
 
-Backend: the torch path, chosen once at build: each routed expert's w13 and w2 dequantized
-into the model dtype for that call (2I x H + H x I values), then the float expert's GEMMs.
-Correct everywhere, not fast: the bytes read per expert are the 4-bit ones, the dequantized
-copy is a temporary.
+Backends, chosen once at build (models/method_chooser.py):
+  cpu      CPU float32 with the C kernels: the one-call MoE kernel reading the blocks
+           (kernels/cpu/moe.c, `stoker_fused_moe_mxfp4_f32`): each GEMM task dequantizes its
+           panel into a per-thread buffer and runs the linear kernel's task on it, so the
+           result is the float kernel's on the dequantized weights, bit for bit.
+  dequant  anything else (CUDA included): each routed expert's w13 and w2 dequantized in torch
+           into the model dtype for that call (2I x H + H x I values), then the float expert's
+           GEMMs. Correct, not fast: the dequantized copy is a temporary written per call.
 """
 
 from __future__ import annotations
@@ -34,12 +38,21 @@ from stoker.quantization import formats
 _BLOCK, _BYTES = formats.MXFP4_BLOCK, formats.MXFP4_BYTES_PER_BLOCK
 
 
+MXFP4_BACKENDS = ("cpu", "dequant")
+
+
 class Mxfp4MoEMethod(MoEMethod):
     kind = "mxfp4"
     graph_capturable = False  # the per-expert loop reads token counts on the host, as the float one
 
+    def __init__(self, backend: str = "dequant") -> None:
+        if backend not in MXFP4_BACKENDS:
+            raise ValueError(f"unknown MXFP4 MoE backend {backend!r}; one of {MXFP4_BACKENDS}")
+        self.backend = backend
+        self.activation: str | None = None  # the C kernel's name for the layer's gate (create_weights)
+
     def describe(self) -> str:
-        return "experts mxfp4 via dequant"
+        return f"experts mxfp4 via {self.backend}"
 
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
@@ -51,6 +64,12 @@ class Mxfp4MoEMethod(MoEMethod):
         layer.w2_blocks = nn.Parameter(torch.zeros(e, h, i // _BLOCK, _BYTES, dtype=torch.uint8), requires_grad=False)
         layer.w2_scales = nn.Parameter(torch.zeros(e, h, i // _BLOCK, dtype=torch.uint8), requires_grad=False)
         self.create_biases(layer)
+        if self.backend == "cpu":
+            from stoker.layers.activation import ClampedSwiGLU
+
+            self.activation = "silu" if layer.is_silu else "swigluoai" if isinstance(layer.act, ClampedSwiGLU) else None
+            if self.activation is None:
+                self.backend = "dequant"  # moe.c applies SiLU or the clamped SwiGLU; another gate runs in torch
 
     def checkpoint_params(self) -> tuple[str, ...]:
         return ("blocks", "scales")
@@ -82,6 +101,26 @@ class Mxfp4MoEMethod(MoEMethod):
         expect_shape(tuple(tensor.shape), tuple(target.shape), f"expert {expert} {param}", shard)
         with torch.no_grad():
             target.copy_(tensor)
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        if self.backend == "cpu" and layer.has_bias:
+            from stoker.kernels.cpu import moe as cpu_moe
+
+            # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias
+            layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
+            layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # (T, H) -> (T, H)
+        if self.backend != "cpu":
+            return super().apply(layer, x, topk_weights, topk_ids)
+        from stoker.kernels.cpu import moe as cpu_moe
+
+        b13, b2 = (layer.w13_bias, layer.w2_bias) if layer.has_bias else (None, None)
+        alpha, limit = (layer.act.alpha, layer.act.limit) if self.activation == "swigluoai" else (0.0, 0.0)
+        return cpu_moe.fused_moe_mxfp4(x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales,
+                                       topk_weights, topk_ids, b13, b2, self.activation or "silu", alpha, limit)
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         w13 = formats.dequantize_mxfp4(layer.w13_blocks[e], layer.w13_scales[e], rows.dtype)  # (2I, H)

@@ -158,7 +158,7 @@ class LinearMethodChooser:
                 "intermediate_size inside its 32-value blocks); add --enable-expert-parallel, which deals whole "
                 "experts to the ranks"
             )
-        return Mxfp4MoEMethod()
+        return Mxfp4MoEMethod("cpu" if self.cpu_kernels else "dequant")
 
     def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:
         """Whether the config quantizes this layer's experts: all of them, or none (then they load

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stoker import LLM, SamplingParams
+from stoker.kernels.cpu import build
 from stoker.layers.moe import FusedMoE
 from stoker.layers.moe_mxfp4 import Mxfp4MoEMethod
 from stoker.quantization.formats import quantize_mxfp4
@@ -96,6 +97,7 @@ def test_logits_and_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoint
     moes = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(moes) == GPT_OSS["num_hidden_layers"] and all(isinstance(m.method, Mxfp4MoEMethod) for m in moes)
     assert all(m.w13_blocks.dtype == torch.uint8 and not hasattr(m, "w13") for m in moes)  # held 4-bit
+    assert all(m.method.backend == ("cpu" if build.available() else "dequant") for m in moes)
     hf = load_hf(dequantized)
     for ids in (PROMPT, PROMPT[:9]):
         torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
@@ -104,6 +106,16 @@ def test_logits_and_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoint
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
         assert out == hf_greedy(hf, ids, 32)
     llm.engine.check_integrity()
+
+
+def test_the_torch_backend_equals_hf_too(checkpoints, monkeypatch) -> None:
+    """Without the C kernels (CUDA's path too): each routed expert dequantized in torch."""
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
+    mxfp4, dequantized, _ = checkpoints
+    llm = _llm(mxfp4)
+    assert all(m.method.backend == "dequant" for m in llm.engine.executor.driver_runner.model.modules()
+               if isinstance(m, FusedMoE))
+    torch.testing.assert_close(engine_logits(llm, PROMPT), hf_logits(load_hf(dequantized), PROMPT), rtol=1e-4, atol=1e-4)
 
 
 def test_one_scale_one_exponent_off_fails_the_comparison(checkpoints, tmp_path) -> None:
