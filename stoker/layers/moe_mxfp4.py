@@ -13,8 +13,9 @@ computes the same). The biases (gpt-oss's) stay in the model dtype (`MoEMethod.c
 
 Loading: shards `(expert, "w1" | "w3" | "w2")` with parameters "blocks" and "scales"
 (models/gpt_oss_loading.py de-interleaves gate and up rows). Expert parallelism reads only
-this rank's experts; tensor parallelism (cutting I inside a block row of w2) is refused when
-the model is built (models/method_chooser.py).
+this rank's experts. Tensor parallelism cuts I at block boundaries: each rank reads its rows
+of gate and up (whole rows of blocks) and its blocks of each down row, so I / tp must be a
+multiple of 32 (refused by name otherwise, with --enable-expert-parallel as the way out).
 
 Backends, chosen once at build (models/method_chooser.py):
   cpu      CPU float32 with the C kernels: the one-call MoE kernel reading the blocks
@@ -56,9 +57,13 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
-        for name, size in (("hidden_size", h), ("intermediate_size", i)):
-            if size % _BLOCK:
-                raise ValueError(f"MXFP4 experts need {name} ({size}) to be a multiple of {_BLOCK} (its block size)")
+        if h % _BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden_size ({h}) to be a multiple of {_BLOCK} (its block size)")
+        if i % _BLOCK:
+            per_rank = f" per rank (intermediate_size {layer.checkpoint_intermediate_size} / tensor_parallel_size " \
+                       f"{layer.split.num_parts} = {i}); --enable-expert-parallel keeps experts whole" if layer.is_split else ""
+            raise ValueError(f"MXFP4 experts need intermediate_size ({i}) to be a multiple of {_BLOCK} (its block "
+                             f"size){per_rank}")
         layer.w13_blocks = nn.Parameter(torch.zeros(e, 2 * i, h // _BLOCK, _BYTES, dtype=torch.uint8), requires_grad=False)
         layer.w13_scales = nn.Parameter(torch.zeros(e, 2 * i, h // _BLOCK, dtype=torch.uint8), requires_grad=False)
         layer.w2_blocks = nn.Parameter(torch.zeros(e, h, i // _BLOCK, _BYTES, dtype=torch.uint8), requires_grad=False)
@@ -79,7 +84,12 @@ class Mxfp4MoEMethod(MoEMethod):
     ) -> tuple[slice, ...] | None:
         if param == "bias":
             return layer.bias_slice(shard, shape)
-        return None  # whole experts: the chooser refuses a cut I
+        if not layer.is_split:
+            return None
+        start, stop = layer.split.range(layer.checkpoint_intermediate_size)  # multiples of 32 (create_weights)
+        if shard == "w2":  # (H, I / 32, 16) or (H, I / 32): this rank's blocks of each row
+            return (slice(None), slice(start // _BLOCK, stop // _BLOCK))
+        return (slice(start, stop),)  # gate / up (I, H / 32, ...): this rank's rows
 
     def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
         if param == "bias":

@@ -149,15 +149,10 @@ class LinearMethodChooser:
         return method
 
     def _mxfp4(self, name: str, layer: FusedMoE) -> MoEMethod:
-        """gpt-oss's MXFP4 experts, held 4-bit (layers/moe_mxfp4.py)."""
+        """gpt-oss's MXFP4 experts, held 4-bit (layers/moe_mxfp4.py; under tensor parallelism
+        I / tp must be whole blocks of 32, which the method checks)."""
         from stoker.layers.moe_mxfp4 import Mxfp4MoEMethod
 
-        if layer.is_split:
-            raise QuantizationError(
-                f"MXFP4 experts ({name}) under tensor parallelism are not supported yet (it would cut each expert's "
-                "intermediate_size inside its 32-value blocks); add --enable-expert-parallel, which deals whole "
-                "experts to the ranks"
-            )
         return Mxfp4MoEMethod("cpu" if self.cpu_kernels else "dequant")
 
     def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:

@@ -274,7 +274,7 @@ def serve_command(model: str, c: Candidate) -> str:
     parts.append(f"--max-num-seqs {c.max_batch}")
     if c.tp > 1:
         parts.append(f"--tensor-parallel-size {c.tp}")
-        if spec is not None and spec.expert_dtype == "mxfp4":  # MXFP4 experts are dealt whole to the ranks
+        if spec is not None and spec.expert_dtype == "mxfp4":  # whole experts: any tp, where I / tp may split a 32-block
             parts.append("--enable-expert-parallel")
     if notes:
         parts.append("  # " + "; ".join(notes))

@@ -79,12 +79,14 @@ def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_lay
     assert {layer: want_load.total(layer) for layer in want_load.tokens} == {layer: FED_TOKENS * k for layer in sparse_layers}
 
 
-def test_mxfp4_experts_ep2_equal_ep1_and_tp_without_ep_is_refused(tiny_checkpoints, tmp_path: Path) -> None:
+def test_mxfp4_experts_ep2_and_tp2_equal_tp1(tiny_checkpoints, tmp_path: Path) -> None:
     """gpt-oss's MXFP4 experts dealt whole to the ranks (4-bit blocks and scales read for this
-    rank's experts only); cutting their I inside the 32-value blocks (plain TP) is refused."""
+    rank's experts only), or cut at block boundaries (TP: each rank its rows of gate and up,
+    its 32-value blocks of each down row); an I / tp that is not whole blocks is refused."""
     from tests.model.test_gpt_oss_mxfp4 import GPT_OSS, write_mxfp4_checkpoint
 
-    path, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "mxfp4")
+    path, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **{**GPT_OSS, "intermediate_size": 64}),
+                                     tmp_path / "mxfp4")
     with engine(path) as llm:
         want_tokens, want_logprobs = scored(llm)
     with engine(path, tensor_parallel_size=2, enable_expert_parallel=True) as llm:
@@ -93,8 +95,15 @@ def test_mxfp4_experts_ep2_equal_ep1_and_tp_without_ep_is_refused(tiny_checkpoin
         assert moes and all(m.num_experts == 2 and m.w13_blocks.shape[0] == 2 for m in moes)
     assert tokens == want_tokens
     assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
-    with pytest.raises(ValueError, match=r"MXFP4 experts .* under tensor parallelism are not supported yet"):
-        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
+    with engine(path, tensor_parallel_size=2) as llm:
+        tokens, logprobs = scored(llm)
+        moes = experts_of(llm)
+        assert moes and all(m.intermediate_size == 32 and m.w2_blocks.shape[2] == 1 for m in moes)
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    small, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "small")  # I = 32
+    with pytest.raises(ValueError, match=r"intermediate_size \(16\) to be a multiple of 32 .* --enable-expert-parallel"):
+        LLM(str(small), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()
 
 
