@@ -416,6 +416,8 @@ def fused_moe(
     topk_weights: torch.Tensor,  # (T, k) routing weights (float32)
     topk_ids: torch.Tensor,  # (T, k) expert of each choice
     activation=silu_and_mul,  # (n, 2I) [gate | up] -> (n, I)
+    b13: torch.Tensor | None = None,  # (E, 2I) [gate; up] biases (gpt-oss), or None
+    b2: torch.Tensor | None = None,  # (E, H)
 ) -> torch.Tensor:  # (T, H)
     """Mixture-of-Experts feed-forward, one expert at a time over the tokens that chose it (as
     transformers' eager experts loop): the twin of layers/moe.py's sorted, grouped method."""
@@ -424,7 +426,8 @@ def fused_moe(
         token_idx, slot = torch.where(topk_ids == e)
         if token_idx.numel() == 0:
             continue
-        h = activation(x[token_idx] @ w13[e].t()) @ w2[e].t()  # (n, H)
+        pre = x[token_idx] @ w13[e].t() + (b13[e] if b13 is not None else 0)  # (n, 2I)
+        h = activation(pre) @ w2[e].t() + (b2[e] if b2 is not None else 0)  # (n, H)
         out.index_add_(0, token_idx, (h * topk_weights[token_idx, slot, None]).to(x.dtype))
     return out
 

@@ -76,10 +76,25 @@ def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation, (n, 2I) with gate and up interleaved (gate in the even columns, up
-    in the odd, as its checkpoints store them) -> (n, I):
-    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
+    """gpt-oss's activation (vLLM's "swigluoai"), (n, 2I) [gate | up] -> (n, I):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    Its checkpoints interleave gate and up column by column; the loader de-interleaves them
+    (models/gpt_oss_loading.py), so the halves here are contiguous like every gated layer's."""
+    d = gate_up.shape[-1] // 2
+    gate = gate_up[..., :d].clamp(max=limit)
+    up = gate_up[..., d:].clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ClampedSwiGLU(nn.Module):
+    """`clamped_swiglu` as a gated-activation layer (gpt-oss: `swiglu_alpha` 1.702, `swiglu_limit` 7.0)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2 * d) [gate | up] -> (T, d)
+        return clamped_swiglu(x, self.alpha, self.limit)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"

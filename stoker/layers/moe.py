@@ -5,6 +5,16 @@ loads and applies them.
     w13 (E, 2I, H)   each expert's [gate; up] rows (checkpoint w1 = gate_proj, w3 = up_proj)
     w2  (E, H, I)    each expert's down projection (checkpoint w2 = down_proj)
 
+Options (gpt-oss's experts): `activation`, a gated activation layer over [gate | up] in
+place of `hidden_act`'s (layers/activation.ClampedSwiGLU), and `has_bias`: per-expert biases
+
+    w13_bias (E, 2I)  added to each expert's [gate; up] before the activation
+    w2_bias  (E, H)   added to each expert's output before its routing weight scales it
+
+(checkpoint shard `(expert, "w1" | "w3" | "w2")`, parameter "bias"). Under tensor parallelism
+w13_bias is cut with I and w2_bias is held by rank 0 only (the others hold zeros), so the
+all-reduce adds it once, as a row-parallel projection's bias.
+
 The router is not part of the layer (layers/moe_router.py): `forward(x, topk_weights,
 topk_ids)` takes the choices already made, so a router with a bias, groups or a sigmoid
 slots in without touching the experts.
@@ -33,7 +43,7 @@ from torch import nn
 from stoker.distributed.expert_partition import ExpertPartition, whole_experts
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
-from stoker.layers.activation import SiluAndMul, get_gated_activation
+from stoker.layers.activation import ClampedSwiGLU, SiluAndMul, get_gated_activation
 from stoker.layers.moe_expert_parallel import apply_held_experts
 from stoker.layers.moe_load import ExpertTokenCounter
 from stoker.layers.weight_method import expect_shape
@@ -53,6 +63,8 @@ class FusedMoE(nn.Module):
         split: Partition = WHOLE,
         tp: TensorParallelGroup | None = None,
         experts: ExpertPartition | None = None,
+        activation: nn.Module | None = None,
+        has_bias: bool = False,
     ) -> None:
         super().__init__()
         experts = experts or whole_experts(num_experts)
@@ -73,7 +85,11 @@ class FusedMoE(nn.Module):
         # tokens routed per expert (all E), on the device; the engine reads it at its log interval and on a scrape
         self.expert_tokens = ExpertTokenCounter(num_experts)
         self.hidden_act = hidden_act  # the ACT2FN name, for a kernel that applies the gate itself
-        self.act = get_gated_activation(hidden_act)  # (n, 2I) [gate | up] -> (n, I); kernels bound at build
+        # (n, 2I) [gate | up] -> (n, I); kernels bound at build
+        self.act = activation if activation is not None else get_gated_activation(hidden_act)
+        # a layer-supplied activation (gpt-oss's clamped SwiGLU) that hidden_act does not name
+        self.custom_activation = activation is not None
+        self.has_bias = has_bias
         self.method: MoEMethod | None = None
 
     def attach(self, method: MoEMethod) -> None:
@@ -92,6 +108,12 @@ class FusedMoE(nn.Module):
         """SiLU-gated (what the fused CPU kernel can apply in the gate/up GEMM)."""
         return isinstance(self.act, SiluAndMul)
 
+    @property
+    def holds_down_bias(self) -> bool:
+        """This rank adds w2_bias: always, but under tensor parallelism only rank 0 (the
+        all-reduce sums the ranks' partial outputs, which would add it once per rank)."""
+        return not self.is_split or self.reduce is None or self.reduce.is_first
+
     def checkpoint_slice(self, shard: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
         """The part of one expert's checkpoint tensor `shard` ("w1", "w2", "w3") this rank reads:
         its rows of gate and up, its columns of down; None (all of it) when not split."""
@@ -101,6 +123,17 @@ class FusedMoE(nn.Module):
             return None
         cut = slice(*self.split.range(i))
         return (slice(None), cut) if shard == "w2" else (cut,)
+
+    def bias_slice(self, shard: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of one expert's checkpoint bias of `shard` this rank reads: its I of gate and
+        up; all of down's (H,)."""
+        if not self.has_bias:
+            raise ValueError(f"expert {shard} bias: this layer's experts have no biases")
+        i = self.checkpoint_intermediate_size
+        expect_shape(shape, (self.hidden_size,) if shard == "w2" else (i,), "expert bias", shard)
+        if shard == "w2" or not self.is_split:
+            return None
+        return (slice(*self.split.range(i)),)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -188,6 +221,28 @@ class MoEMethod:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
         layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [gate; up] per expert
         layer.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.create_biases(layer)
+
+    @staticmethod
+    def create_biases(layer: FusedMoE) -> None:
+        """w13_bias (E, 2I), w2_bias (E, H) in the model dtype when the layer has biases (every method)."""
+        if layer.has_bias:
+            e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+            layer.w13_bias = nn.Parameter(torch.zeros(e, 2 * i), requires_grad=False)
+            layer.w2_bias = nn.Parameter(torch.zeros(e, h), requires_grad=False)
+
+    @staticmethod
+    def load_bias(layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) -> None:
+        """One expert's bias of `shard` (this rank's part: `FusedMoE.bias_slice`)."""
+        if not layer.has_bias:
+            raise ValueError(f"expert {expert} {shard}: a bias, but this layer's experts have none")
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
+        i = layer.intermediate_size
+        target = {"w1": layer.w13_bias[expert, :i], "w3": layer.w13_bias[expert, i:], "w2": layer.w2_bias[expert]}[shard]
+        expect_shape(tuple(tensor.shape), tuple(target.shape), f"expert {expert} bias", shard)
+        with torch.no_grad():
+            target.copy_(tensor if shard != "w2" or layer.holds_down_bias else torch.zeros_like(tensor))
 
     def checkpoint_params(self) -> tuple[str, ...]:
         """The tensors each expert projection has in the checkpoint (`...experts.{e}.{leaf}.{param}`);
@@ -198,10 +253,14 @@ class MoEMethod:
         self, layer: FusedMoE, shard: str, param: str, shape: tuple[int, ...]
     ) -> tuple[slice, ...] | None:
         """The part of checkpoint tensor `param` of `shard` this rank reads (None: all of it)."""
+        if param == "bias":
+            return layer.bias_slice(shard, shape)
         return layer.checkpoint_slice(shard, shape)
 
     def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
         """One expert's checkpoint tensor (this rank's part of it, `layer.checkpoint_slice`)."""
+        if param == "bias":
+            return self.load_bias(layer, expert, shard, tensor)
         if param != "weight":
             raise ValueError(f"expert {expert} {shard}: unexpected checkpoint tensor {param!r} for float experts "
                              "(the quantization config ignores them, or declares no quantization)")
@@ -228,6 +287,8 @@ class MoEMethod:
                                 lambda e, rows: self.expert_forward(layer, e, rows))
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        if layer.has_bias:
+            return layer.act(rows @ layer.w13[e].t() + layer.w13_bias[e]) @ layer.w2[e].t() + layer.w2_bias[e]
         return layer.act(rows @ layer.w13[e].t()) @ layer.w2[e].t()
 
     def describe(self) -> str:
@@ -245,7 +306,8 @@ class PackedCpuMoEMethod(MoEMethod):
     A SiLU-gated layer runs all its experts in one C call (kernels/cpu/moe.c: counting sort by
     expert, every expert's grouped GEMMs in one parallel region, each token's k outputs summed
     in ascending expert order); another gate (GELU, ...) loops over the experts in Python,
-    calling the linear kernel per expert. Either way each GEMM row is the linear kernel's
+    calling the linear kernel per expert. gpt-oss's clamped SwiGLU and expert biases run in the
+    one call too (unfused: the gate_up-packed panels would interleave the bias). Either way each GEMM row is the linear kernel's
     in-order sum whatever the rows beside it, so with the fixed per-token order a token's result
     does not depend on its batch, as on the dense path. After loading: w13 (E, P13, H, NR),
     w2 (E, P2, I, NR).
@@ -263,7 +325,11 @@ class PackedCpuMoEMethod(MoEMethod):
 
     def create_weights(self, layer: FusedMoE) -> None:
         super().create_weights(layer)
-        if not layer.is_silu:
+        if self.fuse_silu_and_mul and (layer.has_bias or not layer.is_silu):
+            raise ValueError("SiLU-and-mul fuses only into a SiLU-gated gate/up GEMM without biases")
+        # moe.c applies SiLU-and-mul or gpt-oss's clamped SwiGLU; another gate takes the loop
+        self.activation = "silu" if layer.is_silu else "swigluoai" if isinstance(layer.act, ClampedSwiGLU) else None
+        if self.activation is None:
             self.fused_moe = None
 
     def process_after_loading(self, layer: FusedMoE) -> None:
@@ -272,21 +338,27 @@ class PackedCpuMoEMethod(MoEMethod):
         w13, w2 = cpu_moe.pack_experts(layer.w13.data, layer.w2.data, self.fuse_silu_and_mul)
         layer.w13 = nn.Parameter(w13, requires_grad=False)
         layer.w2 = nn.Parameter(w2, requires_grad=False)
+        if layer.has_bias:  # (E, P13 * NR), (E, P2 * NR): padded to the panels, as the linear kernel reads them
+            layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
+            layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
 
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:  # (T, H) -> (T, H)
         if self.fused_moe is None:
             return super().apply(layer, x, topk_weights, topk_ids)
+        b13, b2 = (layer.w13_bias, layer.w2_bias) if layer.has_bias else (None, None)
+        alpha, limit = (layer.act.alpha, layer.act.limit) if self.activation == "swigluoai" else (0.0, 0.0)
         return self.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.intermediate_size,
-                              self.fuse_silu_and_mul)
+                              self.fuse_silu_and_mul, b13, b2, self.activation, alpha, limit)
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         i = layer.intermediate_size
-        h = self.kernel(rows, layer.w13[e], 2 * i, None, self.fuse_silu_and_mul)  # (n, I) or (n, 2I)
+        b13, b2 = (layer.w13_bias[e], layer.w2_bias[e]) if layer.has_bias else (None, None)
+        h = self.kernel(rows, layer.w13[e], 2 * i, b13, self.fuse_silu_and_mul)  # (n, I) or (n, 2I)
         if not self.fuse_silu_and_mul:
             h = layer.act(h)
-        return self.kernel(h, layer.w2[e], layer.hidden_size, None, False)
+        return self.kernel(h, layer.w2[e], layer.hidden_size, b2, False)
 
     def describe(self) -> str:
         # the same before and after create_weights (the chooser counts methods before attaching)

@@ -96,6 +96,7 @@ class QuantizedMoEMethod(MoEMethod):
         layer.w13_scale = nn.Parameter(torch.ones(e, 2 * i, g13, dtype=torch.float32), requires_grad=False)
         layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=self.storage_dtype), requires_grad=False)
         layer.w2_scale = nn.Parameter(torch.ones(e, h, g2, dtype=torch.float32), requires_grad=False)
+        self.create_biases(layer)  # w13_bias, w2_bias in the model dtype (gpt-oss), never quantized
 
     def checkpoint_slice(
         self, layer: FusedMoE, shard: str, param: str, shape: tuple[int, ...]
@@ -106,10 +107,14 @@ class QuantizedMoEMethod(MoEMethod):
             raise ValueError("pre-quantized experts under tensor parallelism are not supported")
         if param == "weight":
             return layer.checkpoint_slice(shard, shape)
+        if param == "bias":
+            return layer.bias_slice(shard, shape)
         return None
 
     # ---------------------------------------------------------------- loading
     def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
+        if param == "bias":
+            return self.load_bias(layer, expert, shard, tensor)
         if shard not in EXPERT_SHARDS:
             raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
         if not 0 <= expert < layer.num_experts:
@@ -166,6 +171,11 @@ class QuantizedMoEMethod(MoEMethod):
             self.kernel = reference.w8_linear
             return
         from stoker.kernels.cpu import linear as cpu_linear
+        from stoker.kernels.cpu import moe as cpu_moe
+
+        if layer.has_bias:  # (E, P * NR): padded to the panels, as linear_q8 reads a bias
+            layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
+            layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
 
         fuse, dt = self.fuse_silu_and_mul, self.storage_dtype
         # The dense quantized method's panels and scale layout, one expert at a time:
@@ -189,9 +199,10 @@ class QuantizedMoEMethod(MoEMethod):
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         i, h = layer.intermediate_size, layer.hidden_size
+        b13, b2 = (layer.w13_bias[e], layer.w2_bias[e]) if layer.has_bias else (None, None)
         if self.backend == "cpu_q8":
-            up = self.kernel(rows, layer.w13[e], layer.w13_scale[e], self.group_k13, 2 * i, None, self.fuse_silu_and_mul)
+            up = self.kernel(rows, layer.w13[e], layer.w13_scale[e], self.group_k13, 2 * i, b13, self.fuse_silu_and_mul)
             act = up if self.fuse_silu_and_mul else layer.act(up)  # (n, I)
-            return self.kernel(act, layer.w2[e], layer.w2_scale[e], self.group_k2, h, None, False)
-        act = layer.act(self.kernel(rows, layer.w13[e], layer.w13_scale[e], self.group_k13))  # dequantized per call
-        return self.kernel(act, layer.w2[e], layer.w2_scale[e], self.group_k2)
+            return self.kernel(act, layer.w2[e], layer.w2_scale[e], self.group_k2, h, b2, False)
+        act = layer.act(self.kernel(rows, layer.w13[e], layer.w13_scale[e], self.group_k13, b13))  # dequantized per call
+        return self.kernel(act, layer.w2[e], layer.w2_scale[e], self.group_k2, b2)

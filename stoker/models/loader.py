@@ -30,7 +30,7 @@ from stoker.models import moe_loading
 from stoker.models.gguf_loader import GGUFTensors, is_gguf_file, read_gguf_config
 from stoker.models.packed import checkpoint_module_name
 from stoker.models.registry import get_model_class
-from stoker.quantization.config import QuantConfig, QuantizationError
+from stoker.quantization.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,6 @@ def build_with_methods(make: Callable[[], nn.Module], dtype: torch.dtype, device
                     module.attach(chooser(name, module))
                 elif isinstance(module, FusedMoE):
                     module.attach(chooser.moe(name, module))
-                elif getattr(module, "moe_experts", False) and quant is not None:  # a family's own experts (gpt-oss)
-                    raise QuantizationError(f"{quant.method} quantization ({quant.source}) of Mixture-of-Experts "
-                                            f"experts is not supported yet ({name}); run this model unquantized")
     finally:
         torch.set_default_dtype(previous)
     kernels = bind_kernels(model, device, dtype)
@@ -132,6 +129,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     fused: dict[str, tuple[str, ...]] = getattr(model, "fused_checkpoint_modules", {})
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params: dict[str, str] = getattr(model, "expert_params", {})
+    # a family whose checkpoint stacks its experts its own way (gpt-oss) reads them itself
+    load_experts = getattr(model, "load_expert_tensor", moe_loading.load_expert_tensor)
+    expert_name = getattr(model, "expert_checkpoint_name", moe_loading.checkpoint_name)
     tied = bool(model.config.get("tie_word_embeddings", False))
     # A family's tensors it does not run (GLM-4.5's multi-token-prediction layer, a vision tower)
     skip: Callable[[str], bool] = getattr(model, "skips_checkpoint_tensor", lambda name: False)
@@ -147,7 +147,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 if name.endswith(_KV_SCALE_SUFFIXES):
                     _load_kv_scale(model, name, f.get_tensor(name))
                     continue
-                experts = moe_loading.load_expert_tensor(moes, expert_params, name, f) if moes else None
+                experts = load_experts(moes, expert_params, name, f) if moes else None
                 if experts is not None:
                     filled.update(experts)
                     continue
@@ -170,7 +170,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         named = []
         for key in missing[:10]:
             if key.partition("#")[0] in moes:
-                named.append(moe_loading.checkpoint_name(key, expert_params))
+                named.append(expert_name(key, expert_params))
                 continue
             base, _, shard = key.partition("#")
             module_name, _, param = base.rpartition(".")
@@ -250,7 +250,9 @@ def _load_one(
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
     param = params[name]
-    tensor = f.get_tensor(name)
+    # a plain parameter cut over tensor-parallel ranks says which part it reads (gpt-oss's sinks)
+    part = getattr(param, "checkpoint_slice", None)
+    tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
     with torch.no_grad():

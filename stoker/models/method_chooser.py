@@ -88,7 +88,7 @@ class LinearMethodChooser:
             return self._float(name, layer)  # a discrete choice: never quantized, always float32
         if name.endswith(".shared_expert_gate"):
             return self._float(name, layer)  # Qwen2-MoE's one-logit gate: never quantized (as vLLM)
-        if self.quant is not None:
+        if self.quant is not None and not self.quant.experts_only:  # mxfp4 quantizes only MoE experts
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
@@ -135,8 +135,12 @@ class LinearMethodChooser:
         from stoker.kernels.cpu import linear as cpu_linear
 
         method: MoEMethod
-        triton_moe = self.device.type == "cuda" and ops.triton_available() and not ops.triton_disabled()
-        if self.quant is not None and self._experts_quantized(name, layer):
+        # the Triton kernel applies hidden_act itself and adds no expert biases (gpt-oss has both)
+        triton_moe = (self.device.type == "cuda" and ops.triton_available() and not ops.triton_disabled()
+                      and not layer.custom_activation and not layer.has_bias)
+        if self.quant is not None and self.quant.experts_only:
+            method = self._mxfp4(name, layer)
+        elif self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
             w = self.quant.weights
@@ -145,10 +149,11 @@ class LinearMethodChooser:
             triton_groups = group is None or group % 16 == 0
             backend = "cpu_q8" if self.cpu_kernels else "triton" if triton_moe and triton_groups else "dequant"
             self._say_weight_only(backend)
-            fuse = backend == "cpu_q8" and layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            fuse = (backend == "cpu_q8" and layer.is_silu and not layer.has_bias
+                    and cpu_linear.gate_up_fusable(layer.intermediate_size))
             method = QuantizedMoEMethod(self.quant.weights, self.quant.online, backend, fuse)
         elif self.cpu_kernels:
-            fuse = layer.is_silu and cpu_linear.gate_up_fusable(layer.intermediate_size)
+            fuse = layer.is_silu and not layer.has_bias and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = PackedCpuMoEMethod(fuse)
         elif triton_moe:
             from stoker.layers.moe_triton import TritonMoEMethod
@@ -158,6 +163,13 @@ class LinearMethodChooser:
             method = TorchMoEMethod()
         self.chosen[method.describe()] += 1
         return method
+
+    def _mxfp4(self, name: str, layer: FusedMoE) -> MoEMethod:
+        """gpt-oss's MXFP4 experts, held 4-bit (layers/moe_mxfp4.py; under tensor parallelism
+        I / tp must be whole blocks of 32, which the method checks)."""
+        from stoker.layers.moe_mxfp4 import Mxfp4MoEMethod
+
+        return Mxfp4MoEMethod("cpu" if self.cpu_kernels else "dequant")
 
     def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:
         """Whether the config quantizes this layer's experts: all of them, or none (then they load

@@ -33,7 +33,7 @@ def expected_keys(module_name: str, layer: FusedMoE) -> set[str]:
     """The keys `load_expert_tensor` returns once every expert this rank holds brought its tensors
     (the weights, and a quantized method's scales: `MoEMethod.checkpoint_params`)."""
     assert layer.method is not None
-    held, params = layer.expert_split, layer.method.checkpoint_params()
+    held, params = layer.expert_split, layer.method.checkpoint_params() + (("bias",) if layer.has_bias else ())
     return {key(module_name, e, s, p) for e in range(held.start, held.stop) for s in EXPERT_SHARDS for p in params}
 
 

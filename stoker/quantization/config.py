@@ -10,7 +10,9 @@ Two sources, one result (`QuantConfig`):
         strategies tensor / channel / group / block, symmetric; the `ignore` list; a
         `kv_cache_scheme` (FP8 KV with per-layer k/v scales);
       - `"quant_method": "fp8"` (vLLM / Qwen3-FP8 / DeepSeek): FP8 weights with a per-tensor
-        `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`.
+        `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`;
+      - `"quant_method": "mxfp4"` (gpt-oss): the MoE experts as MXFP4 `*_blocks` / `*_scales`
+        (layers/moe_mxfp4.py), everything else in the model dtype.
 Anything else is refused here, naming what it found and listing what is supported, before a
 single tensor is read.
 """
@@ -25,8 +27,10 @@ ONLINE_METHODS = ("fp8", "int8")
 SUPPORTED_CHECKPOINTS = (
     "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric)",
     "fp8 (per-tensor weight_scale or weight_block_size [128, 128] with weight_scale_inv)",
+    "mxfp4 (gpt-oss: Mixture-of-Experts experts as *_blocks / *_scales)",
 )
 _STRATEGIES = ("tensor", "channel", "group", "block")
+WEIGHT_DTYPES = ("fp8", "int8", "mxfp4")  # mxfp4: E2M1 values, an E8M0 scale per group of 32 (experts only)
 
 
 class QuantizationError(ValueError):
@@ -51,8 +55,8 @@ class WeightScheme:
         return self.dynamic_activations or self.static_input_scale
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("fp8", "int8"):
-            raise QuantizationError(f"weight dtype {self.dtype!r}: only fp8 (e4m3) and int8 are supported")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise QuantizationError(f"weight dtype {self.dtype!r}: supported are {', '.join(WEIGHT_DTYPES)}")
         if self.strategy not in _STRATEGIES:
             raise QuantizationError(f"weight strategy {self.strategy!r}: supported are {', '.join(_STRATEGIES)}")
         if self.strategy == "group" and not (self.group_size and self.group_size > 0):
@@ -81,6 +85,11 @@ class QuantConfig:
     @property
     def online(self) -> bool:
         return self.source == "online"
+
+    @property
+    def experts_only(self) -> bool:
+        """The scheme covers only Mixture-of-Experts experts (mxfp4: the rest is in the model dtype)."""
+        return self.source == "mxfp4"
 
     @property
     def description(self) -> str:
@@ -142,6 +151,8 @@ def parse_checkpoint_config(qc: dict[str, Any]) -> QuantConfig:
         return _compressed_tensors(qc)
     if method == "fp8":
         return _fp8_checkpoint(qc)
+    if method == "mxfp4":
+        return _mxfp4_checkpoint(qc)
     raise QuantizationError(
         f"quantization_config quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED_CHECKPOINTS)}"
     )
@@ -229,3 +240,22 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
             raise QuantizationError(f"compressed-tensors kv_cache_scheme {kv!r} is not supported; 8-bit float per tensor")
     return QuantConfig(method=dtype, source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()),
                        kv_cache_fp8=bool(kv))
+
+
+# Mxfp4Config's keys (transformers): what the Hub's gpt-oss configs carry; `dequantize` asks
+# transformers to expand the experts at load, which the engine does not need (it runs them 4-bit).
+_MXFP4_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
+
+
+def _mxfp4_checkpoint(qc: dict[str, Any]) -> QuantConfig:
+    """gpt-oss's MXFP4: only the experts are quantized; modules_to_not_convert names the rest
+    (attention, router, embeddings, LM head), which the engine keeps in the model dtype anyway."""
+    unknown = sorted(set(qc) - _MXFP4_KEYS)
+    if unknown:
+        raise QuantizationError(f"mxfp4 quantization_config fields {unknown} are not supported; known: "
+                                f"{', '.join(sorted(_MXFP4_KEYS))}")
+    ignore = qc.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list):
+        raise QuantizationError(f"mxfp4 modules_to_not_convert must be a list, got {ignore!r}")
+    weights = WeightScheme("mxfp4", "group", group_size=32)
+    return QuantConfig(method="mxfp4", source="mxfp4", weights=weights, ignore=tuple(ignore))

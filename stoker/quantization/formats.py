@@ -106,3 +106,50 @@ def scale_rows(
     if tuple(t.shape) != expected:
         raise ValueError(f"block scales must be {expected} for {rows} x {in_features} in blocks of {bn} x {bk}, got {tuple(tensor.shape)}")
     return t.repeat_interleave(bn, dim=0)[:rows].contiguous(), bk
+
+
+# ---------------------------------------------------------------- MXFP4 (OCP Microscaling)
+# gpt-oss's expert weights: FP4 E2M1 values, two to a byte (the even element in the low nibble,
+# the odd one in the high), 32 to a block sharing one E8M0 scale (an exponent, bias 127):
+#     blocks (..., G, 16) uint8, scales (..., G) uint8 -> (..., G * 32) = E2M1[nibble] * 2^(scale - 127)
+# (the OCP Microscaling spec v1.0; transformers' integrations/mxfp4.py reads the Hub's files so).
+MXFP4_BLOCK = 32
+MXFP4_BYTES_PER_BLOCK = MXFP4_BLOCK // 2
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks (..., G, 16) uint8 + scales (..., G) uint8 -> (..., G * 32) in `dtype`: each value
+    from the 16-entry E2M1 table, times 2^(scale - 127) (exact: a power of two)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8; got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BYTES_PER_BLOCK:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: expected (..., G, "
+                         f"{MXFP4_BYTES_PER_BLOCK}) and (..., G)")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # (..., G, 16, 2)
+    values = values.reshape(*scales.shape, MXFP4_BLOCK)  # (..., G, 32): low nibble first
+    exponents = scales.to(torch.int32) - E8M0_BIAS
+    return torch.ldexp(values, exponents[..., None]).reshape(*scales.shape[:-1], -1).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float, K a multiple of 32 -> (blocks (..., K / 32, 16), scales (..., K / 32)) uint8:
+    per block the OCP spec's scale 2^(floor(log2(amax)) - 2) (E2M1's largest exponent is 2;
+    the block's largest value lands in [4, 8) and saturates at 6), each value rounded to the
+    nearest E2M1 value (a tie to the smaller magnitude)."""
+    w = weight.float()
+    if w.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 quantizes rows of whole 32-element blocks; the last dimension is {w.shape[-1]}")
+    w = w.reshape(*w.shape[:-1], -1, MXFP4_BLOCK)  # (..., G, 32)
+    amax = w.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - 2, torch.zeros_like(amax))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = (w / torch.exp2(exponent)[..., None]).clamp(-6.0, 6.0)
+    lut = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    codes = (scaled.abs()[..., None] - lut).abs().argmin(dim=-1)  # nearest magnitude (a tie: the smaller)
+    codes = codes | ((scaled < 0).long() << 3)
+    codes = codes.reshape(*codes.shape[:-1], MXFP4_BYTES_PER_BLOCK, 2)
+    blocks = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exponent + E8M0_BIAS).to(torch.uint8)

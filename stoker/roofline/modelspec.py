@@ -257,8 +257,13 @@ class ModelSpec:
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
         rows = self.projection_rows - (c["experts"] // self.hidden_size if self.expert_dtype else 0)
         scales = rows * SCALE_BYTES_PER_ROW.get(normalize_dtype(dtype), 0.0)
-        # Experts in their own dtype (mxfp4's scales are in its 4.25 bits): gpt-oss.
-        experts = c["experts"] * self.expert_bytes_per_param(dtype) if self.expert_dtype else 0.0
+        # Experts in their own dtype (mxfp4's scales are in its 4.25 bits): gpt-oss. Their biases
+        # are not quantized (the checkpoint and the engine hold them in the float dtype).
+        experts = 0.0
+        if self.expert_dtype:
+            biases = self.num_sparse_layers * self.num_experts * (self.expert_params - 3 * self.hidden_size *
+                                                                  self.expert_intermediate_size)
+            experts = (c["experts"] - biases) * self.expert_bytes_per_param(dtype) + biases * dtype_bytes(rest_dtype)
         return quantized * dtype_bytes(dtype) + scales + experts + rest * dtype_bytes(rest_dtype)
 
     def decode_weight_bytes(self, batch: int, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:

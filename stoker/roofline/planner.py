@@ -260,8 +260,9 @@ def serve_command(model: str, c: Candidate) -> str:
         spec = None
     moe = spec is not None and spec.is_moe
     if spec is not None and spec.expert_dtype:
-        # gpt-oss ships MXFP4 experts; the engine refuses a pre-quantized MoE checkpoint (docs/moe.md).
-        notes.append(f"{spec.expert_dtype} experts: the engine refuses pre-quantized MoE checkpoints today (docs/moe.md)")
+        # gpt-oss ships MXFP4 experts: the engine holds them 4-bit and dequantizes each routed expert in
+        # torch (layers/moe_mxfp4.py), whole experts per rank only (docs/moe.md).
+        notes.append(f"{spec.expert_dtype} experts: dequantized per expert in torch, not a fused kernel (docs/moe.md)")
     if moe and c.weight_dtype != "bf16":
         notes.append(f"{c.weight_dtype} experts: the engine has no quantized MoE method yet (docs/moe.md)")
     elif c.weight_dtype not in _ENGINE_QUANTIZATION:
@@ -273,6 +274,8 @@ def serve_command(model: str, c: Candidate) -> str:
     parts.append(f"--max-num-seqs {c.max_batch}")
     if c.tp > 1:
         parts.append(f"--tensor-parallel-size {c.tp}")
+        if spec is not None and spec.expert_dtype == "mxfp4":  # whole experts: any tp, where I / tp may split a 32-block
+            parts.append("--enable-expert-parallel")
     if notes:
         parts.append("  # " + "; ".join(notes))
     return " ".join(parts)

@@ -35,13 +35,6 @@ class ModelLoRASlots:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        own_experts = next((name for name, m in model.named_modules() if getattr(m, "moe_experts", False)), None)
-        if own_experts is not None:
-            # A family's own experts module (gpt-oss's, with biases and a clamped activation) has no
-            # LoRA slots, and no record of which projections would: refused whole, never half-served.
-            raise ValueError(f"LoRA (--enable-lora) is not supported on Mixture-of-Experts models with their own "
-                             f"experts module yet ({own_experts} is a {type(model.get_submodule(own_experts)).__name__} "
-                             "layer); serve this model without --enable-lora")
         # Mixture-of-Experts layers: their attention projections (and a dense layer's MLP) get
         # slots; a sparse layer's experts and router get none, and an adapter with weights for
         # them is refused by name (`check`), never loaded with those dropped.

@@ -121,12 +121,16 @@ class ModelRunner:
         rest = str(self.dtype).removeprefix("torch.")
         if self.quant is not None and self.quant.source == "gguf":  # a type per tensor: no one-dtype formula
             return f"{_size(self.weight_bytes_held())} held ({self.quant.description}; embeddings/norms {rest})"
-        projections = self.quant.method if self.quant is not None else rest
-        predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
+        # mxfp4 quantizes only the experts: the spec prices them in their own dtype (expert_dtype)
+        quantized = self.quant is not None and not self.quant.experts_only
+        projections = self.quant.method if quantized else rest
+        spec = spec_from_config(self.hf_config)
+        predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
         tp = self.tp.world_size
         by = f"{_size(held)} held by rank {self.tp.rank} of {tp}" if tp > 1 else f"{_size(held)} held"
-        return (f"{_size(predicted)} ({projections} projections, embeddings/norms/LM head {rest}; "
+        experts = f"{spec.expert_dtype} experts, " if spec.expert_dtype else ""
+        return (f"{_size(predicted)} ({experts}{projections} projections, embeddings/norms/LM head {rest}; "
                 f"{by}, panel padding included)")
 
     def describe(self) -> RunnerInfo:

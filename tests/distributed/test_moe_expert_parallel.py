@@ -46,8 +46,11 @@ def experts_of(llm: LLM) -> list:
     [("qwen3_moe", QWEN3_MOE, [0, 2]), ("mixtral", MIXTRAL, [0, 1]),
      # the shared expert stays tensor-parallel beside the expert-parallel experts
      ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                        shared_expert_intermediate_size=40), [0, 1])],
-    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared"],
+                        shared_expert_intermediate_size=40), [0, 1]),
+     # whole experts with their biases and the clamped SwiGLU; attention (and its sinks) still cut
+     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                      sliding_window=24, swiglu_limit=1.0), [0, 1])],
+    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "gpt_oss"],
 )
 def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_layers: list[int]) -> None:
     path = tiny_checkpoints(arch, **overrides)
@@ -74,6 +77,34 @@ def test_ep2_equals_ep1(tiny_checkpoints, arch: str, overrides: dict, sparse_lay
     assert sorted(load.tokens) == sparse_layers
     assert {layer: load.total(layer) for layer in load.tokens} == {layer: FED_TOKENS * k for layer in sparse_layers}
     assert {layer: want_load.total(layer) for layer in want_load.tokens} == {layer: FED_TOKENS * k for layer in sparse_layers}
+
+
+def test_mxfp4_experts_ep2_and_tp2_equal_tp1(tiny_checkpoints, tmp_path: Path) -> None:
+    """gpt-oss's MXFP4 experts dealt whole to the ranks (4-bit blocks and scales read for this
+    rank's experts only), or cut at block boundaries (TP: each rank its rows of gate and up,
+    its 32-value blocks of each down row); an I / tp that is not whole blocks is refused."""
+    from tests.model.test_gpt_oss_mxfp4 import GPT_OSS, write_mxfp4_checkpoint
+
+    path, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **{**GPT_OSS, "intermediate_size": 64}),
+                                     tmp_path / "mxfp4")
+    with engine(path) as llm:
+        want_tokens, want_logprobs = scored(llm)
+    with engine(path, tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        tokens, logprobs = scored(llm)
+        moes = experts_of(llm)
+        assert moes and all(m.num_experts == 2 and m.w13_blocks.shape[0] == 2 for m in moes)
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    with engine(path, tensor_parallel_size=2) as llm:
+        tokens, logprobs = scored(llm)
+        moes = experts_of(llm)
+        assert moes and all(m.intermediate_size == 32 and m.w2_blocks.shape[2] == 1 for m in moes)
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    small, _ = write_mxfp4_checkpoint(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "small")  # I = 32
+    with pytest.raises(ValueError, match=r"intermediate_size \(16\) to be a multiple of 32 .* --enable-expert-parallel"):
+        LLM(str(small), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
 
 
 def _route_nothing_to_the_last_expert(path: Path, layers: list[int]) -> None:

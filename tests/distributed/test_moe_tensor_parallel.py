@@ -22,8 +22,11 @@ from tests.distributed.test_tensor_parallel import GREEDY, KV, engine, run
         ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
                           n_shared_experts=2, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                           head_dim=16)),
+        # expert biases (w2's added once, by rank 0), the clamped SwiGLU, each rank's heads' sinks
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                         sliding_window=24, swiglu_limit=1.0)),
     ],
-    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "glm4_moe"],
+    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "glm4_moe", "gpt_oss"],
 )
 def test_moe_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> None:
     path = tiny_checkpoints(arch, **overrides)

@@ -125,3 +125,66 @@ def test_empty_batch_and_bad_input() -> None:
         cpu_moe.fused_moe(torch.randn(3, 32), p13, p2, weights, ids, 24, False)
     with pytest.raises(ValueError, match="disagree"):
         cpu_moe.fused_moe(torch.randn(4, 32), p13, p2, weights, ids, 16, False)
+
+
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES[:5], ids=IDS[:5])
+def test_biases_and_the_clamped_swiglu_match_the_twin(num_experts: int, k: int, hidden: int, inter: int,
+                                                      num_tokens: int) -> None:
+    """gpt-oss's experts: per-expert biases on [gate; up] and down, its clamped SwiGLU (a limit
+    low enough that both clamps bite), in the one C call against the expert loop twin."""
+    from stoker.layers.activation import ClampedSwiGLU
+
+    w13, w2 = experts(num_experts, hidden, inter)
+    gen = torch.Generator().manual_seed(2)
+    b13, b2 = torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    act = ClampedSwiGLU(1.702, 0.5)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, False)
+    out = cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, False, cpu_moe.pack_expert_bias(b13),
+                            cpu_moe.pack_expert_bias(b2), "swigluoai", act.alpha, act.limit)
+    want = reference.fused_moe(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # the biases count: without them the result is another one
+    without = reference.fused_moe(x, w13, w2, weights, ids, act)
+    assert (out - without).abs().max() > 1e-2
+
+
+def test_the_kernel_refuses_a_bias_on_fused_silu_panels() -> None:
+    w13, w2 = experts(2, 64, 32)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, False)
+    x, (weights, ids) = torch.randn(3, 64), routing(3, 2, 1)
+    with pytest.raises(ValueError, match="silu_fused takes SiLU without a gate/up bias"):
+        cpu_moe.fused_moe(x, p13, p2, weights, ids, 32, True, cpu_moe.pack_expert_bias(torch.zeros(2, 64)))
+
+
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens",
+                         [(1, 1, 32, 32, 5), (4, 4, 64, 32, 9), (8, 2, 96, 64, 1), (8, 2, 64, 96, 300),
+                          (32, 4, 160, 32, 3)],
+                         ids=["E=1", "k=E", "one-token", "300-tokens-partial-panels", "most-experts-idle"])
+def test_mxfp4_experts_match_the_twin_on_the_dequantized_weights(num_experts: int, k: int, hidden: int, inter: int,
+                                                                 num_tokens: int) -> None:
+    """moe.c's MXFP4 path (each task's panel dequantized from the 4-bit blocks) against
+    reference.fused_moe on formats.dequantize_mxfp4's weights, with gpt-oss's biases and clamp."""
+    from stoker.layers.activation import ClampedSwiGLU
+    from stoker.quantization.formats import dequantize_mxfp4, quantize_mxfp4
+
+    w13, w2 = experts(num_experts, hidden, inter)
+    (b13_blocks, b13_scales), (b2_blocks, b2_scales) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    gen = torch.Generator().manual_seed(3)
+    b13, b2 = torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    act = ClampedSwiGLU(1.702, 1.5)
+    out = cpu_moe.fused_moe_mxfp4(x, b13_blocks, b13_scales, b2_blocks, b2_scales, weights, ids,
+                                  cpu_moe.pack_expert_bias(b13), cpu_moe.pack_expert_bias(b2), "swigluoai", 1.702, 1.5)
+    dq13, dq2 = dequantize_mxfp4(b13_blocks, b13_scales), dequantize_mxfp4(b2_blocks, b2_scales)
+    torch.testing.assert_close(out, reference.fused_moe(x, dq13, dq2, weights, ids, act, b13, b2), rtol=1e-5, atol=1e-5)
+    # the same bits as the float kernel on the dequantized weights (the same tasks, the same sums)
+    p13, p2 = cpu_moe.pack_experts(dq13, dq2, False)
+    float_out = cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, False, cpu_moe.pack_expert_bias(b13),
+                                  cpu_moe.pack_expert_bias(b2), "swigluoai", 1.702, 1.5)
+    assert torch.equal(out, float_out)
+    # SiLU without biases too (the kernel's other activation)
+    plain = cpu_moe.fused_moe_mxfp4(x, b13_blocks, b13_scales, b2_blocks, b2_scales, weights, ids)
+    torch.testing.assert_close(plain, reference.fused_moe(x, dq13, dq2, weights, ids), rtol=1e-5, atol=1e-5)

@@ -1,20 +1,17 @@
 """gpt-oss beyond the shared MoE family tests (tests/model/test_moe_families.py): its layers'
 attention takes sinks on the C kernels (the torch twins on CUDA: Triton takes none) with the
-windows its layer_types say; what it does not serve yet is refused by name: MXFP4 checkpoints, online
-quantization of its experts, LoRA."""
+windows its layer_types say; its experts are a FusedMoE with biases and the clamped SwiGLU, run
+by the one-call C kernel on CPU float32; an attention adapter equals PEFT's."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 
 from stoker import LLM
 from stoker.kernels import ops
 from stoker.kernels.cpu import build
-from stoker.quantization.config import QuantizationError
 
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=16, sliding_window=24,
                num_hidden_layers=3)
@@ -46,34 +43,33 @@ def test_on_cuda_a_layer_with_sinks_gets_the_torch_twins(monkeypatch) -> None:
     assert model[0].kernels is ops.TORCH and model[1].kernels.name == "triton"
 
 
-def test_mxfp4_checkpoints_are_refused_by_name(tiny_checkpoints, tmp_path) -> None:
-    path = shutil.copytree(tiny_checkpoints("gpt_oss", **GPT_OSS), tmp_path / "mxfp4")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mxfp4"):
-        engine(path)
+def test_its_experts_are_a_fused_moe_on_the_c_kernel(tiny_checkpoints) -> None:
+    from stoker.layers.activation import ClampedSwiGLU
+    from stoker.layers.moe import FusedMoE, PackedCpuMoEMethod
+
+    if not build.available():
+        pytest.skip("the C kernels are not built here")
+    model = engine(tiny_checkpoints("gpt_oss", **GPT_OSS, swiglu_limit=5.0)).engine.executor.driver_runner.model
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == GPT_OSS["num_hidden_layers"]
+    for moe in moes:
+        assert moe.has_bias and isinstance(moe.act, ClampedSwiGLU) and moe.act.limit == 5.0
+        assert isinstance(moe.method, PackedCpuMoEMethod) and moe.method.fused_moe is not None
+        assert moe.method.activation == "swigluoai" and not moe.method.fuse_silu_and_mul
 
 
-def test_online_quantization_of_its_experts_is_refused(tiny_checkpoints) -> None:
-    with pytest.raises(QuantizationError, match=r"fp8 quantization .* Mixture-of-Experts experts is not supported"):
-        engine(tiny_checkpoints("gpt_oss", **GPT_OSS), quantization="fp8")
+def test_an_attention_adapter_equals_peft(tiny_checkpoints, tmp_path) -> None:
+    """LoRA on the attention projections (biased, with sinks); the experts take none, as on every MoE family."""
+    from stoker import LoRARequest, SamplingParams
+    from tests.model.helpers import make_adapter, peft_greedy
 
-
-def test_lora_is_refused(tiny_checkpoints) -> None:
-    with pytest.raises(ValueError, match=r"LoRA \(--enable-lora\) is not supported on Mixture-of-Experts .*GptOssExperts"):
-        engine(tiny_checkpoints("gpt_oss", **GPT_OSS), enable_lora=True)
-
-
-def test_the_family_refuses_mxfp4_and_tensor_parallelism_itself(tiny_checkpoints) -> None:
-    """The engine's quantization config refuses mxfp4 first today; the family says it too,
-    for the day a checkpoint format reader accepts it before the experts do."""
-    from types import SimpleNamespace
-
-    from stoker.models.gpt_oss import GptOssForCausalLM
-
-    cfg = json.loads((tiny_checkpoints("gpt_oss", **GPT_OSS) / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"gpt-oss MXFP4 checkpoints \(quantization_config quant_method mxfp4"):
-        GptOssForCausalLM({**cfg, "quantization_config": {"quant_method": "mxfp4"}}, 128)
-    with pytest.raises(ValueError, match=r"tensor parallelism .* not supported for gpt-oss"):
-        GptOssForCausalLM(cfg, 128, SimpleNamespace(world_size=2, rank=0))
+    base = tiny_checkpoints("gpt_oss", **GPT_OSS)
+    adapter = make_adapter(base, tmp_path / "a", ["q_proj", "k_proj", "v_proj", "o_proj"], 8, seed=1)
+    llm = engine(base, enable_lora=True, max_lora_rank=16)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 17, 300, 42, 7, 99, 5], [600, 2, 3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, str(adapter)))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, prompt, 8)
+    llm.engine.check_integrity()

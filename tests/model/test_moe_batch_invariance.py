@@ -28,6 +28,9 @@ CONFIGS = {
     "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                                   moe_intermediate_size=32, routed_scaling_factor=2.5, use_qk_norm=True,
                                   attention_bias=True, head_dim=32)),
+    # expert biases and the clamped SwiGLU in the one C call, sinks, sliding and full layers
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
+                                sliding_window=24, swiglu_limit=1.0)),
 }
 
 

@@ -38,6 +38,9 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_hidden_layers=3, mlp_only_layers=[0])),
     "olmoe": ("olmoe", dict(MOE, num_experts=8, intermediate_size=32)),
+    # clamped SwiGLU and expert biases (the biases stay float)
+    "gpt_oss": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=24,
+                                num_hidden_layers=3)),
 }
 PROMPTS = [[0] + list(range(7, 70)), [0, 99, 5, 17, 256, 800, 3]]
 
@@ -66,6 +69,9 @@ def _greedy(llm: LLM, n: int = 24) -> list[list[int]]:
 # 8.1e-3, top-1 0.89 to 0.92. Most of it is the attention projections' (quantizing only the
 # experts of a ct-int8 checkpoint: 2e-5 to 1.7e-4), so these are about 3x the worst measured.
 WHOLE_MODEL_BOUNDS = {"int8": (3e-3, 0.93), "fp8": (2.5e-2, 0.83)}
+# gpt-oss whole-model fp8 (its attention, with biases and sinks, quantized too): KL 6.4e-3, top-1
+# 0.824 measured; its experts alone stay within the dense bounds like every family's.
+WHOLE_MODEL_TOP1 = {("gpt_oss", "fp8"): 0.78}
 
 
 def _with_experts_of(float_llm: LLM, quantized_llm: LLM) -> LLM:
@@ -98,6 +104,7 @@ def test_online_quantized_experts_stay_close_to_the_float_model(family, quantiza
     # the whole quantized model
     kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
     max_kl, min_top1 = WHOLE_MODEL_BOUNDS[quantization]
+    min_top1 = WHOLE_MODEL_TOP1.get((family, quantization), min_top1)
     print(f"{family} {quantization} whole model: KL {kl:.2e} top-1 {top1:.3f}")
     assert 0 < kl < max_kl and top1 >= min_top1, f"whole model: KL {kl:.2e}, top-1 {top1:.3f}"
     # greedy decoding is a pure function of the weights: the same tokens twice, and alone as in a batch

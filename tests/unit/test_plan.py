@@ -122,11 +122,12 @@ def test_moe_serve_lines() -> None:
     assert serve_command("qwen3-235b-a22b", best) == (
         f"stoker serve <qwen3-235b-a22b checkpoint folder>{' --kv-cache-dtype fp8' if best.kv_dtype == 'fp8' else ''}"
         f" --max-num-seqs {best.max_batch} --tensor-parallel-size 4")
-    # gpt-oss's MXFP4 experts: the engine refuses a pre-quantized MoE checkpoint today; the line says so
+    # gpt-oss's MXFP4 experts: served by a torch dequantizing path, whole experts per rank; the line says so
     # after the flags (a shell comment), and fp8 weights on a MoE model are priced only when asked.
     oss = plan("gpt-oss-120b", "H100", PlanTargets(5000, ttft_p50_ms=1000)).feasible[0]
     line = serve_command("gpt-oss-120b", oss)
     assert line.startswith("stoker serve <gpt-oss-120b checkpoint folder> ") and "--tensor-parallel-size 2" in line
+    assert "--enable-expert-parallel" in line.split("#", 1)[0]  # MXFP4 experts: whole experts per rank
     assert line.index("--max-num-seqs") < line.index("#") and "mxfp4 experts" in line.split("#", 1)[1]
     fp8 = plan("qwen3-235b-a22b", "H100", t, weight_dtypes=("fp8",)).feasible[0]
     assert "--quantization" not in serve_command("qwen3-235b-a22b", fp8)

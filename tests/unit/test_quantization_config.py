@@ -41,6 +41,16 @@ def test_fp8_checkpoints() -> None:
     assert q.weights.strategy == "tensor" and q.weights.static_input_scale
 
 
+def test_mxfp4_checkpoints() -> None:
+    """gpt-oss's: the experts only, E2M1 with an E8M0 scale per 32; the rest stays in the model dtype."""
+    q = parse_checkpoint_config({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]})
+    assert (q.method, q.weights.dtype, q.weights.group_size, q.experts_only, q.online) == ("mxfp4", "mxfp4", 32, True, False)
+    with pytest.raises(QuantizationError, match=r"mxfp4 quantization_config fields \['weight_block_size'\] are not supported"):
+        parse_checkpoint_config({"quant_method": "mxfp4", "weight_block_size": [32]})
+    with pytest.raises(QuantizationError, match="mxfp4 modules_to_not_convert must be a list"):
+        parse_checkpoint_config({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"})
+
+
 def test_ignore_patterns() -> None:
     q = parse_checkpoint_config(ct(FP8_CHANNEL, ignore=["lm_head", "re:.*mlp\\.down_proj$"]))
     assert q.is_ignored("model.layers.3.mlp.down_proj") and not q.is_ignored("model.layers.3.mlp.up_proj")

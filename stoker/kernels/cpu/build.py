@@ -206,7 +206,10 @@ def library() -> ctypes.CDLL | None:
         "stoker_store_kvcache_fp8": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, f32, i32], i64),
         "stoker_lora_f32": ([p, i64, i64, p, p, i64, i64, p, i64, p, i64, p, p, i64, i32], i32),
         "stoker_encoder_attention_f32": ([p, i64, p, i64, p, p, p, i64, i64, i64, f32, i32], i32),
-        "stoker_fused_moe_f32": ([p, i64, p, p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i32, p, i32], i32),
+        "stoker_fused_moe_f32": ([p, i64, p, p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i32, p, p, i32, f32, f32,
+                                  p, i32], i32),
+        "stoker_fused_moe_mxfp4_f32": ([p, i64, p, p, i64, i64, i64, p, p, p, p, i64, i64, p, p, i32, f32, f32, p, i32],
+                                       i32),
         "stoker_bert_encoder_f32": ([p, i64, i64, i64, i64, i64, p, f32, i32, p, i64, p, p, i64, f32, p, i32], i32),
     }
     for name, (argtypes, restype) in signatures.items():

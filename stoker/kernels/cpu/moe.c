@@ -2,7 +2,11 @@
  * The routed experts of a Mixture-of-Experts layer in one call, CPU float32 (issue 33):
  *
  *     out[t] = sum over t's k choices, in ascending expert order, of
- *              w[t, j] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ down_e^T
+ *              w[t, j] * (act(x[t] @ gate_e^T + b13_e[:I], x[t] @ up_e^T + b13_e[I:]) @ down_e^T + b2_e)
+ *
+ * act is SiLU-and-mul (silu(gate) * up), or gpt-oss's clamped SwiGLU (vLLM's "swigluoai"):
+ * (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit). The
+ * biases (gpt-oss's) are optional: NULL for the families without them.
  *
  * Before this kernel, layers/moe.py looped over the experts in Python and called the linear
  * kernel twice per expert with tokens: at decode (one token, k experts) that is 2k ctypes
@@ -40,6 +44,24 @@ int stoker_linear_mr(void);
 void stoker_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
                              int num_threads);
 
+enum { ACT_SILU = 0, ACT_CLAMPED_SWIGLU = 1 };
+
+/* x (num_rows, 2 * d) = [gate | up] -> out (num_rows, d), gpt-oss's clamped SwiGLU (the twin:
+ * layers/activation.clamped_swiglu). exp's argument is capped as in elementwise.c's SiLU. */
+static void clamped_swiglu_rows(const float *x, int64_t x_stride, float *out, int64_t num_rows, int64_t d,
+                                float alpha, float limit) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + d;
+        float *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            const float g = fminf(gate[i], limit);
+            const float u = fminf(fmaxf(up[i], -limit), limit);
+            const float glu = g / (1.0f + expf(fminf(-alpha * g, 88.0f)));
+            o[i] = (u + 1.0f) * glu;
+        }
+    }
+}
+
 /* The calling thread's scratch, kept across calls (decode calls this once per layer and step;
  * a fresh multi-MB malloc each time would map fresh pages). Per calling thread, not global: two
  * Python threads may run two models at once. NULL if memory runs out. */
@@ -58,6 +80,75 @@ static void *caller_buffer(size_t bytes) {
 typedef struct {
     int64_t e, m0, m1, p;
 } task_t;
+
+/* One projection of every expert (w13 or w2, N output columns, K inputs): float panels, or
+ * MXFP4 blocks dequantized a panel at a time (gpt-oss's checkpoints, layers/moe_mxfp4.py). */
+typedef struct {
+    const float *w;                      /* (E, P, K, NR) float panels, or NULL for MXFP4 */
+    int64_t panel_stride, expert_stride; /* floats between panels, between experts */
+    const uint8_t *blocks, *scales;      /* MXFP4: (E, N, K / 32, 16) and (E, N, K / 32), or NULL */
+    const float *bias;                   /* (E, P * NR) each expert's padded to its panels, or NULL */
+} expert_weights_t;
+
+/* E2M1 (FP4) values by code: the sign in bit 3 (OCP Microscaling v1.0; formats.E2M1_VALUES) */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* The calling OpenMP thread's buffer for one dequantized panel (K, NR), kept across calls. */
+static float *panel_buffer(size_t floats) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        buf = (float *)malloc(sizeof(float) * floats);
+        cap = buf != NULL ? floats : 0;
+    }
+    return buf;
+}
+
+/* Task t of one grouped GEMM: y[m0:m1, panel p's columns] = x[m0:m1] @ W_e^T (+ bias). For MXFP4
+ * the panel's columns are dequantized first, value = E2M1[nibble] * 2^(scale - 127) (exact: a
+ * power of two), into the (K, NR) layout of a float panel, and the linear kernel's own task runs
+ * on it: the same bits as float experts holding the dequantized weights. Returns 1 when the
+ * buffer could not be allocated. */
+static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_t K, float *y, int64_t ldy,
+                     int64_t N, int64_t P, int64_t nr, int silu) {
+    const float *bias = W->bias != NULL ? W->bias + t.e * P * nr : NULL;
+    if (W->blocks == NULL) {
+        stoker_linear_panel_rows_f32(x, K, W->w + t.e * W->expert_stride, nr, W->panel_stride, P, t.p, bias, y, ldy,
+                                     t.m0, t.m1, N, K, silu);
+        return 0;
+    }
+    const int64_t n0 = t.p * nr, cols = N - n0 < nr ? N - n0 : nr, G = K / 32;
+    float *buf = panel_buffer((size_t)(K * nr));
+    if (buf == NULL) return 1;
+    /* One block of 32 inputs at a time: each of the panel's rows (output columns) dequantized
+     * into a small contiguous tile (cols, 32) in L1, then written to the panel's (32, NR) slice
+     * row by row, contiguous along NR (not 32 scattered stores per value). */
+    float tile[nr * 32];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t j = 0; j < cols; j++) {
+            const int64_t row = t.e * N + n0 + j;
+            const uint8_t *blk = W->blocks + (row * G + g) * 16;
+            const float s = ldexpf(1.0f, (int)W->scales[row * G + g] - 127);
+            float lut[16];
+            for (int c = 0; c < 16; c++) lut[c] = E2M1[c] * s;
+            float *tj = tile + j * 32;
+            for (int b = 0; b < 16; b++) {
+                tj[2 * b] = lut[blk[b] & 0x0F];
+                tj[2 * b + 1] = lut[blk[b] >> 4];
+            }
+        }
+        float *dst = buf + g * 32 * nr;
+        for (int i = 0; i < 32; i++) {
+            for (int64_t j = 0; j < cols; j++) dst[i * nr + j] = tile[j * 32 + i];
+            for (int64_t j = cols; j < nr; j++) dst[i * nr + j] = 0.0f; /* the panel's padding, as pack_linear_weight pads */
+        }
+    }
+    stoker_linear_panel_rows_f32(x, K, buf, nr, K * nr, 1, 0, bias != NULL ? bias + n0 : NULL, y + n0, ldy, t.m0, t.m1,
+                                 N - n0, K, 0);
+    return 0;
+}
 
 /* The tasks of one grouped GEMM (expert by expert, row chunk by chunk, panel by panel, the
  * order linear.c walks one GEMM) and their cumulative cost; returns how many. Cost: the row
@@ -98,14 +189,15 @@ static void my_share(const int64_t *cost_end, int64_t n, int tid, int nt, int64_
  * contiguous; w13 expert e at w13 + e * w13_expert_stride, its panels w13_panel_stride floats
  * apart (rows of NR floats); w2 likewise; out (T, H) contiguous.
  * silu_fused: w13 is gate_up-packed (I a multiple of NR / 2), else plain with N = 2I and
- * SiLU-and-mul runs after the GEMM.
+ * the activation `act` (ACT_SILU, or ACT_CLAMPED_SWIGLU with alpha and limit) runs after the GEMM.
+ * b13 (E, P13 * NR) and b2 (E, P2 * NR), each expert's bias padded to its panels, or NULL
+ * (a bias needs silu_fused = 0: the gate_up-packed panels interleave the columns).
  * Returns 0; 1 when the scratch could not be allocated; 2 when an expert id is out of range
- * (then out is untouched).
+ * (then out is untouched); 3 when silu_fused is asked with another activation or a bias.
  */
-int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights, int64_t T,
-                         int64_t k, int64_t E, const float *w13, int64_t w13_panel_stride, int64_t w13_expert_stride,
-                         const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
-                         int silu_fused, float *out, int num_threads) {
+static int fused_moe(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights, int64_t T,
+                     int64_t k, int64_t E, const expert_weights_t *W13, const expert_weights_t *W2, int64_t H,
+                     int64_t I, int silu_fused, int act, float alpha, float limit, float *out, int num_threads) {
     const int64_t nr = stoker_linear_nr(), mr = stoker_linear_mr();
     const int64_t pairs = T * k, n13 = 2 * I;
     const int64_t p13 = (n13 + nr - 1) / nr, p2 = (H + nr - 1) / nr;
@@ -129,6 +221,8 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
     task_t *tasks = (task_t *)(cost_end + max_tasks);
     for (int64_t i = 0; i < pairs; i++)
         if (topk_ids[i] < 0 || topk_ids[i] >= E) return 2;
+    if (silu_fused && (act != ACT_SILU || W13->bias != NULL || W13->blocks != NULL)) return 3;
+    int failed = 0;
 
     /* Counting sort by expert: tokens in order within an expert, as a stable argsort. A
      * token's choices are first put in ascending expert order (insertion sort: k is small;
@@ -174,25 +268,30 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
         my_share(cost_end, n13_tasks, tid, nt, &b, &e);
         for (int64_t i = b; i < e; i++) {
             const task_t t = tasks[i];
-            const float *w = w13 + t.e * w13_expert_stride;
-            if (silu_fused)
-                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, hs, I, t.m0, t.m1, n13, H, 1);
-            else
-                stoker_linear_panel_rows_f32(xs, H, w, nr, w13_panel_stride, p13, t.p, NULL, pre, n13, t.m0, t.m1, n13, H, 0);
+            const int f = silu_fused ? gemm_task(W13, t, xs, H, hs, I, n13, p13, nr, 1)
+                                     : gemm_task(W13, t, xs, H, pre, n13, n13, p13, nr, 0);
+            if (f) {
+#pragma omp atomic write
+                failed = 1;
+            }
         }
 #pragma omp single
         n2_tasks = make_tasks(first, E, p2, c2, mr, tasks2, cost2); /* (its implicit barrier ends the w13 GEMMs) */
         if (!silu_fused) { /* this thread's share of the rows, in one call (one thread: no nested team) */
             const int64_t r0 = pairs * tid / nt, r1 = pairs * (tid + 1) / nt;
-            if (r1 > r0) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+            if (r1 > r0 && act == ACT_SILU) stoker_silu_and_mul_f32(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, 1);
+            if (r1 > r0 && act == ACT_CLAMPED_SWIGLU)
+                clamped_swiglu_rows(pre + r0 * n13, n13, hs + r0 * I, r1 - r0, I, alpha, limit);
 #pragma omp barrier
         }
         /* w2: ys (pairs, H) into xs, which the w13 GEMMs no longer read */
         my_share(cost2, n2_tasks, tid, nt, &b, &e);
         for (int64_t i = b; i < e; i++) {
             const task_t t = tasks2[i];
-            stoker_linear_panel_rows_f32(hs, I, w2 + t.e * w2_expert_stride, nr, w2_panel_stride, p2, t.p, NULL, xs, H,
-                                         t.m0, t.m1, H, I, 0);
+            if (gemm_task(W2, t, hs, I, xs, H, H, p2, nr, 0)) {
+#pragma omp atomic write
+                failed = 1;
+            }
         }
 #pragma omp barrier
         /* each token: its k expert outputs, scaled, summed in ascending expert order */
@@ -211,5 +310,33 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
             }
         }
     }
-    return 0;
+    return failed;
 }
+
+/* Float experts: w13 (E, P13, H, NR) panels, w13_panel_stride floats between panels and
+ * w13_expert_stride between experts; w2 likewise (E, P2, I, NR). */
+int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights, int64_t T,
+                         int64_t k, int64_t E, const float *w13, int64_t w13_panel_stride, int64_t w13_expert_stride,
+                         const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
+                         int silu_fused, const float *b13, const float *b2, int act, float alpha, float limit,
+                         float *out, int num_threads) {
+    const expert_weights_t W13 = {w13, w13_panel_stride, w13_expert_stride, NULL, NULL, b13};
+    const expert_weights_t W2 = {w2, w2_panel_stride, w2_expert_stride, NULL, NULL, b2};
+    return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, silu_fused, act, alpha, limit, out,
+                     num_threads);
+}
+
+/* MXFP4 experts (gpt-oss): w13 blocks (E, 2I, H / 32, 16) and scales (E, 2I, H / 32) uint8 with
+ * rows [gate; up]; w2 blocks (E, H, I / 32, 16) and scales (E, H, I / 32); H and I multiples of
+ * 32. Each GEMM task dequantizes its panel (gemm_task); SiLU is never fused here. */
+int stoker_fused_moe_mxfp4_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights,
+                               int64_t T, int64_t k, int64_t E, const uint8_t *w13_blocks, const uint8_t *w13_scales,
+                               const uint8_t *w2_blocks, const uint8_t *w2_scales, int64_t H, int64_t I,
+                               const float *b13, const float *b2, int act, float alpha, float limit, float *out,
+                               int num_threads) {
+    if (H % 32 || I % 32) return 3;
+    const expert_weights_t W13 = {NULL, 0, 0, w13_blocks, w13_scales, b13};
+    const expert_weights_t W2 = {NULL, 0, 0, w2_blocks, w2_scales, b2};
+    return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
+}
+

@@ -14,12 +14,23 @@ from stoker.kernels.cpu import linear as cpu_linear
 from stoker.kernels.cpu.common import _as_rows, _checked_library
 
 
+#: the activations moe.c applies after the gate/up GEMM (its ACT_* enum)
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, silu_fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 (E, 2I, H) [gate; up], w2 (E, H, I) -> (E, P13, H, NR), (E, P2, I, NR) panels;
     gate_up-interleaved w13 when silu_fused (I a multiple of NR / 2)."""
     packed13 = torch.stack([cpu_linear.pack_linear_weight(w, gate_up=silu_fused) for w in w13])
     packed2 = torch.stack([cpu_linear.pack_linear_weight(w) for w in w2])
     return packed13, packed2
+
+
+def pack_expert_bias(bias: torch.Tensor) -> torch.Tensor:
+    """(E, N) per-expert biases -> (E, P * NR), each padded with zeros to whole panels (the
+    plain panels' column order is the natural one; gate_up-packed panels take no bias)."""
+    nr = cpu_linear.panel_width()
+    return torch.nn.functional.pad(bias.float(), (0, -bias.shape[1] % nr)).contiguous()
 
 
 def fused_moe(
@@ -30,9 +41,14 @@ def fused_moe(
     topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
     intermediate_size: int,
     silu_fused: bool,
+    b13: torch.Tensor | None = None,  # (E, P13 * NR) float32 (pack_expert_bias), or None
+    b2: torch.Tensor | None = None,  # (E, P2 * NR)
+    activation: str = "silu",  # or "swigluoai": gpt-oss's clamped SwiGLU with alpha and limit
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:  # (T, H)
     """sum over each token's choices, in ascending expert order, of
-    w * (silu(x @ gate_e^T) * (x @ up_e^T)) @ down_e^T (moe.c)."""
+    w * (act(x @ gate_e^T + b13_e[:I], x @ up_e^T + b13_e[I:]) @ down_e^T + b2_e) (moe.c)."""
     lib = _checked_library()
     num_experts, p13, hidden, nr = w13.shape
     inter = intermediate_size
@@ -46,6 +62,15 @@ def fused_moe(
         raise ValueError(f"silu_fused needs I = {inter} to fill whole panels of {nr} columns")
     if w2.shape != (num_experts, -(-hidden // nr), inter, nr):
         raise ValueError(f"w2 {tuple(w2.shape)} is not ({num_experts}, ceil({hidden} / NR), {inter}, {nr}) panels")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
+    if silu_fused and (activation != "silu" or b13 is not None):
+        raise ValueError("silu_fused takes SiLU without a gate/up bias (gate_up-packed panels interleave the columns)")
+    for name, bias, panels in (("b13", b13, p13), ("b2", b2, w2.shape[1])):
+        if bias is not None and (bias.shape != (num_experts, panels * nr) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
+                             f"({num_experts}, {panels * nr}) (pack_expert_bias)")
     num_tokens, k = topk_ids.shape
     if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
@@ -59,10 +84,72 @@ def fused_moe(
     status = lib.stoker_fused_moe_f32(
         rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
         w13.data_ptr(), hidden * nr, p13 * hidden * nr, w2.data_ptr(), inter * nr, w2.shape[1] * inter * nr,
-        hidden, inter, int(silu_fused), out.data_ptr(), torch.get_num_threads(),
+        hidden, inter, int(silu_fused), b13.data_ptr() if b13 is not None else None,
+        b2.data_ptr() if b2 is not None else None, ACTIVATIONS[activation], alpha, limit,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == 1:
         raise MemoryError("fused_moe: could not allocate the scratch buffers")
+    if status == 2:
+        raise ValueError(f"topk_ids hold expert ids outside [0, {num_experts})")
+    return out
+
+
+def fused_moe_mxfp4(
+    x: torch.Tensor,  # (T, H) float32
+    w13_blocks: torch.Tensor,  # (E, 2I, H / 32, 16) uint8, rows [gate; up]
+    w13_scales: torch.Tensor,  # (E, 2I, H / 32) uint8
+    w2_blocks: torch.Tensor,  # (E, H, I / 32, 16) uint8
+    w2_scales: torch.Tensor,  # (E, H, I / 32) uint8
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
+    b13: torch.Tensor | None = None,  # (E, P13 * NR) float32 (pack_expert_bias), or None
+    b2: torch.Tensor | None = None,  # (E, P2 * NR)
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:  # (T, H)
+    """`fused_moe` with MXFP4 experts held as their blocks and scales (moe.c dequantizes each
+    GEMM task's panel): the twin is reference.fused_moe on formats.dequantize_mxfp4's weights."""
+    lib = _checked_library()
+    num_experts, n13, groups13, nb = w13_blocks.shape
+    hidden, inter, nr = groups13 * 32, n13 // 2, cpu_linear.panel_width()
+    for name, t, shape in (("w13_blocks", w13_blocks, (num_experts, 2 * inter, hidden // 32, 16)),
+                           ("w13_scales", w13_scales, (num_experts, 2 * inter, hidden // 32)),
+                           ("w2_blocks", w2_blocks, (num_experts, hidden, inter // 32, 16)),
+                           ("w2_scales", w2_scales, (num_experts, hidden, inter // 32))):
+        if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous uint8 {shape}")
+    if inter % 32:
+        raise ValueError(f"MXFP4 experts need I = {inter} to be a multiple of 32")
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.float32:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}: expected (T, {hidden}) float32")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
+    for name, bias, n in (("b13", b13, 2 * inter), ("b2", b2, hidden)):
+        width = -(-n // nr) * nr
+        if bias is not None and (bias.shape != (num_experts, width) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
+                             f"({num_experts}, {width}) (pack_expert_bias)")
+    num_tokens, k = topk_ids.shape
+    if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
+                         f"{tuple(x.shape)} disagree")
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    if num_tokens == 0:
+        return out
+    rows, stride = _as_rows(x)
+    status = lib.stoker_fused_moe_mxfp4_f32(
+        rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
+        w13_blocks.data_ptr(), w13_scales.data_ptr(), w2_blocks.data_ptr(), w2_scales.data_ptr(), hidden, inter,
+        b13.data_ptr() if b13 is not None else None, b2.data_ptr() if b2 is not None else None,
+        ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        raise MemoryError("fused_moe_mxfp4: could not allocate the scratch buffers")
     if status == 2:
         raise ValueError(f"topk_ids hold expert ids outside [0, {num_experts})")
     return out
