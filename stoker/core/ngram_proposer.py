@@ -1,0 +1,48 @@
+"""N-gram (prompt lookup) drafts for speculative decoding. [no torch]
+
+The sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are
+looked up earlier in the same sequence (its prompt and what it generated so far); the tokens
+that followed the match are proposed as the next ones. Code edits, summaries, extraction and
+chat over a document repeat their input, so the continuation of an earlier occurrence is often
+the continuation now (Saxena, "Prompt Lookup Decoding", 2023; vLLM's `ngram` method).
+
+Among the matches of the longest n, the most recent is taken: in a loop or an edited file the
+latest occurrence is the one the text is following now. Proposing costs one pass over the
+sequence (O(len x prompt_lookup_max) worst case), in Python, once per decode step per sequence.
+"""
+
+from __future__ import annotations
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int, prompt_lookup_min: int) -> None:
+        assert 1 <= prompt_lookup_min <= prompt_lookup_max and num_speculative_tokens >= 1
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_max = prompt_lookup_max
+        self.prompt_lookup_min = prompt_lookup_min
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """Up to min(num_speculative_tokens, max_tokens) tokens to follow `token_ids` (the
+        sequence so far); [] when no suffix of at least prompt_lookup_min tokens recurs."""
+        k = self.num_speculative_tokens if max_tokens is None else min(self.num_speculative_tokens, max_tokens)
+        num = len(token_ids)
+        if k <= 0 or num < self.prompt_lookup_min + 1:
+            return []
+        last = token_ids[-1]
+        longest = self.prompt_lookup_max
+        best_len, best_end = 0, -1
+        # j: the last position of a candidate earlier occurrence; j <= num - 2 so a token follows it.
+        for j in range(num - 2, -1, -1):
+            if token_ids[j] != last:
+                continue
+            m = 1
+            limit = min(longest, j + 1)
+            while m < limit and token_ids[j - m] == token_ids[num - 1 - m]:
+                m += 1
+            if m > best_len:  # strictly longer: among equals the latest (found first) stays
+                best_len, best_end = m, j
+                if m == longest:
+                    break
+        if best_len < self.prompt_lookup_min:
+            return []
+        return token_ids[best_end + 1 : best_end + 1 + k]
