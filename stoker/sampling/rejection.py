@@ -43,20 +43,26 @@ class VerifyGroup:
 def residual(probs: torch.Tensor, draft_ids: torch.Tensor, has_draft: torch.Tensor) -> torch.Tensor:
     """norm(max(p - q, 0)) for a one-hot q, up to normalisation (the draw normalises): (R, V)
     `probs` with each drafted row's draft token zeroed; rows without a draft are left as they are."""
-    out = probs.clone()
-    rows = has_draft.nonzero()[:, 0]
-    out[rows, draft_ids[rows]] = 0.0
-    return out
+    at_draft = probs.gather(1, draft_ids[:, None])  # (R, 1); draft_ids >= 0 on every row
+    keep = torch.where(has_draft[:, None], torch.zeros_like(at_draft), at_draft)
+    return probs.clone().scatter_(1, draft_ids[:, None], keep)  # no host sync (a GPU step stays async)
 
 
-def accept_or_replace(sampler: Sampler, probs: torch.Tensor, draft_ids: torch.Tensor,
+def accept_or_replace(sampler: Sampler, probs: torch.Tensor, draft_ids: list[int],
                       generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rows: (R, V) target probabilities, (R,) drafts (-1: a bonus row, no draft) ->
+    """Random rows: (R, V) target probabilities, R drafts (-1: a bonus row, no draft) ->
     ((R,) emitted tokens, (R,) accepted). Each row's uniform and noise come from its generator."""
-    has_draft = draft_ids >= 0
-    safe = draft_ids.clamp(min=0)
+    drafts = torch.tensor(draft_ids, dtype=torch.int64, device=probs.device)
+    has_draft = drafts >= 0
+    safe = drafts.clamp(min=0)
     p_draft = probs.gather(1, safe[:, None])[:, 0]  # (R,)
-    accepted = has_draft & (sampler.uniform(generators) < p_draft)
+    # A uniform only for the rows with a draft: a row's draws depend on its own drafts alone,
+    # never on whether another sequence in the batch drafted (seeded rows stay reproducible).
+    drafted = [i for i, d in enumerate(draft_ids) if d >= 0]
+    u = torch.ones_like(p_draft)  # 1: never below p, so a bonus row never "accepts"
+    if drafted:
+        u[torch.tensor(drafted, device=probs.device)] = sampler.uniform([generators[i] for i in drafted])
+    accepted = has_draft & (u < p_draft)
     replacement = sampler.draw(residual(probs, safe, has_draft), generators)
     return torch.where(accepted, safe, replacement), accepted
 
@@ -77,7 +83,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], grou
     if random_rows:
         idx = torch.tensor(random_rows, device=device)
         probs = sampler.target_probs(prepared, rows, random_rows)  # (R, V)
-        tokens, ok = accept_or_replace(sampler, probs, drafts[idx], [rows[i].generator for i in random_rows])
+        tokens, ok = accept_or_replace(sampler, probs, [draft_list[i] for i in random_rows],
+                                       [rows[i].generator for i in random_rows])
         emitted[idx] = tokens
         accepted[idx] = ok
     # greedy rows: an accepted draft is the argmax itself, so `target` is already what they emit
