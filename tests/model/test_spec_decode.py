@@ -156,3 +156,22 @@ def test_the_config_is_refused_by_name(tiny_llama: Path) -> None:
         _make(tiny_llama, {"method": "eagle3", "num_speculative_tokens": 3, "model": "x"})
     with pytest.raises(ValueError, match="speculative_config keys dynamic"):
         _make(tiny_llama, {**NGRAM, "dynamic": True})
+
+
+def test_lora_adapters_verify_their_own_drafts(tiny_llama: Path, tmp_path: Path) -> None:
+    """The verify forward runs each sequence's tokens under its own adapter (the LoRA mapping
+    is per token): a batch mixing the base model and two adapters equals no speculation."""
+    from stoker.lora.request import LoRARequest
+    from tests.model.helpers import make_adapter
+
+    adapters = [make_adapter(tiny_llama, tmp_path / f"a{i}", ["q_proj", "v_proj", "down_proj"], 8, seed=30 + i)
+                for i in range(2)]
+    reqs = [None, LoRARequest("a0", 1, str(adapters[0])), LoRARequest("a1", 2, str(adapters[1])),
+            LoRARequest("a0", 1, str(adapters[0]))]
+    prompts = [REPEAT, REPEAT, MIXED[2], PLAIN]
+    kw = dict(enable_lora=True, max_loras=2, max_model_len=256, kv_cache_memory_bytes=4 << 20)
+    plain, spec = LLM(str(tiny_llama), **kw), LLM(str(tiny_llama), speculative_config=NGRAM, **kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)]
+    assert got == want and want[0] != want[1]
+    assert spec.engine.stats().spec_decoding.num_accepted_tokens > 0
