@@ -8,7 +8,8 @@ the continuation now (Saxena, "Prompt Lookup Decoding", 2023; vLLM's `ngram` met
 
 Among the matches of the longest n, the most recent is taken: in a loop or an edited file the
 latest occurrence is the one the text is following now. Proposing costs one pass over the
-sequence (O(len x prompt_lookup_max) worst case), in Python, once per decode step per sequence.
+sequence in C (`list.index`) for the positions holding the last token, then a short Python walk
+per such position (at most prompt_lookup_max comparisons each), once per decode step per sequence.
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ class NgramProposer:
         last = token_ids[-1]
         longest = self.prompt_lookup_max
         best_len, best_end = 0, -1
-        # j: the last position of a candidate earlier occurrence; j <= num - 2 so a token follows it.
-        for j in range(num - 2, -1, -1):
-            if token_ids[j] != last:
-                continue
+        # Candidate ends: earlier positions j <= num - 2 holding the last token (so a token follows
+        # each), found by list.index (a C scan) and walked latest first.
+        ends: list[int] = []
+        j = -1
+        try:
+            while True:
+                j = token_ids.index(last, j + 1, num - 1)
+                ends.append(j)
+        except ValueError:
+            pass
+        for j in reversed(ends):
             m = 1
             limit = min(longest, j + 1)
             while m < limit and token_ids[j - m] == token_ids[num - 1 - m]:
