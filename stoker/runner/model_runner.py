@@ -250,8 +250,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
-        """The forward (every rank, in lockstep: it holds the collectives) -> (S, vocab) float32
-        logits of the rows that sample, on rank 0; None on the other ranks or when none samples."""
+        """The forward (every rank, in lockstep: it holds the collectives) -> (N, vocab) float32
+        logits of the rows that sample (1 + len(drafts) per sampling sequence), on rank 0; None on
+        the other ranks or when none samples."""
         if step.kv_copies:
             self.copy_blocks(step.kv_copies)
         inputs = prepare_inputs(step, self.block_size, self.device)
