@@ -7,7 +7,9 @@ chat over a document repeat their input, so the continuation of an earlier occur
 the continuation now (Saxena, "Prompt Lookup Decoding", 2023; vLLM's `ngram` method).
 
 Among the matches of the longest n, the most recent is taken: in a loop or an edited file the
-latest occurrence is the one the text is following now. Proposing costs one pass over the
+latest occurrence is the one the text is following now. When fewer than k tokens follow it (the
+match overlaps the suffix: a loop shorter than k), the copy runs on into the tokens it has just
+proposed, so a loop of period p is proposed k tokens deep, not p - 1. Proposing costs one pass over the
 sequence in C (`list.index`) for the positions holding the last token, then a short Python walk
 per such position (at most prompt_lookup_max comparisons each), once per decode step per sequence.
 """
@@ -53,4 +55,9 @@ class NgramProposer:
                     break
         if best_len < self.prompt_lookup_min:
             return []
-        return token_ids[best_end + 1 : best_end + 1 + k]
+        # What followed the match, copied as LZ77 copies: a match close to the end (a short loop,
+        # "a b a b") runs into the proposal itself, which continues the same period to k tokens.
+        out: list[int] = []
+        for i in range(best_end + 1, best_end + 1 + k):
+            out.append(token_ids[i] if i < num else out[i - num])
+        return out

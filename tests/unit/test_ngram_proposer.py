@@ -19,8 +19,10 @@ def test_the_longest_recurring_suffix_proposes_what_followed_it() -> None:
     assert p.propose([1, 2, 3, 9, 8, 7, 3, 5, 1, 2, 3]) == [9, 8, 7]
     # of equally long matches the most recent wins
     assert p.propose([4, 5, 10, 11, 12, 4, 5, 20, 21, 4, 5]) == [20, 21, 4]
-    # fewer than k tokens follow the match: propose what there is
     assert p.propose([7, 8, 9, 7, 8]) == [9, 7, 8]
+    # a loop shorter than k: the copy runs on into what it proposes (period 2, then 1)
+    assert p.propose([3, 1, 2, 1, 2]) == [1, 2, 1]
+    assert p.propose([9, 5, 5, 5]) == [5, 5, 5]
     assert p.propose([1, 2, 3, 4]) == []  # nothing recurs
     assert p.propose([6]) == [] and p.propose([]) == []
 
