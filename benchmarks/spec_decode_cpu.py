@@ -99,6 +99,8 @@ def measure(path: Path, k: int, prompts: list[dict], max_tokens: int, rounds: in
     num_tokens = len(prompts) * max_tokens
     return {"times": times, "tokens_per_s": {n: num_tokens / v for n, v in med.items()},
             "speedup": med[names[0]] / med[names[1]], "per_round": [a / b for a, b in zip(*times.values())],
+            # the least disturbed run of each: on a shared machine a burst of load only ever adds time
+            "best_speedup": min(times[names[0]]) / min(times[names[1]]),
             "acceptance_rate": sd.acceptance_rate, "mean_acceptance_length": sd.mean_acceptance_length,
             "accepted_per_pos": sd.num_accepted_tokens_per_pos, "num_drafts": sd.num_drafts,
             "lossless": outputs[names[0]] == outputs[names[1]]}
@@ -124,11 +126,13 @@ def main() -> None:
     results = {name: measure(path, args.k, prompts, args.max_tokens, args.rounds) for name, path in models.items()}
     print(f"# spec decode, batch 1: {cpu_model()} ({isa()}), {platform.machine()}, {args.num_prompts} prompts x "
           f"{args.max_tokens} tokens, k={args.k}, medians of {args.rounds} interleaved rounds")
-    print("| model | none tokens/s | ngram tokens/s | ngram / none | per round | acceptance | mean acceptance length | lossless |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | none tokens/s | ngram tokens/s | ngram / none (medians) | fastest round each | per round | acceptance "
+          "| mean acceptance length | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         none, ngram = r["tokens_per_s"].values()
-        print(f"| {name} | {none:.1f} | {ngram:.1f} | {r['speedup']:.2f}x | {', '.join(f'{x:.2f}' for x in r['per_round'])} "
+        print(f"| {name} | {none:.1f} | {ngram:.1f} | {r['speedup']:.2f}x | {r['best_speedup']:.2f}x "
+              f"| {', '.join(f'{x:.2f}' for x in r['per_round'])} "
               f"| {100 * r['acceptance_rate']:.1f}% | {r['mean_acceptance_length']:.2f} | {r['lossless']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
