@@ -170,6 +170,59 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, got {self.max_lora_rank}")
 
 
+# vLLM's --speculative-config methods: those built, and those vLLM has that are not built here
+# yet (refused by name, not mistaken for a typo).
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_METHODS_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` JSON and `speculative_config=` keys).
+
+    method "ngram" (prompt lookup): the longest suffix n-gram of the sequence (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`) that occurred earlier in its prompt or
+    output proposes the `num_speculative_tokens` tokens that followed it; one forward verifies
+    them, and the rejection sampler keeps the output distribution unchanged (greedy: exactly)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method in _SPECULATIVE_METHODS_NOT_BUILT:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported yet; "
+                             f"supported: {', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is unknown; supported: {', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From vLLM's JSON keys; a key this engine does not read is refused by name (a setting
+        silently ignored would change nothing while the user believes it did)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a JSON object (dict), got {type(values).__name__}")
+        if "method" not in values:
+            raise ValueError('speculative_config needs a "method" (supported: ' + ", ".join(SPECULATIVE_METHODS) + ")")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            cls(method=values["method"])  # an unbuilt method is named before its keys are
+            raise ValueError(f"speculative_config keys {', '.join(unknown)} are not supported for method "
+                             f"{values['method']!r}; supported keys: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -179,6 +232,7 @@ class EngineConfig:
     device: str = "auto"
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):

@@ -145,6 +145,9 @@ class Scheduler:
             seq = self.running[i]
             num_uncomputed = seq.num_uncomputed_tokens
             num_new = min(num_uncomputed + len(seq.draft_token_ids), budget)
+            if num_new > num_uncomputed and not bm.can_allocate(seq, num_new):
+                # Drafts are a bet: never preempt a sequence (a recompute) to make room for them.
+                num_new = min(num_uncomputed, budget)
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -83,7 +83,7 @@ class StepShape:
     prefill_attended: int  # sum over those tokens of the positions each attends (causal: p + 1)
     num_decode_seqs: int  # sequences that computed one token
     decode_context: int  # sum of the decode sequences' context lengths (KV read)
-    num_sampled: int  # rows of logits
+    num_sampled: int  # rows of logits (a sequence verifying drafts samples 1 + len(drafts))
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +122,7 @@ class StepMessage:
                 n = s.num_tokens
                 prefill += n
                 attended += n * s.start_pos + n * (n + 1) // 2
-        return StepShape(prefill, attended, decodes, context, sum(1 for s in self.seqs if s.do_sample))
+        return StepShape(prefill, attended, decodes, context, sum(s.num_sampled for s in self.seqs))
 
     def for_workers(self) -> StepMessage:
         """The forward part alone: what a rank that does not sample needs."""

@@ -4,6 +4,7 @@ named as vLLM names them."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -31,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, per-layer scales from the checkpoint, else 1.0)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8"],
                    help="quantize the weights at load, one scale per output channel (a pre-quantized checkpoint needs no flag)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (docs/spec_decode.md)')
     lo = parser.add_argument_group("LoRA (vLLM's flags)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on top of the model (docs/lora.md)")
     lo.add_argument("--max-loras", type=int, default=1, help="adapters in the compute slots at once (one step mixes at most these)")
@@ -47,6 +51,21 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     d.add_argument("--enable-expert-parallel", "-ep", action="store_true",
                    help="MoE models: deal whole experts out over the --tensor-parallel-size ranks instead of cutting "
                         "each expert (attention stays tensor-parallel; docs/moe.md)")
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """--speculative-config's JSON object, checked now so a bad flag fails before the model loads."""
+    from stoker.config import SpeculativeConfig
+
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    try:
+        SpeculativeConfig.from_dict(values)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return values
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,4 +96,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        speculative_config=args.speculative_config,
     )

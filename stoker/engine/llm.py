@@ -8,7 +8,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from stoker.lora.request import LoRARequest
-from stoker.config import LoRAConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from stoker.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                           SpeculativeConfig)
 from stoker.engine.llm_engine import LLMEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
@@ -48,7 +49,14 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
+        """speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 1} (docs/spec_decode.md)."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        elif speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(speculative_config).__name__}")
         config = EngineConfig(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
             cache_config=CacheConfig(
@@ -77,6 +85,7 @@ class LLM:
             device=device,
             enforce_eager=enforce_eager,
             lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else None,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -19,9 +19,11 @@ from typing import Any
 from stoker.config import EngineConfig
 from stoker.core.expert_load import ExpertLoad
 from stoker.core.block_manager import BlockManager
-from stoker.core.scheduler import Scheduler
+from stoker.core.ngram_proposer import NgramProposer
+from stoker.core.spec_decode_stats import SpecDecodingStats
+from stoker.core.scheduler import Scheduler, SchedulerOutput
 from stoker.core.sequence import Sequence, SequenceStatus
-from stoker.core.step import StepShape, build_step
+from stoker.core.step import StepResult, StepShape, build_step
 from stoker.engine.input_processor import EngineRequest, InputLimits, InputProcessor
 from stoker.engine.lora_manager import LoRAManager
 from stoker.engine.output_processor import OutputProcessor, RequestState
@@ -58,6 +60,7 @@ class EngineStats:
     generation_tokens: int  # sampled tokens, cumulative
     running_loras: tuple[str, ...] = ()  # LoRA adapters of running / waiting sequences (vllm:lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
+    spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters (None: off)
 
 
 class LLMEngine:
@@ -88,11 +91,16 @@ class LLMEngine:
         self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor,
                                  self.runner_info.lora_targets, self.runner_info.moe_layers)
                      if config.lora_config is not None else None)
+        # Speculative decoding: drafts proposed before each step for the decoding sequences
+        spec = config.speculative_config
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                         if spec is not None else None)
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
                                         self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill,
-                                        sched_cfg.policy == "priority")
+                                        sched_cfg.policy == "priority", spec is not None)
         self.input_processor = self.make_input_processor(self.tokenizer)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self._finish_seq)
@@ -205,6 +213,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         self.last_step_shape = None
+        if self.proposer is not None:
+            self._propose_drafts()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
@@ -237,6 +247,8 @@ class LLMEngine:
                 self.abort_request(request_id)
             logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
             raise StepFailed(exc, failed, []) from exc
+        if self.spec_stats is not None:
+            self._count_accepted(plan, result)
         self.scheduler.update_after_step(plan, result)
         failures: dict[str, BaseException] = {}
         touched = self.output_processor.process(result, self._seq_to_request, failures)
@@ -250,6 +262,28 @@ class LLMEngine:
                 self.abort_request(request_id)
             raise StepFailed(next(iter(failures.values())), sorted(failures), outputs)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every running sequence whose next step is a decode (only its last sampled
+        token uncomputed). A sequence drafts at most what it may still emit: the step keeps its
+        accepted drafts and one more token, within max_tokens and max_model_len."""
+        assert self.proposer is not None
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
+                continue
+            room = self.max_model_len - seq.num_tokens - 1
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            seq.draft_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def _count_accepted(self, plan: SchedulerOutput, result: StepResult) -> None:
+        """vllm:spec_decode_* counters: each verifying sequence's drafts and how many it kept."""
+        assert self.spec_stats is not None
+        for s in plan.scheduled:
+            sampled = result.sampled.get(s.seq.seq_id)
+            if s.num_draft_tokens and s.do_sample and sampled is not None:
+                self.spec_stats.observe(s.num_draft_tokens, len(sampled.token_ids) - 1)
 
     def _finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
         seq.stop_reason = stop_reason
@@ -283,6 +317,7 @@ class LLMEngine:
             generation_tokens=self.output_processor.num_generation_tokens,
             running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
             waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )
 
     def expert_load(self) -> ExpertLoad | None:

@@ -20,8 +20,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
-    sampled: list[SeqStep]  # the S sequences that sample, in row order
+    logits_indices: torch.Tensor  # (N,) rows of the hidden states to sample from (N = S without drafts)
+    sampled: list[SeqStep]  # the S sequences that sample, in row order (each num_sampled rows)
     ordered: list[SeqStep]  # all scheduled sequences, decodes first
     # Filled by the forward on the rank that gets logits: seq_id -> its prompt tokens' scores.
     prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)
@@ -46,7 +46,8 @@ def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_tokens)
         context_lens.append(s.context_len)
         if s.do_sample:
-            logits_indices.append(cu_seqlens_q[-1] - 1)
+            # the last known token's row and one per draft: (1 + len(drafts)) rows, in order
+            logits_indices.extend(range(cu_seqlens_q[-1] - s.num_sampled, cu_seqlens_q[-1]))
             sampled.append(s)
     max_blocks = max(len(s.block_table) for s in ordered)
     block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in ordered]

@@ -31,6 +31,7 @@ from stoker.runner.expert_load import ExpertLoadReader
 from stoker.runner.info import RunnerInfo
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.sampling.prompt_logprobs import score_prompt
+from stoker.sampling.rejection import VerifyGroup, verify
 from stoker.sampling.sampler import Sampler, SamplingRow
 from stoker.sampling_params import SamplingParams
 
@@ -261,12 +262,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
-        """The forward (every rank, in lockstep: it holds the collectives) -> (S, vocab) float32
-        logits of the rows that sample, on rank 0; None on the other ranks or when none samples."""
-        if any(s.draft_token_ids for s in step.seqs):
-            # Verifying drafts needs a rejection sampler over several rows per sequence
-            # (speculative decoding); until one exists a draft is refused, never sampled as one row.
-            raise NotImplementedError("this runner cannot verify draft tokens (speculative decoding is not built)")
+        """The forward (every rank, in lockstep: it holds the collectives) -> (N, vocab) float32
+        logits of the rows that sample (1 + len(drafts) per sampling sequence), on rank 0; None on
+        the other ranks or when none samples."""
         if step.kv_copies:
             self.copy_blocks(step.kv_copies)
         inputs = prepare_inputs(step, self.block_size, self.device)
@@ -302,6 +300,8 @@ class ModelRunner:
             return None
         if logits is None:
             return StepResult(prompt_logprobs=inputs.prompt_logprobs)
+        if any(s.draft_token_ids for s in inputs.sampled):
+            return StepResult(self._verify(step, inputs, logits), inputs.prompt_logprobs)
         rows = []
         constrained = []  # (row, seq_id, spec): rows a grammar masks
         for i, s in enumerate(inputs.sampled):
@@ -319,6 +319,26 @@ class ModelRunner:
         sampled = {s.seq_id: SampledTokens([out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]])
                    for i, s in enumerate(inputs.sampled)}
         return StepResult(sampled, inputs.prompt_logprobs)
+
+    def _verify(self, step: StepMessage, inputs: ModelInputs, logits: torch.Tensor) -> dict[int, SampledTokens]:
+        """Speculative decoding: (N, V) logits, 1 + len(drafts) rows per sampling sequence ->
+        each sequence's accepted drafts and the token after them (sampling/rejection.py). Row j
+        of a sequence sees its output with drafts 0..j-1 appended (penalties, min_tokens, bad words)."""
+        rows: list[SamplingRow] = []
+        groups: list[VerifyGroup] = []
+        for s in inputs.sampled:
+            spec = step.sampling[s.seq_id]
+            if spec.params.structured_outputs is not None:  # the input processor refuses these
+                raise ValueError("structured outputs cannot be verified with draft tokens")
+            prompt_ids, output_ids = spec.history_ids or ([], [])
+            generator = self._generator(s.seq_id, spec)
+            drafts = list(s.draft_token_ids)
+            for j in range(len(drafts) + 1):
+                history = output_ids + drafts[:j] if spec.history_ids is not None else []
+                rows.append(SamplingRow(spec.params, prompt_ids, history, spec.num_output_tokens + j,
+                                        generator, step.eos_token_ids, spec.bad_words_token_ids))
+            groups.append(VerifyGroup(s.seq_id, s.draft_token_ids))
+        return verify(self.sampler, logits, rows, groups)
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         seed = spec.params.seed

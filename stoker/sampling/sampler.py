@@ -35,6 +35,7 @@ class SamplerOutput:
     logprobs: list[float]  # (S,) log-probability of each sampled token
     # Per row when asked: (rank of the sampled token, top ids, top logprobs).
     top_logprobs: list[tuple[int, list[int], list[float]] | None]
+    flags: list[bool] | None = None  # the rejection sampler's: whether each row's draft was accepted
 
 
 def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -71,14 +72,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
-        num_rows, vocab = logits.shape
+        raw_logprobs, logits = self.prepare(logits, rows)
+        sampled = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=self.device)
+            probs = self.target_probs(logits, rows, random_rows)
+            sampled[idx] = self.draw(probs, [rows[i].generator for i in random_rows])
+        return self.to_host(raw_logprobs, sampled, [r.params.logprobs for r in rows])
+
+    def _col(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, V) logits -> (raw log-probabilities, what `logprobs` reports; the logits after
+        penalties, min_tokens, logit_bias, allowed_token_ids and bad_words: greedy takes their argmax)."""
         params = [r.params for r in rows]
-        want_top = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-
-        def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=self.device)
-
+        col = self._col
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
             logits = apply_penalties(
                 logits,
@@ -92,25 +103,43 @@ class Sampler:
         logits = self._mask_early_stops(logits, rows)
         if any(p.logit_bias or p.allowed_token_ids or p.bad_words for p in params):
             logits = self._apply_token_rules(logits, rows)
+        return raw_logprobs, logits
 
-        is_greedy = [p.is_greedy for p in params]
-        sampled = logits.argmax(dim=-1)
-        random_rows = [i for i, g in enumerate(is_greedy) if not g]
-        if random_rows:
-            idx = torch.tensor(random_rows, device=self.device)
-            sub = logits[idx] / col([params[i].temperature for i in random_rows])[:, None]
-            if any(params[i].top_k > 0 for i in random_rows):
-                sub = _mask_top_k(sub, torch.tensor([params[i].top_k for i in random_rows], device=self.device))
-            if any(params[i].top_p < 1 for i in random_rows):
-                sub = _mask_top_p(sub, col([params[i].top_p for i in random_rows]))
-            if any(params[i].min_p > 0 for i in random_rows):
-                sub = _mask_min_p(sub, col([params[i].min_p for i in random_rows]))
-            probs = sub.softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=rows[i].generator or self.generator)
-            sampled[idx] = (probs / noise).argmax(dim=-1)
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int]) -> torch.Tensor:
+        """The distribution a random row draws from: (R, V) probabilities of rows `random_rows`
+        of the prepared logits after temperature, top-k, top-p and min-p."""
+        params = [rows[i].params for i in random_rows]
+        idx = torch.tensor(random_rows, device=self.device)
+        sub = logits[idx] / self._col([p.temperature for p in params])[:, None]
+        if any(p.top_k > 0 for p in params):
+            sub = _mask_top_k(sub, torch.tensor([p.top_k for p in params], device=self.device))
+        if any(p.top_p < 1 for p in params):
+            sub = _mask_top_p(sub, self._col([p.top_p for p in params]))
+        if any(p.min_p > 0 for p in params):
+            sub = _mask_min_p(sub, self._col([p.min_p for p in params]))
+        return sub.softmax(dim=-1)
 
+    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of (R, V) `probs` (need not sum to 1: argmax of p / E, E ~ Exp(1),
+        samples from p normalized), each row's noise from its own generator or the shared one."""
+        noise = torch.empty_like(probs)
+        for j, g in enumerate(generators):  # row by row: a seeded row's tokens never depend on the batch
+            noise[j].exponential_(generator=g or self.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """(R,) draws from U[0, 1), each from its row's generator or the shared one."""
+        u = torch.empty(len(generators), dtype=torch.float32, device=self.device)
+        for j, g in enumerate(generators):
+            u[j : j + 1].uniform_(generator=g or self.generator)
+        return u
+
+    def to_host(self, raw_logprobs: torch.Tensor, sampled: torch.Tensor, want_top: list[int | None],
+                flags: torch.Tensor | None = None) -> SamplerOutput:
+        """The one host read of the step: the (S,) sampled tokens, their logprobs and, per row
+        that asks, (rank, top ids, top logprobs); `flags`, an (S,) bool column, comes back in
+        `SamplerOutput.flags` (the rejection sampler's accepted rows)."""
+        num_rows, vocab = raw_logprobs.shape
         token_logprobs = raw_logprobs.gather(1, sampled[:, None])[:, 0]
         top_k = max((k for k in want_top if k is not None), default=None)
         ranks = top_ids = top_vals = None
@@ -118,9 +147,12 @@ class Sampler:
             ranks = (raw_logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
             if top_k > 0:
                 top_vals, top_ids = raw_logprobs.topk(min(top_k, vocab), dim=-1)
-        # The one host read of the step: everything the host needs, packed into one tensor
-        # (float64 holds token ids and ranks exactly). Columns: token, logprob, [rank, ids, vals].
+        # Packed into one tensor (float64 holds token ids and ranks exactly).
+        # Columns: token, logprob, [flag], [rank, ids, vals].
         columns = [sampled.double()[:, None], token_logprobs.double()[:, None]]
+        if flags is not None:
+            columns.append(flags.double()[:, None])
+        first = len(columns)
         width = 0
         if top_k is not None:
             columns.append(ranks.double()[:, None])
@@ -132,13 +164,13 @@ class Sampler:
         logprob_list = [r[1] for r in host]
         tops: list[tuple[int, list[int], list[float]] | None] = [None] * num_rows
         if top_k is not None:
-            rank_list = [int(r[2]) for r in host]
-            ids_list = [[int(t) for t in r[3 : 3 + width]] for r in host]
-            vals_list = [r[3 + width :] for r in host]
             for i, k in enumerate(want_top):
                 if k is not None:
-                    tops[i] = (rank_list[i], ids_list[i][:k], vals_list[i][:k])
-        return SamplerOutput(token_list, logprob_list, tops)
+                    r = host[i]
+                    ids = [int(t) for t in r[first + 1 : first + 1 + width]]
+                    tops[i] = (int(r[first]), ids[:k], r[first + 1 + width :][:k])
+        flag_list = [r[2] != 0 for r in host] if flags is not None else None
+        return SamplerOutput(token_list, logprob_list, tops, flag_list)
 
     def _apply_token_rules(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Per row: logit_bias added; only allowed_token_ids kept; a bad word's last token

@@ -226,3 +226,20 @@ def test_graph_replay_decode_logits_equal_eager_bf16(name, tiny_checkpoints) -> 
     assert graphed.shape == eager.shape == (5, graphed.shape[1])
     unit = 2**-7 * eager.abs().max().item()
     assert (graphed - eager).abs().max().item() <= 4 * unit
+
+
+@compiled_only
+def test_ngram_speculative_decoding_greedy_equals_none_on_cuda(tiny_llama) -> None:
+    """Verify steps run the drafts through the varlen paged-attention kernel (a 1 + k token chunk
+    per sequence) while decode-only steps replay graphs; float32 greedy output must equal the
+    engine without drafts, and drafts must have been accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}, {"prompt_token_ids": list(range(40, 75))},
+               {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative_config=spec, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0
+    llm.engine.check_integrity()

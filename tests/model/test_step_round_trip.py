@@ -36,30 +36,39 @@ def test_kv_copies_copy_blocks_in_every_layer_before_the_forward(llm: LLM) -> No
         runner.copy_blocks(((0, 10**6),))
 
 
-def test_a_runner_refuses_draft_tokens_it_cannot_verify(llm: LLM) -> None:
+def test_a_runner_verifies_draft_tokens_in_one_forward(llm: LLM) -> None:
+    """A step with drafts samples 1 + len(drafts) rows and keeps the drafts that are the
+    greedy argmax, then one token: a right draft is kept, a wrong one replaced."""
     runner = llm.engine.executor.driver_runner
-    step = StepMessage([SeqStep(-8, [1, 5], 0, [0], True, draft_token_ids=(5,))],
-                       {-8: SampleSpec(SamplingParams(max_tokens=2), 0, 0)})
-    assert step.seqs[0].num_sampled == 2
-    with pytest.raises(NotImplementedError, match="draft tokens"):
-        runner.execute(step)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": [1, 5, 9]}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = SeqStep(-8, [1, 5, 9], 0, [0], True)
+    first = runner.execute(StepMessage([prompt], {-8: SampleSpec(greedy, 0, 0)})).sampled[-8].token_ids
+    assert first == want[:1]
+    wrong = next(t for t in range(100) if t not in want[:4])
+    for drafts, kept in (((want[1], want[2]), want[1:4]), ((want[1], wrong), want[1:3]), ((wrong,), want[1:2])):
+        step = StepMessage([SeqStep(-8, [want[0], *drafts], 3, [0], True, draft_token_ids=drafts)],
+                           {-8: SampleSpec(greedy, 0, 1)})
+        assert step.seqs[0].num_sampled == 1 + len(drafts)
+        assert runner.execute(step).sampled[-8].token_ids == kept
+    runner.release(-8)
 
 
-def test_an_engine_with_a_draft_fails_that_request_and_stays_whole(llm: LLM) -> None:
-    """A proposer-less engine never plans drafts; one planted on a sequence fails its request
-    (nothing of it cached, its blocks freed), and the engine serves the next call as before."""
-    from stoker.engine.llm_engine import StepFailed
-
+def test_an_engine_with_a_planted_draft_verifies_it_and_stays_whole(llm: LLM) -> None:
+    """A proposer-less engine never plans drafts; one planted on a sequence is verified like a
+    proposer's (a wrong one rolls back), and the output is what no draft gives."""
     engine = llm.engine
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     base = llm.generate("Draft me", greedy, use_tqdm=False)[0].outputs[0].token_ids
     engine.add_request(engine.input_processor.process("d", "Draft me", greedy))
     engine.step()  # the prompt
     (seq,) = engine.requests["d"].seqs
-    seq.draft_token_ids = [base[1], base[2]]
-    with pytest.raises(StepFailed, match="draft tokens"):
+    seq.draft_token_ids = [base[1], next(t for t in range(100) if t not in base[:3])]
+    engine.step()  # keeps base[1], replaces the wrong draft with base[2]
+    assert seq.output_token_ids == base[:3] and seq.num_computed_tokens == seq.num_tokens - 1
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
         engine.step()
-    assert not engine.has_unfinished_requests()
+    assert seq.output_token_ids == base
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert llm.generate("Draft me", greedy, use_tqdm=False)[0].outputs[0].token_ids == base

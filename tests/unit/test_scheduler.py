@@ -255,3 +255,21 @@ def test_priority_policy_admits_and_preempts_by_priority() -> None:
     fcfs.add(a)
     fcfs.add(b)
     assert [s.request_id for s in fcfs.waiting] == ["a", "b"]  # fcfs: the order they were added
+
+
+def test_drafts_are_dropped_rather_than_preempt_a_sequence() -> None:
+    """Two sequences fill 4 of 4 blocks; drafts for the older one would need a fifth. The drafts
+    go (they are a bet), the younger sequence stays: no preemption for speculative tokens."""
+    sched = make(num_blocks=4, block_size=4)
+    a, b = seq(6, rid="a"), seq(6, start=50, rid="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prompts; 7 sampled: each holds 2 blocks, positions 0..6 fit them
+    assert sched.block_manager.num_free_blocks == 0
+    a.draft_token_ids = [10, 11, 12]  # positions 7..9: a third block
+    plan = sched.schedule()
+    assert not plan.preempted and sched.num_preemptions == 0
+    assert [(s.seq.request_id, s.num_tokens, s.num_draft_tokens) for s in plan.scheduled] == [("a", 1, 0), ("b", 1, 0)]
+    sched.update_after_step(plan, accepted(plan, {a.seq_id: [8], b.seq_id: [8]}))
+    assert a.draft_token_ids == [] and a.output_token_ids == [7, 8]
+    sched.block_manager.check_integrity()

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stoker.core.expert_load import ExpertLoad
+from stoker.core.spec_decode_stats import SpecDecodingStats
 from stoker.core.step import StepShape
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
@@ -97,11 +98,31 @@ class _EngineCollector:
             g.add_metric([str(engine.info.max_loras), ",".join(s.running_loras),
                           ",".join(s.waiting_loras)], time.time())
             yield g
+        if s.spec_decoding is not None:
+            yield from self._spec_decoding(s.spec_decoding, labels, value)
         yield from self._expert_load(engine)
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
         yield gauge("stoker:num_requests_queued", "Sequences (n per request) admitted by the server with no output yet (what --max-waiting-requests bounds)", engine.num_queued)
         yield self._cache_config_info(engine)
+
+    @staticmethod
+    def _spec_decoding(sd: SpecDecodingStats, labels: list[str], value: list[str]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py names them)."""
+        for name, doc, v in (
+            ("vllm:spec_decode_num_drafts", "Sequences that verified drafts, summed over steps", sd.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified", sd.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", sd.num_accepted_tokens),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            yield c
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each position of the draft (0 first)",
+                                labels=[*labels, "position"])
+        for pos, v in enumerate(sd.num_accepted_tokens_per_pos):
+            c.add_metric([*value, str(pos)], v)
+        yield c
 
     def _expert_load(self, engine: AsyncEngine) -> Iterator[Metric]:
         """MoE models only: tokens routed per expert per layer, and each layer's balancedness
@@ -308,6 +329,7 @@ class EngineLogLine:
         self._last: tuple[float, int, int, int, int] | None = None
         self.wall_summary = wall_summary
         self._last_load: ExpertLoad | None = None
+        self._last_spec: SpecDecodingStats | None = None
 
     def line(self, engine: AsyncEngine) -> str | None:
         """The line to log now, or None when nothing happened since the last one."""
@@ -334,10 +356,29 @@ class EngineLogLine:
         load = engine.expert_load()
         experts = load.since(self._last_load).summary() if load is not None else None
         self._last_load = load
+        spec = self._spec_line(s.spec_decoding)
         return (
             f"engine: running {s.num_running}, waiting {s.num_waiting}, KV usage {100 * s.kv_cache_usage:.1f}%, "
             f"prefix-cache hit rate {hit_rate:.1f}%, prompt {prompt_rate:.1f} tokens/s, generation {gen_rate:.1f} tokens/s"
             + (f", {collectives}" if collectives else "")
             + (f", {experts}" if experts else "")
             + (f"; {wall}" if wall else "")
+            + (f"; {spec}" if spec else "")
         )
+
+    def _spec_line(self, sd: SpecDecodingStats | None) -> str | None:
+        """vLLM's "SpecDecoding metrics: ..." over the interval since the last line."""
+        last, self._last_spec = self._last_spec, sd
+        if sd is None:
+            return None
+        last = last or SpecDecodingStats(sd.num_spec_tokens)
+        drafts = sd.num_drafts - last.num_drafts
+        drafted = sd.num_draft_tokens - last.num_draft_tokens
+        accepted = sd.num_accepted_tokens - last.num_accepted_tokens
+        if not drafts:
+            return None
+        per_pos = [(a - b) / drafts for a, b in zip(sd.num_accepted_tokens_per_pos, last.num_accepted_tokens_per_pos)]
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+                f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
