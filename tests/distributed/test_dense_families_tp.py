@@ -1,8 +1,8 @@
 """Tensor parallelism over gloo for the families whose layers TP must cut in a new way:
 Phi-3's stacked qkv_proj / gate_up_proj (each rank reads its q rows, its k rows and its v rows
 of the one tensor) and OLMo 2's q/k RMSNorm over the whole projection (an all-reduce of the
-sums of squares; at TP=4 each of the 2 KV heads is on two ranks, and counted once). TP=N must
-give TP=1's tokens and logprobs."""
+sums of squares; at TP=4 each of the 2 KV heads is on two ranks, and counted once); Granite's
+multipliers and SmolLM3's NoPE layers at TP=2. TP=N must give TP=1's tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from stoker import SamplingParams
 from tests.distributed.test_tensor_parallel import engine
-from tests.model.test_dense_families import PHI3_SHORT
+from tests.model.test_dense_families import CONFIGS, PHI3_SHORT
 
 PROMPTS = [[1, 17, 300, 42, 7, 99], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 2, 3]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -28,7 +28,9 @@ def run(llm) -> tuple[list[list[int]], list[list[float]]]:
     (*PHI3_SHORT, 2),
     ("olmo2", {}, 2),
     ("olmo2", {}, 4),  # 2 KV heads over 4 ranks: each k column held twice
-], ids=["phi3-stacked", "olmo2-qknorm", "olmo2-tp4-replicated-k"])
+    (*CONFIGS["granite"], 2),  # the multipliers with a tied LM head split by vocabulary
+    (*CONFIGS["smollm3"], 2),  # a NoPE layer with a window beside a rotary one
+], ids=["phi3-stacked", "olmo2-qknorm", "olmo2-tp4-replicated-k", "granite-multipliers", "smollm3-nope"])
 def test_tp_equals_tp1(tiny_checkpoints, arch: str, overrides: dict, tp: int) -> None:
     path = tiny_checkpoints(arch, **overrides)
     with engine(path) as llm:
