@@ -3,12 +3,15 @@
 Two sources, one result (`QuantConfig`):
   * online: `--quantization fp8|int8` (vLLM's flag) on a float checkpoint: every decoder-layer
     projection is quantized at load, symmetric, one scale per output channel; embeddings and the
-    LM head stay in the model dtype.
+    LM head stay in the model dtype. `--quantization int4` is Stoker's own (vLLM has no online
+    4-bit flag): symmetric 4-bit, round-to-nearest, one scale per group of 128 columns.
   * a pre-quantized checkpoint, from config.json's `quantization_config`:
       - compressed-tensors (what llm-compressor writes), formats "float-quantized" (FP8 E4M3),
         "int-quantized" (int8) and "pack-quantized" (int8 packed four to an int32), weight
         strategies tensor / channel / group / block, symmetric; the `ignore` list; a
-        `kv_cache_scheme` (FP8 KV with per-layer k/v scales);
+        `kv_cache_scheme` (FP8 KV with per-layer k/v scales); and 4-bit "pack-quantized"
+        (W4A16: eight values to an int32, group or channel scales, symmetric or with packed
+        zero points; `_compressed_tensors_w4a16`);
       - `"quant_method": "fp8"` (vLLM / Qwen3-FP8 / DeepSeek): FP8 weights with a per-tensor
         `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`.
 Anything else is refused here, naming what it found and listing what is supported, before a
@@ -21,9 +24,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-ONLINE_METHODS = ("fp8", "int8")
+ONLINE_METHODS = ("fp8", "int8", "int4")
+INT4_ONLINE_GROUP_SIZE = 128  # --quantization int4's group of columns per scale
 SUPPORTED_CHECKPOINTS = (
-    "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric)",
+    "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric; "
+    "4-bit pack-quantized W4A16, group or channel, symmetric or asymmetric)",
     "fp8 (per-tensor weight_scale or weight_block_size [128, 128] with weight_scale_inv)",
 )
 _STRATEGIES = ("tensor", "channel", "group", "block")
@@ -37,13 +42,14 @@ class QuantizationError(ValueError):
 class WeightScheme:
     """How one projection's weight is stored. Scales are per output channel and group of K."""
 
-    dtype: str  # "fp8" (E4M3) | "int8"
+    dtype: str  # "fp8" (E4M3) | "int8" | "int4" (affine groups: quantization/int4.py)
     strategy: str  # "tensor" | "channel" | "group" | "block"
     group_size: int | None = None  # group: columns of K per scale
     block: tuple[int, int] | None = None  # block: (rows of N, columns of K) per scale
     packed: bool = False  # int8 values packed four to an int32 (compressed-tensors pack-quantized)
     dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only)
     static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
+    symmetric: bool = True  # int4: False when the checkpoint carries zero points
 
     @property
     def quantized_activations(self) -> bool:
@@ -51,8 +57,10 @@ class WeightScheme:
         return self.dynamic_activations or self.static_input_scale
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("fp8", "int8"):
-            raise QuantizationError(f"weight dtype {self.dtype!r}: only fp8 (e4m3) and int8 are supported")
+        if self.dtype not in ("fp8", "int8", "int4"):
+            raise QuantizationError(f"weight dtype {self.dtype!r}: only fp8 (e4m3), int8 and int4 are supported")
+        if self.dtype == "int4" and self.strategy not in ("group", "channel"):
+            raise QuantizationError(f"int4 weights have scales per group or channel (one group of K), not {self.strategy!r}")
         if self.strategy not in _STRATEGIES:
             raise QuantizationError(f"weight strategy {self.strategy!r}: supported are {', '.join(_STRATEGIES)}")
         if self.strategy == "group" and not (self.group_size and self.group_size > 0):
@@ -72,7 +80,7 @@ class WeightScheme:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "fp8" | "int8": what --quantization would be called for this scheme
+    method: str  # "fp8" | "int8" | "int4": what --quantization would be called for this scheme
     source: str  # "online" | "compressed-tensors" | "fp8"
     weights: WeightScheme
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
@@ -102,6 +110,9 @@ class QuantConfig:
 def online_config(method: str) -> QuantConfig:
     if method not in ONLINE_METHODS:
         raise QuantizationError(f"--quantization {method!r} is not supported; choose one of: {', '.join(ONLINE_METHODS)}")
+    if method == "int4":  # W4A16, round-to-nearest, symmetric (offset = -8 x scale)
+        weights = WeightScheme("int4", "group", group_size=INT4_ONLINE_GROUP_SIZE)
+        return QuantConfig(method="int4", source="online", weights=weights, ignore=("lm_head",))
     # Online FP8 is W8A8 with per-token activation scales where FP8 matrix units exist (as
     # vLLM's); online INT8 is weight-only.
     weights = WeightScheme(dtype=method, strategy="channel", dynamic_activations=method == "fp8")
@@ -170,6 +181,8 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if not isinstance(w, dict):
         raise QuantizationError("compressed-tensors config group has no 'weights' scheme (weight quantization is required)")
     num_bits, wtype = w.get("num_bits"), w.get("type", "int")
+    if num_bits == 4 and wtype == "int":
+        return _compressed_tensors_w4a16(qc, group, w, fmt)
     if num_bits != 8:
         raise QuantizationError(f"compressed-tensors weights of {num_bits} bits are not supported; only 8-bit (fp8 or int8)")
     if not w.get("symmetric", True):
@@ -218,3 +231,32 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
             raise QuantizationError(f"compressed-tensors kv_cache_scheme {kv!r} is not supported; 8-bit float per tensor")
     return QuantConfig(method=dtype, source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()),
                        kv_cache_fp8=bool(kv))
+
+
+def _compressed_tensors_w4a16(qc: dict[str, Any], group: dict[str, Any], w: dict[str, Any], fmt: Any) -> QuantConfig:
+    """compressed-tensors 4-bit integer weights (llm-compressor's W4A16): format
+    "pack-quantized" (eight 4-bit values to an int32 `weight_packed`, `weight_scale` per group
+    or channel, `weight_zero_point` packed eight rows to an int32 when asymmetric), activations
+    in the model dtype. Mapped onto the int4 method's affine groups (a channel is one group of K)."""
+    if fmt != "pack-quantized":
+        raise QuantizationError(f"compressed-tensors format {fmt!r} for 4-bit int weights is not supported; only pack-quantized")
+    strategy = w.get("strategy", "tensor")
+    if strategy not in ("group", "channel"):
+        raise QuantizationError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported; group or channel")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        raise QuantizationError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported (its weight_g_idx "
+                                "permutes the groups); none, static or weight")
+    if group.get("input_activations"):
+        raise QuantizationError("compressed-tensors 4-bit weights with quantized input_activations (W4A8) are not "
+                                "supported; only W4A16 (no input_activations)")
+    if group.get("output_activations"):
+        raise QuantizationError("compressed-tensors output_activations quantization is not supported")
+    if qc.get("kv_cache_scheme"):
+        raise QuantizationError("compressed-tensors kv_cache_scheme with 4-bit weights is not supported")
+    size = w.get("group_size")
+    if strategy == "group" and not (isinstance(size, int) and size > 0):
+        raise QuantizationError(f"compressed-tensors group strategy needs a positive group_size, got {size!r}")
+    # channel: one group spanning K (the method takes K from the layer)
+    weights = WeightScheme("int4", strategy, group_size=size if strategy == "group" else None, packed=True,
+                           symmetric=bool(w.get("symmetric", True)))
+    return QuantConfig(method="int4", source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()))
