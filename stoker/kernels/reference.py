@@ -450,9 +450,7 @@ def int4_linear(
     group_k: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (..., N)
-    """W4A16 where no kernel serves the device: dequantize (quantization/int4.dequantize, one
-    layer per call), cast to x's dtype, F.linear."""
-    from stoker.quantization.int4 import dequantize
-
-    w = dequantize(q, scale, offset, group_k, x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    """W4A16 where no kernel serves the device: dequantize as quantization/int4.dequantize
+    does (q * s, rounded, + o, rounded; one layer per call), cast to x's dtype, F.linear."""
+    w = q.float() * scale.float().repeat_interleave(group_k, dim=1) + offset.float().repeat_interleave(group_k, dim=1)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -114,7 +114,12 @@ class ModelRunner:
 
         rest = str(self.dtype).removeprefix("torch.")
         projections = self.quant.method if self.quant is not None else rest
-        predicted = spec_from_config(self.hf_config).weight_bytes(projections, rest_dtype=rest)
+        spec = spec_from_config(self.hf_config)
+        if self.quant is not None and self.quant.weights.dtype == "int4":  # float32 scale and offset per group
+            group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
+            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest)
+        else:
+            predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
         tp = self.tp.world_size
         by = f"{_size(held)} held by rank {self.tp.rank} of {tp}" if tp > 1 else f"{_size(held)} held"
