@@ -17,8 +17,9 @@ Backends, chosen once at build (models/method_chooser.py):
 Sources: online (`--quantization int4`: each float checkpoint tensor is quantized as it is
 read, round-to-nearest, symmetric, this rank's part only), compressed-tensors pack-quantized
 W4A16 (`weight_packed` eight codes to an int32, `weight_scale`, `weight_shape`, and packed
-`weight_zero_point` when asymmetric), and loaders that decode a format to the affine form
-themselves (GGUF): `load_affine`.
+`weight_zero_point` when asymmetric), GPTQ and AWQ (`qweight`, `qzeros`, `scales`, GPTQ's
+`g_idx`; quantization/config._gptq_awq gives the layouts), and loaders that decode a format to
+the affine form themselves (GGUF): `load_affine`.
 
 Tensor parallelism cuts rows freely and columns only at group boundaries (and packed int32
 values at multiples of eight): a cut that splits a group is refused, naming the layer and sizes.
@@ -36,7 +37,11 @@ from stoker.quantization import formats, int4
 from stoker.quantization.config import WeightScheme
 
 BACKENDS = ("cpu_q4", "dequant")
-PACK_FACTOR = 8  # compressed-tensors: 4-bit values per int32
+PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
+# AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i] of its eight, so
+# column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
@@ -55,7 +60,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         self.fuse_silu_and_mul = fuse_silu_and_mul and backend == "cpu_q4"
         # A checkpoint with zero points (or symmetric codes, zero 8) fills weight_offset with
         # the zero point; process_after_loading makes it -z * scale.
-        self.offset_is_zero_point = scheme.packed
+        self.layout = scheme.int4_layout
+        self.offset_is_zero_point = self.layout != ""
         self.group_k = 0  # set by create_weights
         self.kernel = None
         self._forward = self._not_loaded
@@ -89,9 +95,11 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
         if self.online:
             return ("weight",)
-        if self.scheme.packed:
+        if self.layout == "compressed-tensors":
             zero = () if self.scheme.symmetric else ("weight_zero_point",)
             return ("weight_packed", "weight_scale", "weight_shape", *zero)
+        if self.layout:  # gptq, gptq_v2, awq (GPTQ's g_idx is read when present)
+            return ("qweight", "qzeros", "scales")
         return ()  # a loader hands the affine form itself (load_affine)
 
     def checkpoint_slice(
@@ -115,6 +123,22 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             expect_shape(shape, (-(-num_rows // PACK_FACTOR), k // group), param_name, shard)
             return self._aligned(rows, PACK_FACTOR, "int32s of eight packed zero-point rows", num_rows), \
                 self._aligned(cols, group, f"int4 groups of {group} columns", k)
+        # GPTQ / AWQ store W^T: rows of K, columns of N
+        groups = self._aligned(cols, group, f"int4 groups of {group} columns", k)
+        if param_name == "qweight" and self.layout.startswith("gptq"):
+            expect_shape(shape, (k // PACK_FACTOR, num_rows), param_name, shard)
+            return self._aligned(cols, PACK_FACTOR, "int32s of eight packed input columns", k), rows
+        if param_name == "qweight":
+            expect_shape(shape, (k, num_rows // PACK_FACTOR), param_name, shard)
+            return cols, self._aligned(rows, PACK_FACTOR, "int32s of eight packed output rows", num_rows)
+        if param_name == "qzeros":
+            expect_shape(shape, (k // group, num_rows // PACK_FACTOR), param_name, shard)
+            return groups, self._aligned(rows, PACK_FACTOR, "int32s of eight packed output rows", num_rows)
+        if param_name == "scales":
+            expect_shape(shape, (k // group, num_rows), param_name, shard)
+            return groups, rows
+        if param_name == "g_idx":
+            return (cols,)
         return None
 
     def _aligned(self, part: slice, unit: int, what: str, total: int) -> slice:
@@ -149,12 +173,44 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             expect_shape(tuple(zero.shape), (num_rows, k // self.group_k), where, None)
             with torch.no_grad():
                 layer.weight_offset[rows].copy_(zero.float())
+        elif self.layout in ("gptq", "gptq_v2", "awq") and param_name in ("qweight", "qzeros", "scales", "g_idx"):
+            self._load_gptq_awq(layer, param_name, shard, tensor, where)
         elif param_name == "weight_shape" and self.scheme.packed:
             whole = list(layer.checkpoint_shape(shard))
             if [int(v) for v in tensor.reshape(-1).tolist()] != whole:
                 raise ValueError(f"{where} says {tensor.tolist()}, the layer expects {whole}")
         else:
             raise ValueError(f"unexpected checkpoint tensor {where} for an int4 projection ({self.describe()})")
+
+    def _load_gptq_awq(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor, where: str) -> None:
+        """GPTQ / AWQ tensors (transposed: K or groups first, N last) into the (N, ...) parameters;
+        zero points go to weight_offset until process_after_loading."""
+        rows = layer.shard_rows(shard)
+        num_rows, k = rows.stop - rows.start, layer.in_features
+        awq = self.layout == "awq"
+        if param_name == "qweight":
+            if awq:  # (K, N / 8), eight output columns per int32 in AWQ's order
+                codes = unpack_int32_nibbles(tensor, num_rows, dim=1, where=where, order=AWQ_NIBBLE_OF_COLUMN)
+            else:  # (K / 8, N), eight input rows per int32 in order
+                codes = unpack_int32_nibbles(tensor, k, dim=0, where=where)
+            expect_shape(tuple(codes.shape), (k, num_rows), where, None)
+            copy_rows(layer, layer.weight, shard, int4.pack(codes.t()), where)
+        elif param_name == "qzeros":
+            zero = unpack_int32_nibbles(tensor, num_rows, dim=1, where=where, order=AWQ_NIBBLE_OF_COLUMN if awq else None)
+            expect_shape(tuple(zero.shape), (k // self.group_k, num_rows), where, None)
+            # AutoGPTQ's format stores zero - 1 ("gptq"; "gptq_v2" and AWQ store the zero itself)
+            with torch.no_grad():
+                layer.weight_offset[rows].copy_(zero.t().float() + (1.0 if self.layout == "gptq" else 0.0))
+        elif param_name == "scales":
+            expect_shape(tuple(tensor.shape), (k // self.group_k, num_rows), where, None)
+            with torch.no_grad():
+                layer.weight_scale[rows].copy_(tensor.t().float())
+        else:  # g_idx: the group of each input column; act-order checkpoints permute it
+            cols = layer.checkpoint_cols()
+            plain = torch.arange(cols.start, cols.stop) // self.group_k
+            if tuple(tensor.shape) != tuple(plain.shape) or not torch.equal(tensor.to(torch.int64), plain):
+                raise ValueError(f"{where} is not in plain group order (a desc_act / act-order checkpoint whose columns are "
+                                 "permuted); Stoker's int4 kernels do not permute columns: re-quantize with desc_act false")
 
     def load_affine(self, layer: Linear, shard: str | None, weight: int4.AffineInt4) -> None:
         """One checkpoint tensor already in the affine form (quantization/int4.py, the GGUF
@@ -215,15 +271,17 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         return self.kernel(x, int4.unpack(layer.weight), layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
 
 
-def unpack_int32_nibbles(packed: torch.Tensor, count: int, dim: int, where: str) -> torch.Tensor:
-    """compressed-tensors pack-quantized, 4 bits: int32s of eight unsigned codes along `dim`
-    (value i of each int32 in bits 4i..4i+3, the signed value + 8), zero-padded to a multiple of
-    eight -> uint8 codes in [0, 15] with `count` entries along `dim`."""
+def unpack_int32_nibbles(packed: torch.Tensor, count: int, dim: int, where: str,
+                         order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32s of eight unsigned 4-bit codes along `dim` (value i of each int32 in bits
+    4i..4i+3; compressed-tensors stores the signed value + 8), zero-padded to a multiple of
+    eight -> uint8 codes in [0, 15] with `count` entries along `dim`. `order`: entry j of each
+    eight is nibble order[j] (AWQ's packing), else nibble j."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise ValueError(f"{where} must be a 2-D int32 tensor, got {tuple(packed.shape)} {packed.dtype}")
     if packed.shape[dim] * PACK_FACTOR < count:
         raise ValueError(f"{where} holds {packed.shape[dim] * PACK_FACTOR} values along dim {dim}, the layer needs {count}")
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.tensor([4 * i for i in (order or range(PACK_FACTOR))], dtype=torch.int32)
     codes = (packed.unsqueeze(-1) >> shifts) & 0x0F  # (..., 8) along a new last dim
     if dim == 1:
         codes = codes.reshape(packed.shape[0], -1)[:, :count]
@@ -232,14 +290,16 @@ def unpack_int32_nibbles(packed: torch.Tensor, count: int, dim: int, where: str)
     return codes.to(torch.uint8).contiguous()
 
 
-def pack_int32_nibbles(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of `unpack_int32_nibbles` (used to write test checkpoints as llm-compressor does)."""
+def pack_int32_nibbles(codes: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The inverse of `unpack_int32_nibbles` (used to write test checkpoints as llm-compressor,
+    AutoGPTQ and AutoAWQ do)."""
     c = codes.to(torch.int64)
     if dim == 0:
-        return pack_int32_nibbles(c.t(), 1).t().contiguous()
+        return pack_int32_nibbles(c.t(), 1, order).t().contiguous()
     n, k = c.shape
     padded = torch.zeros(n, -(-k // PACK_FACTOR) * PACK_FACTOR, dtype=torch.int64)
     padded[:, :k] = c
     groups = padded.view(n, -1, PACK_FACTOR)
-    value = sum(groups[..., i] << (4 * i) for i in range(PACK_FACTOR))
+    nibble = order or tuple(range(PACK_FACTOR))
+    value = sum(groups[..., j] << (4 * nibble[j]) for j in range(PACK_FACTOR))
     return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)

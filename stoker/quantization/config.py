@@ -13,7 +13,9 @@ Two sources, one result (`QuantConfig`):
         (W4A16: eight values to an int32, group or channel scales, symmetric or with packed
         zero points; `_compressed_tensors_w4a16`);
       - `"quant_method": "fp8"` (vLLM / Qwen3-FP8 / DeepSeek): FP8 weights with a per-tensor
-        `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`.
+        `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`;
+      - `"quant_method": "gptq"` / `"awq"` 4-bit (`_gptq_awq`): `qweight`, `qzeros`, `scales`
+        (and GPTQ's `g_idx`, which must be the plain group order).
 Anything else is refused here, naming what it found and listing what is supported, before a
 single tensor is read.
 """
@@ -30,6 +32,7 @@ SUPPORTED_CHECKPOINTS = (
     "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric; "
     "4-bit pack-quantized W4A16, group or channel, symmetric or asymmetric)",
     "fp8 (per-tensor weight_scale or weight_block_size [128, 128] with weight_scale_inv)",
+    "gptq (4-bit, sym or asym, g_idx in group order)", "awq (4-bit GEMM with zero points)",
 )
 _STRATEGIES = ("tensor", "channel", "group", "block")
 
@@ -50,6 +53,7 @@ class WeightScheme:
     dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only)
     static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
     symmetric: bool = True  # int4: False when the checkpoint carries zero points
+    int4_layout: str = ""  # int4 checkpoint tensors: "compressed-tensors", "gptq", "gptq_v2", "awq"; "" online
 
     @property
     def quantized_activations(self) -> bool:
@@ -81,7 +85,7 @@ class WeightScheme:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # "fp8" | "int8" | "int4": what --quantization would be called for this scheme
-    source: str  # "online" | "compressed-tensors" | "fp8"
+    source: str  # "online" | "compressed-tensors" | "fp8" | "gptq" | "awq"
     weights: WeightScheme
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
     kv_cache_fp8: bool = False  # the checkpoint's scheme quantizes the KV cache to FP8
@@ -142,6 +146,8 @@ def parse_checkpoint_config(qc: dict[str, Any]) -> QuantConfig:
         return _compressed_tensors(qc)
     if method == "fp8":
         return _fp8_checkpoint(qc)
+    if method in ("gptq", "awq"):
+        return _gptq_awq(qc, method)
     raise QuantizationError(
         f"quantization_config quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED_CHECKPOINTS)}"
     )
@@ -258,5 +264,38 @@ def _compressed_tensors_w4a16(qc: dict[str, Any], group: dict[str, Any], w: dict
         raise QuantizationError(f"compressed-tensors group strategy needs a positive group_size, got {size!r}")
     # channel: one group spanning K (the method takes K from the layer)
     weights = WeightScheme("int4", strategy, group_size=size if strategy == "group" else None, packed=True,
-                           symmetric=bool(w.get("symmetric", True)))
+                           symmetric=bool(w.get("symmetric", True)), int4_layout="compressed-tensors")
     return QuantConfig(method="int4", source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()))
+
+
+def _gptq_awq(qc: dict[str, Any], method: str) -> QuantConfig:
+    """GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ GEMM) 4-bit checkpoints, mapped onto the
+    int4 method's affine groups: `qweight` int32 (GPTQ: (K / 8, N), eight rows of K per value;
+    AWQ: (K, N / 8), eight columns in the order 0 2 4 6 1 3 5 7), `qzeros` (G, N / 8) int32 in
+    the same column order, `scales` (G, N); GPTQ's zeros are stored minus one (checkpoint_format
+    "gptq"; "gptq_v2" stores them as they are) and its `g_idx` (K,) must be plain group order."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise QuantizationError(f"{method} checkpoints of {bits} bits are not supported; only 4-bit")
+    size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(size, int) or size == 0 or size < -1:
+        raise QuantizationError(f"{method} group_size {size!r} is not supported; a positive size, or -1 (per channel)")
+    strategy = "channel" if size == -1 else "group"
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise QuantizationError(f"gptq checkpoint_format {fmt!r} is not supported; gptq or gptq_v2")
+        # desc_act (act-order) checkpoints are read when their g_idx is plain group order (the
+        # loader checks it, naming desc_act); a permuted g_idx is refused there.
+        symmetric, layout = bool(qc.get("sym", True)), fmt
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(f"awq version {version!r} is not supported; only gemm (AutoAWQ's default packing)")
+        if not qc.get("zero_point", True):
+            raise QuantizationError("awq zero_point false is not supported; only AutoAWQ's default (zero points)")
+        symmetric, layout = False, "awq"
+    weights = WeightScheme("int4", strategy, group_size=size if strategy == "group" else None, symmetric=symmetric,
+                           int4_layout=layout)
+    ignore = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
+    return QuantConfig(method="int4", source=method, weights=weights, ignore=ignore)

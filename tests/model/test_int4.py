@@ -180,6 +180,47 @@ def test_w4a16_checkpoint_matches_hf_on_dequantized_weights(arch, fmt, tiny_chec
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)
 
 
+@pytest.mark.parametrize("fmt", ["gptq-sym", "gptq-asym", "awq"])
+@pytest.mark.parametrize("arch", list(W4_ARCHS))
+def test_gptq_and_awq_checkpoints_match_hf_on_dequantized_weights(arch, fmt, tiny_checkpoints, tmp_path) -> None:
+    family, overrides = W4_ARCHS[arch]
+    q = quantize_checkpoint(tiny_checkpoints(family, **overrides), tmp_path / "q", fmt, dequantized_dst=tmp_path / "deq")
+    llm = _llm(q)
+    layers = _int4_layers(llm)
+    assert len(layers) == 4 * llm.engine.hf_config["num_hidden_layers"]
+    assert all(m.method.layout == fmt.split("-")[0] and m.method.group_k == 32 for m in layers)
+    hf = load_hf(tmp_path / "deq")
+    for ids in PROMPTS:
+        torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)
+
+
+def test_gptq_act_order_g_idx_is_refused_by_name(tiny_checkpoints, tmp_path) -> None:
+    q = quantize_checkpoint(tiny_checkpoints("llama"), tmp_path / "q", "gptq-sym")
+    tensors = load_file(str(q / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()  # desc_act: columns in activation order
+    save_file(tensors, str(q / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="g_idx is not in plain group order .*desc_act"):
+        _llm(q)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(quant_method="gptq", bits=8), "gptq checkpoints of 8 bits are not supported"),
+    (dict(quant_method="gptq", bits=4, checkpoint_format="marlin"), "checkpoint_format 'marlin'"),
+    (dict(quant_method="awq", bits=4, version="gemv"), "awq version 'gemv'"),
+    (dict(quant_method="awq", bits=4, zero_point=False), "zero_point false"),
+])
+def test_gptq_awq_variants_are_refused_by_field(change, message) -> None:
+    with pytest.raises(QuantizationError, match=message):
+        parse_checkpoint_config({"group_size": 128, **change})
+    ok = parse_checkpoint_config({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False, "desc_act": True})
+    assert (ok.weights.strategy, ok.weights.symmetric, ok.weights.int4_layout) == ("channel", False, "gptq")
+
+
 def _w4_config(**weights) -> dict:
     w = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True, "actorder": None, **weights}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -212,3 +253,19 @@ def test_w4a16_with_g_idx_is_refused_by_name(tiny_checkpoints, tmp_path) -> None
     with pytest.raises(ValueError, match="weight_g_idx"):
         _llm(q)
     assert json.loads((q / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+
+
+def test_packings_read_as_their_producers_write() -> None:
+    """Written out by hand from each producer's packing loop, not with our packer: AutoAWQ's
+    GEMM puts column order_map[i] (0 2 4 6 1 3 5 7) in nibble i; AutoGPTQ puts row i of eight in
+    nibble i; compressed-tensors puts column i in nibble i, as the signed value + 8."""
+    from stoker.layers.int4_method import AWQ_NIBBLE_OF_COLUMN, unpack_int32_nibbles
+
+    values = list(range(1, 9))  # column (or row) j holds j + 1
+    awq = sum(values[o] << (4 * i) for i, o in enumerate((0, 2, 4, 6, 1, 3, 5, 7)))
+    awq_t = torch.tensor([[awq - 2**32 if awq >= 2**31 else awq]], dtype=torch.int32)
+    assert unpack_int32_nibbles(awq_t, 8, dim=1, where="t", order=AWQ_NIBBLE_OF_COLUMN).tolist() == [values]
+    plain = sum(v << (4 * i) for i, v in enumerate(values))
+    plain_t = torch.tensor([[plain - 2**32 if plain >= 2**31 else plain]], dtype=torch.int32)
+    assert unpack_int32_nibbles(plain_t, 8, dim=0, where="t").flatten().tolist() == values  # GPTQ qweight: rows
+    assert unpack_int32_nibbles(plain_t, 8, dim=1, where="t").tolist() == [values]  # compressed-tensors: columns
