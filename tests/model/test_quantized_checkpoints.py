@@ -114,8 +114,8 @@ def _edit(path, tmp_path, change) -> str:
 
 
 def test_unknown_quant_method_is_refused_with_what_is_supported(tiny_llama, tmp_path) -> None:
-    path = _edit(tiny_llama, tmp_path, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported; supported: compressed-tensors .*fp8"):
+    path = _edit(tiny_llama, tmp_path, lambda c: c.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported; supported: compressed-tensors .*fp8.*gptq.*awq"):
         LLM(path, device="cpu")
 
 
