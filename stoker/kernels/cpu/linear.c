@@ -138,6 +138,24 @@ static WIDEN_INLINE vf load_q4(const uint8_t *p, int j) {
 #endif
 }
 
+/* Vectors j and j + NV / 2 of a 4-bit panel row (j < NV / 2): bytes [j VL, (j + 1) VL) widened
+ * once, then their low and their high nibbles (half the widening shuffles of two load_q4). */
+static WIDEN_INLINE void load_q4_pair(const uint8_t *p, int j, vf *lo, vf *hi) {
+    const uint8_t *b = p + j * VL;
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+#elif defined(__AVX2__)
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    *lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    *hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+#else
+    *lo = load_q4(p, j);
+    *hi = load_q4(p, j + NV / 2);
+#endif
+}
+
 /* Weight vector at element index i of a panel of format fmt (a constant at every call site). */
 static inline vf load_w(const int fmt, const void *w, int64_t i) {
     if (fmt == W_I8) return load_i8((const int8_t *)w + i);
@@ -198,8 +216,13 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
             for (int64_t ofs = 0; ofs < row_bytes; ofs += 64) __builtin_prefetch(w + PREFETCH_ROWS * ldw * esize + ofs, 0, 3);
             if (k < num_ahead) __builtin_prefetch(ahead + 64 * k, 0, 3);
             vf b[NV];
-            if (fmt == W_I4)
-                for (int j = 0; j < nv; j++) b[j] = load_q4((const uint8_t *)w, j) * s[j] + o[j];
+            if (fmt == W_I4) /* whole panels only: nv == NV */
+                for (int j = 0; j < NV / 2; j++) {
+                    vf lo, hi;
+                    load_q4_pair((const uint8_t *)w, j, &lo, &hi);
+                    b[j] = lo * s[j] + o[j];
+                    b[j + NV / 2] = hi * s[j + NV / 2] + o[j + NV / 2];
+                }
             else
                 for (int j = 0; j < nv; j++) b[j] = fmt == W_F32 ? load_w(fmt, w, j * VL) : load_w(fmt, w, j * VL) * s[j];
             for (int m = 0; m < mr; m++) {
@@ -334,9 +357,13 @@ static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int6
             const float *s_row = sc + (k / group_k) * ldsc;
             if (fmt == W_I4) {
                 const float *o_row = off + (k / group_k) * ldsc;
-                for (int j = 0; j < NV; j++)
-                    store(buf + k * NR + j * VL,
-                          load_q4((const uint8_t *)w + k * ldw, j) * load(s_row + j * VL) + load(o_row + j * VL));
+                for (int j = 0; j < NV / 2; j++) {
+                    vf lo, hi;
+                    const int h = j + NV / 2;
+                    load_q4_pair((const uint8_t *)w + k * ldw, j, &lo, &hi);
+                    store(buf + k * NR + j * VL, lo * load(s_row + j * VL) + load(o_row + j * VL));
+                    store(buf + k * NR + h * VL, hi * load(s_row + h * VL) + load(o_row + h * VL));
+                }
             } else {
                 for (int j = 0; j < NV; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
             }
