@@ -1,6 +1,7 @@
 """Quantized weights and the FP8 KV cache on CPU (issue 13): float32, int8 and fp8 side by side.
 
     python benchmarks/quantized_cpu.py [--repeats 3] [--json out.json] [--skip-kernels] [--skip-decode]
+    python benchmarks/quantized_cpu.py --only-int4-decode [--repeats 5]     # part 5 alone
 
 Four parts, every peer measured in this process, interleaved per repeat, medians reported:
 1. Kernel: one projection of 4096 x 4096 at M = 1, 8, 32 rows, cycling through 24 such
@@ -14,6 +15,11 @@ Four parts, every peer measured in this process, interleaved per repeat, medians
 3. Offline throughput on the issue-2 workload (benchmarks/throughput_vs_hf.py's model and 64
    requests) for float32, int8 and fp8 weights.
 4. KV capacity: blocks for the same budget with --kv-cache-dtype auto and fp8.
+5. 4-bit (issue 34): batch-1 decode tokens/s of a ~0.4B Llama-shaped random model (hidden
+   1024, 28 layers, GQA 16/4, intermediate 2816, vocab 32000: 316M matmul + 66M embedding/LM
+   head parameters) with int4 weights in groups of 32 (a compressed-tensors W4A16 checkpoint
+   written from it, symmetric), int8 (--quantization int8) and float32, each loaded once,
+   interleaved per repeat. Part 1 also runs the 4-bit kernel (groups of 32).
 """
 
 from __future__ import annotations
@@ -40,12 +46,15 @@ from benchmarks.machine import cpu_model  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.kernels import reference  # noqa: E402
 from stoker.kernels.cpu import linear as cpu_linear  # noqa: E402
-from stoker.quantization import formats  # noqa: E402
+from stoker.quantization import formats, int4  # noqa: E402
+from stoker.testing.quantized_checkpoint import quantize_checkpoint  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 DECODE_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
                     num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024)
 WEIGHTS = ("float32", "int8", "fp8")
+INT4_DECODE_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=28, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
 
 
 # ---------------------------------------------------------------- 1. kernels
@@ -59,12 +68,17 @@ def bench_kernels(repeats: int) -> list[dict]:
     for dtype in ("int8", "fp8"):
         qs = [formats.quantize_rows(w, dtype) for w in weights]
         q8[dtype] = [(cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, q.dtype), q, s) for q, s in qs]
+    q4 = []
+    for w in weights:  # groups of 32, symmetric: (panels, scales, offsets)
+        q, sc, off = int4.quantize(w, 32, symmetric=True)
+        q4.append((cpu_linear.pack_q4_weight(q), cpu_linear.pack_scales(sc, torch.float32), cpu_linear.pack_scales(off, torch.float32)))
     del weights
     gc.collect()
     impls = {
         "float32 C": (lambda i, x: cpu_linear.linear(x, f32[i], n), 4),
         "int8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["int8"][i][0], q8["int8"][i][1], k, n), 1),
         "fp8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["fp8"][i][0], q8["fp8"][i][1], k, n), 1),
+        "int4 C, groups of 32": (lambda i, x: cpu_linear.linear_q4(x, q4[i][0], q4[i][1], q4[i][2], 32, n), 0.5),
         "int8 torch _weight_int8pack_mm": (lambda i, x: torch.ops.aten._weight_int8pack_mm(x, q8["int8"][i][2], q8["int8"][i][3].view(-1)), 1),
         "int8 twin (dequantize per call)": (lambda i, x: reference.w8_linear(x, q8["int8"][i][2], q8["int8"][i][3], k), 1),
     }
@@ -136,6 +150,26 @@ def bench_decode(repeats: int, tmp: Path) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- 5. int4 decode, ~0.4B model
+def bench_int4_decode(repeats: int, tmp: Path) -> dict:
+    path = make_tiny_checkpoint(tmp / "int4", "llama", **INT4_DECODE_MODEL)
+    w4 = quantize_checkpoint(path, tmp / "int4-w4a16-g32", "ct-w4a16-group")  # groups of 32, symmetric
+    configs = {"float32": (path, None), "int8": (path, "int8"), "int4 (W4A16, groups of 32)": (w4, None)}
+    llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q)
+            for name, (p, q) in configs.items()}
+    held = {name: llm.engine.executor.driver_runner.weight_bytes_held() for name, llm in llms.items()}
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(repeats):
+        for name, llm in llms.items():
+            times[name].append(decode_steps(llm, 1, input_len=64, steps=32))
+    rows = []
+    for name, t in times.items():
+        sec = statistics.median(t)
+        rows.append({"weights": name, "tokens_per_s": 1 / sec, "step_ms": sec * 1e3, "weight_MB_held": held[name] / 1e6,
+                     "per_repeat_tokens_per_s": [round(1 / x, 2) for x in t]})
+    return {"model": INT4_DECODE_MODEL, "rows": rows}
+
+
 # ---------------------------------------------------------------- 3. offline throughput
 def bench_offline(repeats: int, tmp: Path) -> list[dict]:
     path = make_tiny_checkpoint(tmp / "issue2", "llama", **ISSUE2_MODEL)
@@ -175,12 +209,23 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--only-int4-decode", action="store_true", help="part 5 alone")
     args = ap.parse_args()
     out: dict = {"machine": f"{cpu_model()}, ISA build {cpu_linear.target()}, {torch.get_num_threads()} threads",
                  "torch": torch.__version__, "repeats": args.repeats}
     print(f"# {out['machine']}; torch {torch.__version__}; medians of {args.repeats} interleaved repeats")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        if args.only_int4_decode:
+            out["int4_decode"] = bench_int4_decode(args.repeats, tmp)
+            base = out["int4_decode"]["rows"][0]["tokens_per_s"]
+            print("\n## 5. batch-1 decode, ~0.4B Llama\n\n| weights | tokens/s | vs float32 | step ms | weight MB held | per repeat |\n|---|---|---|---|---|---|")
+            for r in out["int4_decode"]["rows"]:
+                print(f"| {r['weights']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['step_ms']:.1f} | "
+                      f"{r['weight_MB_held']:.0f} | {r['per_repeat_tokens_per_s']} |")
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=2))
+            return
         if not args.skip_kernels:
             out["kernels"] = bench_kernels(args.repeats)
             print("\n## 1. one 4096 x 4096 projection (24 weights cycled)\n\n| M | implementation | ms | weight GB/s |\n|---|---|---|---|")

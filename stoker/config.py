@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization (vLLM's flag): weights quantized at load; pre-quantized checkpoints say so themselves.
-QUANTIZATION_METHODS = ("fp8", "int8")
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 # --kv-cache-dtype: "auto" keeps the model dtype; "fp8" is E4M3 (vLLM's "fp8" and "fp8_e4m3").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DEVICES = ("auto", "cpu", "cuda")

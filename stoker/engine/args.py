@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="ranks per replica (GPUs, or CPU processes): the weights and KV cache are sharded across them")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, per-layer scales from the checkpoint, else 1.0)")
-    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8"],
-                   help="quantize the weights at load, one scale per output channel (a pre-quantized checkpoint needs no flag)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
+                   help="quantize the weights at load: fp8/int8 one scale per output channel, int4 (Stoker's own) "
+                        "symmetric 4-bit with one scale per group of 128 columns (a pre-quantized checkpoint needs no flag)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (docs/spec_decode.md)')

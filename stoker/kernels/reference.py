@@ -479,3 +479,45 @@ def fused_moe_grouped(
     for j in range(1, k):
         out += per_choice[:, j].float()
     return out.to(x.dtype)
+
+
+def dequantize_panels_q4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_k: int) -> torch.Tensor:
+    """(P, K, NR / 2) uint8 nibble panels (kernels/cpu/linear.pack_q4_weight) and (G, P * NR)
+    scales and offsets -> the (P, K, NR) float32 panels: w = q * s, rounded, + o, rounded, as
+    linear.c computes it (byte j: column j in the low nibble, column j + NR / 2 in the high)."""
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()  # (P, K, NR)
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], num_panels, nr).permute(1, 0, 2).repeat_interleave(group_k, dim=1)[:, :k]
+
+    return q * per_column(scales) + per_column(offsets)
+
+
+def linear_packed_q4(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8
+    scales: torch.Tensor,  # (G, P * NR) float32
+    offsets: torch.Tensor,  # (G, P * NR) float32
+    group_k: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:
+    """Twin of kernels/cpu/linear.linear_q4: dequantize the nibble panels, then linear_packed."""
+    return linear_packed(x, dequantize_panels_q4(packed, scales, offsets, group_k), out_features, bias, silu_and_mul)
+
+
+def int4_linear(
+    x: torch.Tensor,  # (..., K)
+    q: torch.Tensor,  # (N, K) uint8 codes in [0, 15]
+    scale: torch.Tensor,  # (N, G) float32
+    offset: torch.Tensor,  # (N, G) float32
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """W4A16 where no kernel serves the device: dequantize as quantization/int4.dequantize
+    does (q * s, rounded, + o, rounded; one layer per call), cast to x's dtype, F.linear."""
+    w = q.float() * scale.float().repeat_interleave(group_k, dim=1) + offset.float().repeat_interleave(group_k, dim=1)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -8,7 +8,9 @@ projection, before its parameters exist:
   * a MoE router (float32 whatever the model dtype) and Qwen2-MoE's shared_expert_gate: float,
     never quantized;
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
-    with its backend (stoker/layers/quantized_method.py lists them);
+    with its backend (stoker/layers/quantized_method.py lists them), or for 4-bit weights
+    Int4LinearMethod (stoker/layers/int4_method.py: the C kernels' nibble panels on CPU float32,
+    dequantized in torch elsewhere);
   * float projections: the C kernels' packed panels on CPU float32 when they are built
     (PackedCpuMethod, with SiLU-and-mul fused into a SiLU-gated [gate; up] layer),
     MKL's column-major layout on CPU without them, F.linear otherwise.
@@ -97,6 +99,11 @@ class LinearMethodChooser:
                     f"the quantization config ignores {[n for n, i in zip(names, ignored) if i]} but not "
                     f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"
                 )
+            if not all(ignored) and self.quant.weights.dtype == "int4":
+                from stoker.layers.int4_method import Int4LinearMethod
+
+                backend = "cpu_q4" if self.cpu_kernels else "dequant"
+                return Int4LinearMethod(self.quant.weights, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
             if not all(ignored):
                 from stoker.layers.quantized_method import QuantizedLinearMethod
 
@@ -122,7 +129,7 @@ class LinearMethodChooser:
         """A SiLU-gated [gate; up] layer, on a CPU kernel that can fuse it."""
         from stoker.kernels.cpu import linear as cpu_linear
 
-        if backend not in ("cpu", "cpu_q8") or not isinstance(layer, GateUpLinear) or not layer.is_silu:
+        if backend not in ("cpu", "cpu_q8", "cpu_q4") or not isinstance(layer, GateUpLinear) or not layer.is_silu:
             return False
         return cpu_linear.gate_up_fusable(layer.out_features // 2)
 
@@ -138,6 +145,9 @@ class LinearMethodChooser:
         # the Triton kernel applies hidden_act itself and adds no expert biases (gpt-oss has both)
         triton_moe = (self.device.type == "cuda" and ops.triton_available() and not ops.triton_disabled()
                       and not layer.custom_activation and not layer.has_bias)
+        if self.quant is not None and self.quant.weights.dtype == "int4" and self._experts_quantized(name, layer):
+            raise QuantizationError(f"int4 Mixture-of-Experts experts ({name}) are not supported yet; "
+                                    "quantize this model with --quantization int8 or fp8, or run it unquantized")
         if self.quant is not None and self.quant.experts_only:
             method = self._mxfp4(name, layer)
         elif self.quant is not None and self._experts_quantized(name, layer):

@@ -3,16 +3,21 @@
 Two sources, one result (`QuantConfig`):
   * online: `--quantization fp8|int8` (vLLM's flag) on a float checkpoint: every decoder-layer
     projection is quantized at load, symmetric, one scale per output channel; embeddings and the
-    LM head stay in the model dtype.
+    LM head stay in the model dtype. `--quantization int4` is Stoker's own (vLLM has no online
+    4-bit flag): symmetric 4-bit, round-to-nearest, one scale per group of 128 columns.
   * a pre-quantized checkpoint, from config.json's `quantization_config`:
       - compressed-tensors (what llm-compressor writes), formats "float-quantized" (FP8 E4M3),
         "int-quantized" (int8) and "pack-quantized" (int8 packed four to an int32), weight
         strategies tensor / channel / group / block, symmetric; the `ignore` list; a
-        `kv_cache_scheme` (FP8 KV with per-layer k/v scales);
+        `kv_cache_scheme` (FP8 KV with per-layer k/v scales); and 4-bit "pack-quantized"
+        (W4A16: eight values to an int32, group or channel scales, symmetric or with packed
+        zero points; `_compressed_tensors_w4a16`);
       - `"quant_method": "fp8"` (vLLM / Qwen3-FP8 / DeepSeek): FP8 weights with a per-tensor
         `weight_scale`, or `weight_block_size` [128, 128] blocks with `weight_scale_inv`;
       - `"quant_method": "mxfp4"` (gpt-oss): the MoE experts as MXFP4 `*_blocks` / `*_scales`
         (layers/moe_mxfp4.py), everything else in the model dtype.
+      - `"quant_method": "gptq"` / `"awq"` 4-bit (`_gptq_awq`): `qweight`, `qzeros`, `scales`
+        (and GPTQ's `g_idx`, which must be the plain group order).
 Anything else is refused here, naming what it found and listing what is supported, before a
 single tensor is read.
 """
@@ -23,14 +28,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-ONLINE_METHODS = ("fp8", "int8")
+ONLINE_METHODS = ("fp8", "int8", "int4")
+INT4_ONLINE_GROUP_SIZE = 128  # --quantization int4's group of columns per scale
 SUPPORTED_CHECKPOINTS = (
-    "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric)",
+    "compressed-tensors (float-quantized, int-quantized, pack-quantized; 8-bit, symmetric; "
+    "4-bit pack-quantized W4A16, group or channel, symmetric or asymmetric)",
     "fp8 (per-tensor weight_scale or weight_block_size [128, 128] with weight_scale_inv)",
     "mxfp4 (gpt-oss: Mixture-of-Experts experts as *_blocks / *_scales)",
+    "gptq (4-bit, sym or asym, g_idx in group order)", "awq (4-bit GEMM with zero points)",
 )
 _STRATEGIES = ("tensor", "channel", "group", "block")
-WEIGHT_DTYPES = ("fp8", "int8", "mxfp4")  # mxfp4: E2M1 values, an E8M0 scale per group of 32 (experts only)
+WEIGHT_DTYPES = ("fp8", "int8", "int4", "mxfp4")  # mxfp4: E2M1 values, an E8M0 scale per group of 32 (experts only)
 
 
 class QuantizationError(ValueError):
@@ -41,13 +49,15 @@ class QuantizationError(ValueError):
 class WeightScheme:
     """How one projection's weight is stored. Scales are per output channel and group of K."""
 
-    dtype: str  # "fp8" (E4M3) | "int8"
+    dtype: str  # "fp8" (E4M3) | "int8" | "int4" (affine groups: quantization/int4.py)
     strategy: str  # "tensor" | "channel" | "group" | "block"
     group_size: int | None = None  # group: columns of K per scale
     block: tuple[int, int] | None = None  # block: (rows of N, columns of K) per scale
     packed: bool = False  # int8 values packed four to an int32 (compressed-tensors pack-quantized)
     dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only)
     static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
+    symmetric: bool = True  # int4: False when the checkpoint carries zero points
+    int4_layout: str = ""  # int4 checkpoint tensors: "compressed-tensors", "gptq", "gptq_v2", "awq"; "" online
 
     @property
     def quantized_activations(self) -> bool:
@@ -57,6 +67,8 @@ class WeightScheme:
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
             raise QuantizationError(f"weight dtype {self.dtype!r}: supported are {', '.join(WEIGHT_DTYPES)}")
+        if self.dtype == "int4" and self.strategy not in ("group", "channel"):
+            raise QuantizationError(f"int4 weights have scales per group or channel (one group of K), not {self.strategy!r}")
         if self.strategy not in _STRATEGIES:
             raise QuantizationError(f"weight strategy {self.strategy!r}: supported are {', '.join(_STRATEGIES)}")
         if self.strategy == "group" and not (self.group_size and self.group_size > 0):
@@ -76,8 +88,8 @@ class WeightScheme:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "fp8" | "int8": what --quantization would be called for this scheme
-    source: str  # "online" | "compressed-tensors" | "fp8"
+    method: str  # "fp8" | "int8" | "int4": what --quantization would be called for this scheme
+    source: str  # "online" | "compressed-tensors" | "fp8" | "gptq" | "awq"
     weights: WeightScheme
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
     kv_cache_fp8: bool = False  # the checkpoint's scheme quantizes the KV cache to FP8
@@ -122,6 +134,9 @@ class QuantConfig:
 def online_config(method: str) -> QuantConfig:
     if method not in ONLINE_METHODS:
         raise QuantizationError(f"--quantization {method!r} is not supported; choose one of: {', '.join(ONLINE_METHODS)}")
+    if method == "int4":  # W4A16, round-to-nearest, symmetric (offset = -8 x scale)
+        weights = WeightScheme("int4", "group", group_size=INT4_ONLINE_GROUP_SIZE)
+        return QuantConfig(method="int4", source="online", weights=weights, ignore=("lm_head",))
     # Online FP8 is W8A8 with per-token activation scales where FP8 matrix units exist (as
     # vLLM's); online INT8 is weight-only.
     weights = WeightScheme(dtype=method, strategy="channel", dynamic_activations=method == "fp8")
@@ -153,6 +168,8 @@ def parse_checkpoint_config(qc: dict[str, Any]) -> QuantConfig:
         return _fp8_checkpoint(qc)
     if method == "mxfp4":
         return _mxfp4_checkpoint(qc)
+    if method in ("gptq", "awq"):
+        return _gptq_awq(qc, method)
     raise QuantizationError(
         f"quantization_config quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED_CHECKPOINTS)}"
     )
@@ -192,6 +209,8 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if not isinstance(w, dict):
         raise QuantizationError("compressed-tensors config group has no 'weights' scheme (weight quantization is required)")
     num_bits, wtype = w.get("num_bits"), w.get("type", "int")
+    if num_bits == 4 and wtype == "int":
+        return _compressed_tensors_w4a16(qc, group, w, fmt)
     if num_bits != 8:
         raise QuantizationError(f"compressed-tensors weights of {num_bits} bits are not supported; only 8-bit (fp8 or int8)")
     if not w.get("symmetric", True):
@@ -259,3 +278,65 @@ def _mxfp4_checkpoint(qc: dict[str, Any]) -> QuantConfig:
         raise QuantizationError(f"mxfp4 modules_to_not_convert must be a list, got {ignore!r}")
     weights = WeightScheme("mxfp4", "group", group_size=32)
     return QuantConfig(method="mxfp4", source="mxfp4", weights=weights, ignore=tuple(ignore))
+
+
+def _compressed_tensors_w4a16(qc: dict[str, Any], group: dict[str, Any], w: dict[str, Any], fmt: Any) -> QuantConfig:
+    """compressed-tensors 4-bit integer weights (llm-compressor's W4A16): format
+    "pack-quantized" (eight 4-bit values to an int32 `weight_packed`, `weight_scale` per group
+    or channel, `weight_zero_point` packed eight rows to an int32 when asymmetric), activations
+    in the model dtype. Mapped onto the int4 method's affine groups (a channel is one group of K)."""
+    if fmt != "pack-quantized":
+        raise QuantizationError(f"compressed-tensors format {fmt!r} for 4-bit int weights is not supported; only pack-quantized")
+    strategy = w.get("strategy", "tensor")
+    if strategy not in ("group", "channel"):
+        raise QuantizationError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported; group or channel")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        raise QuantizationError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported (its weight_g_idx "
+                                "permutes the groups); none, static or weight")
+    if group.get("input_activations"):
+        raise QuantizationError("compressed-tensors 4-bit weights with quantized input_activations (W4A8) are not "
+                                "supported; only W4A16 (no input_activations)")
+    if group.get("output_activations"):
+        raise QuantizationError("compressed-tensors output_activations quantization is not supported")
+    if qc.get("kv_cache_scheme"):
+        raise QuantizationError("compressed-tensors kv_cache_scheme with 4-bit weights is not supported")
+    size = w.get("group_size")
+    if strategy == "group" and not (isinstance(size, int) and size > 0):
+        raise QuantizationError(f"compressed-tensors group strategy needs a positive group_size, got {size!r}")
+    # channel: one group spanning K (the method takes K from the layer)
+    weights = WeightScheme("int4", strategy, group_size=size if strategy == "group" else None, packed=True,
+                           symmetric=bool(w.get("symmetric", True)), int4_layout="compressed-tensors")
+    return QuantConfig(method="int4", source="compressed-tensors", weights=weights, ignore=tuple(qc.get("ignore") or ()))
+
+
+def _gptq_awq(qc: dict[str, Any], method: str) -> QuantConfig:
+    """GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ GEMM) 4-bit checkpoints, mapped onto the
+    int4 method's affine groups: `qweight` int32 (GPTQ: (K / 8, N), eight rows of K per value;
+    AWQ: (K, N / 8), eight columns in the order 0 2 4 6 1 3 5 7), `qzeros` (G, N / 8) int32 in
+    the same column order, `scales` (G, N); GPTQ's zeros are stored minus one (checkpoint_format
+    "gptq"; "gptq_v2" stores them as they are) and its `g_idx` (K,) must be plain group order."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise QuantizationError(f"{method} checkpoints of {bits} bits are not supported; only 4-bit")
+    size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(size, int) or size == 0 or size < -1:
+        raise QuantizationError(f"{method} group_size {size!r} is not supported; a positive size, or -1 (per channel)")
+    strategy = "channel" if size == -1 else "group"
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise QuantizationError(f"gptq checkpoint_format {fmt!r} is not supported; gptq or gptq_v2")
+        # desc_act (act-order) checkpoints are read when their g_idx is plain group order (the
+        # loader checks it, naming desc_act); a permuted g_idx is refused there.
+        symmetric, layout = bool(qc.get("sym", True)), fmt
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(f"awq version {version!r} is not supported; only gemm (AutoAWQ's default packing)")
+        if not qc.get("zero_point", True):
+            raise QuantizationError("awq zero_point false is not supported; only AutoAWQ's default (zero points)")
+        symmetric, layout = False, "awq"
+    weights = WeightScheme("int4", strategy, group_size=size if strategy == "group" else None, symmetric=symmetric,
+                           int4_layout=layout)
+    ignore = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
+    return QuantConfig(method="int4", source=method, weights=weights, ignore=ignore)

@@ -170,8 +170,9 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
                      mem.total_bytes / GiB, cost, bound, kv.tokens, seqs)
 
 
-# The weight dtypes Stoker's engine serves (--quantization fp8|int8, or float): a plan prints the
-# `stoker serve` command that runs it, so int4 (W4A16, not served yet) is only searched when asked.
+# The weight dtypes Stoker's engine serves well on GPUs (--quantization fp8|int8, or float): a plan
+# prints the `stoker serve` command that runs it, so int4 (served, but dequantized per call on
+# GPUs: no W4A16 GPU kernel yet) is only searched when asked.
 SERVABLE_WEIGHT_DTYPES = ("bf16", "fp8", "int8")
 # A MoE model runs its experts unquantized: `--quantization fp8|int8` on one is refused when the
 # model is built (docs/moe.md, "Refused, by name"), so a MoE plan searches bf16 unless told otherwise.
@@ -244,7 +245,7 @@ def _pick_reason(reasons: list[str]) -> str | None:
 
 
 # Weight dtypes the engine runs (`--quantization`), and the flag each needs.
-_ENGINE_QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8"}
+_ENGINE_QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "int4"}
 
 
 def serve_command(model: str, c: Candidate) -> str:
@@ -269,6 +270,11 @@ def serve_command(model: str, c: Candidate) -> str:
         notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
     elif _ENGINE_QUANTIZATION[c.weight_dtype]:
         parts.append(f"--quantization {_ENGINE_QUANTIZATION[c.weight_dtype]}")
+        if c.weight_dtype == "int4":
+            # Stoker's int4 runs the C nibble kernel on CPU; on a GPU it dequantizes per call
+            # (no W4A16 GPU kernel yet), slower than the plan's W4A16 pricing assumes.
+            notes.append("int4: Stoker dequantizes 4-bit weights per call on GPUs (no W4A16 GPU kernel yet); "
+                         "the price assumes one; quality: docs/quantization.md, 4-bit weights")
     if c.kv_dtype == "fp8":
         parts.append("--kv-cache-dtype fp8")
     parts.append(f"--max-num-seqs {c.max_batch}")

@@ -126,7 +126,11 @@ class ModelRunner:
         quantized = self.quant is not None and not self.quant.experts_only
         projections = self.quant.method if quantized else rest
         spec = spec_from_config(self.hf_config)
-        predicted = spec.weight_bytes(projections, rest_dtype=rest)
+        if quantized and self.quant.weights.dtype == "int4":  # float32 scale and offset per group
+            group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
+            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest)
+        else:
+            predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
         tp = self.tp.world_size
         by = f"{_size(held)} held by rank {self.tp.rank} of {tp}" if tp > 1 else f"{_size(held)} held"

@@ -13,6 +13,17 @@ float checkpoint `src` (`model.layers.*.*_proj.weight`, and Mixtral's experts' `
   fp8-block              "quant_method": "fp8", weight_block_size [128, 128], weight_scale_inv
                          (ceil(N / 128), ceil(K / 128)) (Qwen3-FP8, DeepSeek)
   fp8-tensor             "quant_method": "fp8", static activations: weight_scale () and input_scale ()
+  ct-w4a16-group         compressed-tensors pack-quantized 4-bit (llm-compressor's W4A16), symmetric,
+                         groups of 32: weight_packed (N, K / 8) int32 (value i of each int32 in bits
+                         4i.., stored as q + 8), weight_shape, weight_scale (N, K / 32)
+  ct-w4a16-asym-group    ... asymmetric: weight_zero_point (ceil(N / 8), K / 32) int32, zero points
+                         (signed, + 8) packed eight rows to an int32
+  gptq-sym / gptq-asym   "quant_method": "gptq" 4-bit, groups of 32 (AutoGPTQ): qweight (K / 8, N)
+                         int32, eight rows of K per value; qzeros (K / 32, N / 8) int32 holding
+                         zero - 1; scales (K / 32, N) float16; g_idx (K,) in group order
+  awq                    "quant_method": "awq" GEMM, groups of 32 (AutoAWQ): qweight (K, N / 8), eight
+                         columns per value in the order 0 2 4 6 1 3 5 7; qzeros (K / 32, N / 8) the
+                         same way; scales (K / 32, N) float16
 
 It also writes `dequantized_dst` (when given): the same model with each weight replaced by the
 float weight its quantized form stands for, which HF transformers loads as the reference.
@@ -33,13 +44,15 @@ from safetensors.torch import load_file, save_file
 
 from stoker.quantization import formats
 
-FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-channel-static", "ct-int8-channel", "ct-int8-pack-group", "fp8-block", "fp8-tensor")
+FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-channel-static", "ct-int8-channel", "ct-int8-pack-group", "fp8-block",
+           "fp8-tensor", "ct-w4a16-group", "ct-w4a16-asym-group", "gptq-sym", "gptq-asym", "awq")
 # decoder projections, Mixture-of-Experts experts included (Mixtral's are experts.{e}.w1/w2/w3)
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")
 
 
-def _ct_config(wtype: str, strategy: str, fmt: str, group_size: int | None, acts: dict | None, kv: bool, ignore: list[str]) -> dict[str, Any]:
-    weights = {"num_bits": 8, "type": wtype, "strategy": strategy, "symmetric": True, "dynamic": False,
+def _ct_config(wtype: str, strategy: str, fmt: str, group_size: int | None, acts: dict | None, kv: bool, ignore: list[str],
+               num_bits: int = 8, symmetric: bool = True) -> dict[str, Any]:
+    weights = {"num_bits": num_bits, "type": wtype, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
                "group_size": group_size, "observer": "minmax", "actorder": None, "block_structure": None}
     config = {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
@@ -82,6 +95,10 @@ def _quantize(w: torch.Tensor, fmt: str, gen: torch.Generator) -> tuple[dict[str
         tensors = {"weight_packed": formats.pack_int32(q), "weight_shape": torch.tensor([n, k], dtype=torch.int32),
                    "weight_scale": scale}
         return tensors, formats.dequantize(q, scale, group)
+    if fmt.startswith("ct-w4a16"):
+        return _quantize_w4a16(w, 32, symmetric="asym" not in fmt)
+    if fmt.startswith("gptq") or fmt == "awq":
+        return _quantize_gptq_awq(w, 32, fmt)
     if fmt == "fp8-block":
         b = 128
         nb, kb = -(-n // b), -(-k // b)
@@ -93,6 +110,56 @@ def _quantize(w: torch.Tensor, fmt: str, gen: torch.Generator) -> tuple[dict[str
         q = formats.quantize_with(w, per_element, "fp8")
         return {"weight": q, "weight_scale_inv": scale_inv}, q.float() * per_element
     raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
+
+
+def _quantize_w4a16(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """As llm-compressor's W4A16 (compressed-tensors' quantize, then pack_to_int32): signed codes
+    in [-8, 7], w ~ (q - zp) * scale per group; symmetric: scale = max |w| / 7.5 (half the
+    range), zp = 0; asymmetric: scale = (max - min) / 15, zp = round(-min / scale) - 8."""
+    from stoker.layers.int4_method import pack_int32_nibbles
+
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    if symmetric:
+        scale = groups.abs().amax(dim=2).clamp(min=1e-8) / 7.5
+        zp = torch.zeros_like(scale)
+    else:
+        lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        zp = (torch.round(-lo / scale) - 8).clamp(-8, 7)
+    q = (torch.round(groups / scale.unsqueeze(2)) + zp.unsqueeze(2)).clamp(-8, 7).reshape(n, k)
+    dequantized = ((q.reshape(n, -1, group) - zp.unsqueeze(2)) * scale.unsqueeze(2)).reshape(n, k)
+    tensors = {"weight_packed": pack_int32_nibbles((q + 8).to(torch.uint8), dim=1),
+               "weight_shape": torch.tensor([n, k], dtype=torch.int64), "weight_scale": scale.to(w.dtype)}
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_int32_nibbles((zp + 8).to(torch.uint8), dim=0)
+    return tensors, dequantized
+
+
+def _quantize_gptq_awq(w: torch.Tensor, group: int, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Round-to-nearest into AutoGPTQ's / AutoAWQ's tensors: unsigned codes q in [0, 15], zero z
+    and float16 scale s per group, w ~ (q - z) * s (symmetric GPTQ: z = 8)."""
+    from stoker.layers.int4_method import AWQ_NIBBLE_OF_COLUMN, pack_int32_nibbles
+
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    if fmt == "gptq-sym":
+        scale = (groups.abs().amax(dim=2).clamp(min=1e-8) / 7.5).half().float()
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+        # AutoGPTQ's format stores zero - 1 in 4 bits: a zero of 0 cannot be written (it wraps)
+        zero = torch.round(-lo / scale).clamp(1 if fmt.startswith("gptq") else 0, 15)
+    q = (torch.round(groups / scale.unsqueeze(2)) + zero.unsqueeze(2)).clamp(0, 15)
+    dequantized = ((q - zero.unsqueeze(2)) * scale.unsqueeze(2)).reshape(n, k)
+    codes = q.reshape(n, k).to(torch.uint8)
+    scales = scale.t().contiguous().half()  # (G, N)
+    if fmt == "awq":
+        return {"qweight": pack_int32_nibbles(codes.t(), 1, AWQ_NIBBLE_OF_COLUMN),
+                "qzeros": pack_int32_nibbles(zero.t().to(torch.uint8), 1, AWQ_NIBBLE_OF_COLUMN), "scales": scales}, dequantized
+    return {"qweight": pack_int32_nibbles(codes.t(), 0), "qzeros": pack_int32_nibbles((zero.t() - 1).to(torch.uint8), 1),
+            "scales": scales, "g_idx": (torch.arange(k) // group).to(torch.int32)}, dequantized
 
 
 def quantize_checkpoint(
@@ -117,7 +184,16 @@ def quantize_checkpoint(
             quantized[name] = t
             dequantized[name] = t
     config = json.loads((src / "config.json").read_text())
-    if fmt.startswith("ct-"):
+    if fmt.startswith("gptq"):
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": fmt == "gptq-sym",
+                                         "desc_act": False, "damp_percent": 0.01, "true_sequential": True}
+    elif fmt == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                         "version": "gemm", "modules_to_not_convert": None}
+    elif fmt.startswith("ct-w4a16"):
+        config["quantization_config"] = _ct_config("int", "group", "pack-quantized", 32, None, False, list(ignore),
+                                                   num_bits=4, symmetric="asym" not in fmt)
+    elif fmt.startswith("ct-"):
         wtype = "int" if "int8" in fmt else "float"
         strategy = "group" if "group" in fmt else "tensor" if fmt == "ct-fp8-tensor" else "channel"
         fmt_name = "pack-quantized" if "pack" in fmt else "int-quantized" if wtype == "int" else "float-quantized"

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/kernels/test_cpu_linear.py",
     "tests/kernels/test_cpu_linear_q8.py",
+    "tests/kernels/test_cpu_linear_q4.py",
     "tests/kernels/test_kv_fp8.py",
     "tests/kernels/test_cpu_paged_decode_attention.py",
     "tests/kernels/test_cpu_prefill_attention.py",
@@ -98,6 +99,14 @@ for dtype in (torch.int8, torch.float8_e4m3fn):
     s = torch.rand(300, 2, generator=gen) * 0.01
     for rows in (1, 37):  # widened in registers, and the dequantized-panel path
         q8[str(dtype), rows] = cpu_linear.linear_q8(x[:rows], cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, dtype), 128, 300)
+from stoker.quantization import int4
+q4 = {}
+for group in (32, 100):  # whole panels in registers and the partial last panel (300 = 4 x 64 + 44)
+    w4 = w if group == 100 else w[:, :192]
+    q, s4, o4 = int4.quantize(w4, group, symmetric=group == 32)
+    args = (cpu_linear.pack_q4_weight(q), cpu_linear.pack_scales(s4, torch.float32), cpu_linear.pack_scales(o4, torch.float32))
+    for rows in (1, 37):
+        q4[group, rows] = cpu_linear.linear_q4(x[:rows, : w4.shape[1]].contiguous(), *args, group, 300)
 from stoker.kernels.cpu import moe as cpu_moe
 moe = {}
 for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and unfused with odd I
@@ -105,7 +114,7 @@ for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and 
     xm, ids = torch.randn(21, 72, generator=gen), torch.randn(21, 8, generator=gen).topk(3).indices
     p13, p2 = cpu_moe.pack_experts(w13, w2, inter == 64)
     moe[inter] = cpu_moe.fused_moe(xm, p13, p2, torch.rand(21, 3, generator=gen), ids, inter, inter == 64)
-torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8, "moe": moe}, sys.argv[1])
+torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8, "q4": q4, "moe": moe}, sys.argv[1])
 """
 
 
@@ -129,6 +138,8 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(outs[isa]["linear"], outs[fma[0]]["linear"]), f"{isa} and {fma[0]} builds differ"
         for key, y in outs[isa]["q8"].items():  # int8 / FP8 panels: exact widening in every build
             assert torch.equal(y, outs[fma[0]]["q8"][key]), f"{isa} and {fma[0]} builds differ on {key}"
+        for key, y in outs[isa]["q4"].items():  # 4-bit: w = q * s + o made with the same two roundings
+            assert torch.equal(y, outs[fma[0]]["q4"][key]), f"{isa} and {fma[0]} builds differ on int4 {key}"
         # SiLU's exp comes from glibc's vector math library, whose AVX2 and AVX-512 variants
         # may round differently: close, not necessarily equal.
         torch.testing.assert_close(outs[isa]["silu"], outs[fma[0]]["silu"], rtol=1e-6, atol=1e-6)
@@ -140,5 +151,7 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
     for out in outs.values():
         torch.testing.assert_close(out["linear"], outs["native"]["linear"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["silu"], outs["native"]["silu"], rtol=1e-5, atol=1e-5)
+        for key, y in out["q4"].items():  # SSE2: mul + add in the sum (the weights are the same bits)
+            torch.testing.assert_close(y, outs["native"]["q4"][key], rtol=1e-5, atol=1e-5)
         for inter, y in out["moe"].items():
             torch.testing.assert_close(y, outs["native"]["moe"][inter], rtol=1e-5, atol=1e-5)

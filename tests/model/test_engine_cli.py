@@ -53,5 +53,8 @@ def test_generate_and_bench_with_quantized_weights_and_fp8_kv(tiny_llama, capsys
                  "--output-len", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["output_tokens"] == 16
     with pytest.raises(SystemExit) as exit_info:  # argparse's own refusal, naming the choices
-        main(["generate", *common, "--quantization", "int4", "--prompt", "x"])
-    assert exit_info.value.code == 2 and "invalid choice: 'int4' (choose from 'fp8', 'int8')" in capsys.readouterr().err
+        main(["generate", *common, "--quantization", "int3", "--prompt", "x"])
+    assert exit_info.value.code == 2 and "invalid choice: 'int3' (choose from 'fp8', 'int8', 'int4')" in capsys.readouterr().err
+    # int4 is a choice; this model's 64-column projections are not whole groups of 128: named
+    assert main(["generate", *common, "--quantization", "int4", "--prompt", "x"]) != 0
+    assert "qkv_proj: 64 input columns are not whole int4 groups of 128" in capsys.readouterr().err

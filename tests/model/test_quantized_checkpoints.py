@@ -114,15 +114,17 @@ def _edit(path, tmp_path, change) -> str:
 
 
 def test_unknown_quant_method_is_refused_with_what_is_supported(tiny_llama, tmp_path) -> None:
-    path = _edit(tiny_llama, tmp_path, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported; supported: compressed-tensors .*fp8"):
+    path = _edit(tiny_llama, tmp_path, lambda c: c.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported; supported: compressed-tensors .*fp8.*gptq.*awq"):
         LLM(path, device="cpu")
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda g: g["weights"].update(num_bits=4), "4 bits are not supported"),
+        (lambda g: g["weights"].update(num_bits=2), "2 bits are not supported"),
+        # 4-bit int weights are read only as pack-quantized (W4A16, tests/model/test_int4.py)
+        (lambda g: g["weights"].update(num_bits=4), "format 'int-quantized' for 4-bit int weights is not supported"),
         (lambda g: g["weights"].update(symmetric=False), "asymmetric"),
         (lambda g: g["weights"].update(strategy="token"), "strategy 'token'"),
         (lambda g: g.update(output_activations={"num_bits": 8}), "output_activations"),

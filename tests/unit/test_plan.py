@@ -84,11 +84,26 @@ def test_infeasible_target_reported_with_reasons() -> None:
 
 
 def test_int4_is_searched_only_when_asked() -> None:
-    """int4 (W4A16) is not served by stoker serve yet: a default plan never prints it."""
+    """int4 (W4A16) is served (--quantization int4) but dequantized per call on GPUs: a default
+    plan never prints it; asked for, its command carries the flag and says so."""
+    from stoker.roofline.planner import serve_command
+
     t = PlanTargets(target_tokens_per_s=2000, ttft_p50_ms=1000)
     assert all(c.weight_dtype != "int4" for c in plan("llama-3-70b", "H100", t).feasible)
     wide = plan("llama-3-70b", "H100", t, weight_dtypes=("bf16", "fp8", "int8", "int4"))
-    assert any(c.weight_dtype == "int4" for c in wide.feasible)
+    int4 = [c for c in wide.feasible if c.weight_dtype == "int4"]
+    assert int4
+    command = serve_command("llama-3-70b", int4[0])
+    assert "--quantization int4" in command and "no W4A16 GPU kernel" in command
+
+
+def test_engine_int4_bytes_count_float32_scale_and_offset_per_group() -> None:
+    spec = get_model_spec("llama-3-8b")
+    c = spec.param_counts()
+    quantized = c["attention"] + c["mlp"]
+    rest = c["embedding"] + c["lm_head"] + c["norms"]
+    assert spec.engine_int4_weight_bytes(128) == pytest.approx(quantized * (0.5 + 8 / 128) + rest * 2)
+    assert spec.engine_int4_weight_bytes(32) > spec.engine_int4_weight_bytes(128) > spec.weight_bytes("int4")
 
 
 

@@ -57,7 +57,8 @@ def test_ignore_patterns() -> None:
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported; supported: compressed-tensors"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported; supported: compressed-tensors"),
+    ({"quant_method": "gptq", "bits": 3}, "gptq checkpoints of 3 bits are not supported"),
     (ct({**FP8_CHANNEL, "num_bits": 4}), "4 bits are not supported"),
     (ct({**FP8_CHANNEL, "symmetric": False}), "asymmetric"),
     (ct({**FP8_CHANNEL, "type": "int"}), "format 'float-quantized' for int weights is not supported"),

@@ -196,6 +196,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_rotary_f32": ([p, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i32], i32),
         "stoker_linear_f32": ([p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], None),
         "stoker_linear_q8": ([p, i64, p, i64, i64, i32, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
+        "stoker_linear_q4": ([p, i64, p, i64, i64, p, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
         "stoker_linear_nr": ([], i32),
         "stoker_linear_vl": ([], i32),
         "stoker_cpu_target": ([], ctypes.c_char_p),

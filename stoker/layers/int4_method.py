@@ -1,0 +1,305 @@
+"""The 4-bit weight method (W4A16): affine int4 groups, activations in the model dtype.
+
+Representation (quantization/int4.py): w = q * scale + offset per output row and group of
+`group_k` columns. While loading, the parameters are
+
+    weight         (N, K / 2) uint8   two codes per byte, even k in the low nibble (int4.pack)
+    weight_scale   (N, G) float32
+    weight_offset  (N, G) float32     (a checkpoint with zero points holds them here until
+                                       process_after_loading turns them into -z * scale)
+
+Backends, chosen once at build (models/method_chooser.py):
+  cpu_q4   CPU float32 with the C kernels: nibble panels (linear.c, stoker_linear_q4), codes
+           widened and dequantized in registers: an eighth of float32's bytes per weight.
+  dequant  anything else: the twin, which dequantizes one layer per call
+           (reference.int4_linear).
+
+Sources: online (`--quantization int4`: each float checkpoint tensor is quantized as it is
+read, round-to-nearest, symmetric, this rank's part only), compressed-tensors pack-quantized
+W4A16 (`weight_packed` eight codes to an int32, `weight_scale`, `weight_shape`, and packed
+`weight_zero_point` when asymmetric), GPTQ and AWQ (`qweight`, `qzeros`, `scales`, GPTQ's
+`g_idx`; quantization/config._gptq_awq gives the layouts), and loaders that decode a format to
+the affine form themselves (GGUF): `load_affine`.
+
+Tensor parallelism cuts rows freely and columns only at group boundaries (and packed int32
+values at multiples of eight): a cut that splits a group is refused, naming the layer and sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stoker.kernels import reference
+from stoker.layers.linear import Linear
+from stoker.layers.weight_method import FusedGateUpMixin, LinearMethod, copy_rows, expect_shape
+from stoker.quantization import formats, int4
+from stoker.quantization.config import WeightScheme
+
+BACKENDS = ("cpu_q4", "dequant")
+PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
+# AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i] of its eight, so
+# column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
+    kind = "int4"
+
+    def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False,
+                 name: str = "projection") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown int4 backend {backend!r}")
+        if scheme.dtype != "int4":
+            raise ValueError(f"Int4LinearMethod holds int4 weights, not {scheme.dtype}")
+        self.scheme = scheme
+        self.online = online
+        self.backend = backend
+        self.name = name
+        self.fuse_silu_and_mul = fuse_silu_and_mul and backend == "cpu_q4"
+        # A checkpoint with zero points (or symmetric codes, zero 8) fills weight_offset with
+        # the zero point; process_after_loading makes it -z * scale.
+        self.layout = scheme.int4_layout
+        self.offset_is_zero_point = self.layout != ""
+        self.group_k = 0  # set by create_weights
+        self.kernel = None
+        self._forward = self._not_loaded
+
+    def describe(self) -> str:
+        group = f"group {self.scheme.group_size}" if self.scheme.strategy == "group" else "per channel"
+        return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'} via {self.backend}"
+
+    def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an int4 projection runs only after models.loader.load_weights")
+
+    # ---------------------------------------------------------------- parameters
+    def create_weights(self, layer: Linear) -> None:
+        k = layer.in_features
+        self.group_k = self.scheme.group_size if self.scheme.strategy == "group" else k
+        assert self.group_k is not None
+        cols = layer.checkpoint_cols()
+        if k % self.group_k or cols.start % self.group_k:
+            cut = f" (tensor parallelism gives this rank columns [{cols.start}, {cols.stop}) of {layer.checkpoint_in_features})" if layer.is_split else ""
+            raise ValueError(f"{self.name}: {k} input columns{cut} are not whole int4 groups of {self.group_k}; "
+                             "choose a group size (or tensor_parallel_size) whose groups are not split")
+        if k % 2:
+            raise ValueError(f"{self.name}: int4 weights pack two columns to a byte; {k} input columns is odd")
+        groups = k // self.group_k
+        n = layer.out_features
+        layer.weight = nn.Parameter(torch.zeros(n, k // 2, dtype=torch.uint8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(n, groups, dtype=torch.float32), requires_grad=False)
+        zero = float(int4.SYMMETRIC_ZERO) if self.offset_is_zero_point else 0.0
+        layer.weight_offset = nn.Parameter(torch.full((n, groups), zero, dtype=torch.float32), requires_grad=False)
+
+    def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
+        if self.online:
+            return ("weight",)
+        if self.layout == "compressed-tensors":
+            zero = () if self.scheme.symmetric else ("weight_zero_point",)
+            return ("weight_packed", "weight_scale", "weight_shape", *zero)
+        if self.layout:  # gptq, gptq_v2, awq (GPTQ's g_idx is read when present)
+            return ("qweight", "qzeros", "scales")
+        return ()  # a loader hands the affine form itself (load_affine)
+
+    def checkpoint_slice(
+        self, layer: Linear, param_name: str, shard: str | None, shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        """A rank's part: weight_packed by rows and int32s of eight columns, scales by rows and
+        groups, zero points by int32s of eight rows and groups; weight_shape whole."""
+        if not layer.is_split or param_name in ("weight", "bias"):
+            return super().checkpoint_slice(layer, param_name, shard, shape)
+        rows, cols = layer.checkpoint_rows(shard), layer.checkpoint_cols()
+        num_rows, k = layer.checkpoint_shape(shard)
+        group = self.scheme.group_size if self.scheme.strategy == "group" else k
+        assert group is not None
+        if param_name == "weight_packed":
+            expect_shape(shape, (num_rows, -(-k // PACK_FACTOR)), param_name, shard)
+            return rows, self._aligned(cols, PACK_FACTOR, "int32s of eight packed columns", k)
+        if param_name == "weight_scale":
+            expect_shape(shape, (num_rows, k // group), param_name, shard)
+            return rows, self._aligned(cols, group, f"int4 groups of {group} columns", k)
+        if param_name == "weight_zero_point":
+            expect_shape(shape, (-(-num_rows // PACK_FACTOR), k // group), param_name, shard)
+            return self._aligned(rows, PACK_FACTOR, "int32s of eight packed zero-point rows", num_rows), \
+                self._aligned(cols, group, f"int4 groups of {group} columns", k)
+        # GPTQ / AWQ store W^T: rows of K, columns of N
+        groups = self._aligned(cols, group, f"int4 groups of {group} columns", k)
+        if param_name == "qweight" and self.layout.startswith("gptq"):
+            expect_shape(shape, (k // PACK_FACTOR, num_rows), param_name, shard)
+            return self._aligned(cols, PACK_FACTOR, "int32s of eight packed input columns", k), rows
+        if param_name == "qweight":
+            expect_shape(shape, (k, num_rows // PACK_FACTOR), param_name, shard)
+            return cols, self._aligned(rows, PACK_FACTOR, "int32s of eight packed output rows", num_rows)
+        if param_name == "qzeros":
+            expect_shape(shape, (k // group, num_rows // PACK_FACTOR), param_name, shard)
+            return groups, self._aligned(rows, PACK_FACTOR, "int32s of eight packed output rows", num_rows)
+        if param_name == "scales":
+            expect_shape(shape, (k // group, num_rows), param_name, shard)
+            return groups, rows
+        if param_name == "g_idx":
+            return (cols,)
+        return None
+
+    def _aligned(self, part: slice, unit: int, what: str, total: int) -> slice:
+        if part.start % unit or (part.stop % unit and part.stop != total):
+            raise ValueError(f"{self.name}: tensor parallelism cuts it at [{part.start}, {part.stop}) of {total}, which "
+                             f"splits {what}; choose a tensor_parallel_size whose parts align with them")
+        return slice(part.start // unit, -(-part.stop // unit))
+
+    # ---------------------------------------------------------------- loading
+    def load(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        rows = layer.shard_rows(shard)
+        num_rows, k = rows.stop - rows.start, layer.in_features
+        where = f"{self.name}.{param_name}" + (f" (shard {shard!r})" if shard else "")
+        if param_name == "bias":
+            copy_rows(layer, layer.bias, shard, tensor, "bias")
+        elif param_name == "weight" and self.online:
+            if tensor.dtype not in formats.FLOAT_CHECKPOINT_DTYPES:
+                raise ValueError(f"--quantization int4 quantizes a float checkpoint; {where} is {tensor.dtype}")
+            if tuple(tensor.shape) != (num_rows, k):
+                raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(tensor.shape)}, expected {(num_rows, k)}")
+            q, scale, offset = int4.quantize(tensor, self.group_k, symmetric=True)
+            self._store(layer, rows, q, scale, offset)
+        elif param_name == "weight_packed" and self.scheme.packed:
+            codes = unpack_int32_nibbles(tensor, k, dim=1, where=where)
+            copy_rows(layer, layer.weight, shard, int4.pack(codes), where)
+        elif param_name == "weight_scale" and self.scheme.packed:
+            expect_shape(tuple(tensor.shape), (num_rows, k // self.group_k), where, None)
+            with torch.no_grad():
+                layer.weight_scale[rows].copy_(tensor.float())
+        elif param_name == "weight_zero_point" and self.scheme.packed and not self.scheme.symmetric:
+            zero = unpack_int32_nibbles(tensor, num_rows, dim=0, where=where)  # (rows, G) codes
+            expect_shape(tuple(zero.shape), (num_rows, k // self.group_k), where, None)
+            with torch.no_grad():
+                layer.weight_offset[rows].copy_(zero.float())
+        elif self.layout in ("gptq", "gptq_v2", "awq") and param_name in ("qweight", "qzeros", "scales", "g_idx"):
+            self._load_gptq_awq(layer, param_name, shard, tensor, where)
+        elif param_name == "weight_shape" and self.scheme.packed:
+            whole = list(layer.checkpoint_shape(shard))
+            if [int(v) for v in tensor.reshape(-1).tolist()] != whole:
+                raise ValueError(f"{where} says {tensor.tolist()}, the layer expects {whole}")
+        else:
+            raise ValueError(f"unexpected checkpoint tensor {where} for an int4 projection ({self.describe()})")
+
+    def _load_gptq_awq(self, layer: Linear, param_name: str, shard: str | None, tensor: torch.Tensor, where: str) -> None:
+        """GPTQ / AWQ tensors (transposed: K or groups first, N last) into the (N, ...) parameters;
+        zero points go to weight_offset until process_after_loading."""
+        rows = layer.shard_rows(shard)
+        num_rows, k = rows.stop - rows.start, layer.in_features
+        awq = self.layout == "awq"
+        if param_name == "qweight":
+            if awq:  # (K, N / 8), eight output columns per int32 in AWQ's order
+                codes = unpack_int32_nibbles(tensor, num_rows, dim=1, where=where, order=AWQ_NIBBLE_OF_COLUMN)
+            else:  # (K / 8, N), eight input rows per int32 in order
+                codes = unpack_int32_nibbles(tensor, k, dim=0, where=where)
+            expect_shape(tuple(codes.shape), (k, num_rows), where, None)
+            copy_rows(layer, layer.weight, shard, int4.pack(codes.t()), where)
+        elif param_name == "qzeros":
+            zero = unpack_int32_nibbles(tensor, num_rows, dim=1, where=where, order=AWQ_NIBBLE_OF_COLUMN if awq else None)
+            expect_shape(tuple(zero.shape), (k // self.group_k, num_rows), where, None)
+            # AutoGPTQ's format stores zero - 1 ("gptq"; "gptq_v2" and AWQ store the zero itself)
+            with torch.no_grad():
+                layer.weight_offset[rows].copy_(zero.t().float() + (1.0 if self.layout == "gptq" else 0.0))
+        elif param_name == "scales":
+            expect_shape(tuple(tensor.shape), (k // self.group_k, num_rows), where, None)
+            with torch.no_grad():
+                layer.weight_scale[rows].copy_(tensor.t().float())
+        else:  # g_idx: the group of each input column; act-order checkpoints permute it
+            cols = layer.checkpoint_cols()
+            plain = torch.arange(cols.start, cols.stop) // self.group_k
+            if tuple(tensor.shape) != tuple(plain.shape) or not torch.equal(tensor.to(torch.int64), plain):
+                raise ValueError(f"{where} is not in plain group order (a desc_act / act-order checkpoint whose columns are "
+                                 "permuted); Stoker's int4 kernels do not permute columns: re-quantize with desc_act false")
+
+    def load_affine(self, layer: Linear, shard: str | None, weight: int4.AffineInt4) -> None:
+        """One checkpoint tensor already in the affine form (quantization/int4.py, the GGUF
+        loader's entry point): the whole tensor of `shard`; this rank's rows and columns are
+        cut here, at group boundaries."""
+        where = f"{self.name}" + (f" (shard {shard!r})" if shard else "")
+        if self.online or self.scheme.packed:
+            raise ValueError(f"{where}: this int4 method reads {self.checkpoint_params(layer)}, not decoded affine weights")
+        weight.check(where)
+        if weight.group_size != self.group_k:
+            raise ValueError(f"{where}: the tensor has int4 groups of {weight.group_size}, the layer was built for {self.group_k}")
+        expect_shape(tuple(weight.q.shape), layer.checkpoint_shape(shard), where, None)
+        rows, cols = layer.checkpoint_rows(shard), layer.checkpoint_cols()
+        groups = self._aligned(cols, self.group_k, f"int4 groups of {self.group_k} columns", weight.q.shape[1])
+        self._store(layer, layer.shard_rows(shard), weight.q[rows, cols], weight.scale[rows, groups], weight.offset[rows, groups])
+
+    def _store(self, layer: Linear, rows: slice, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        with torch.no_grad():
+            layer.weight[rows].copy_(int4.pack(q))
+            layer.weight_scale[rows].copy_(scale.float())
+            layer.weight_offset[rows].copy_(offset.float())
+
+    # ---------------------------------------------------------------- layout for the backend
+    def process_after_loading(self, layer: Linear) -> None:
+        if self.offset_is_zero_point:  # w = (q - z) * s = q * s + (-z * s)
+            layer.weight_offset.data = (-layer.weight_offset.data * layer.weight_scale.data).contiguous()
+            self.offset_is_zero_point = False
+        if self.backend == "cpu_q4":
+            from stoker.kernels.cpu import linear as cpu_linear
+
+            gate_up = self.fuse_silu_and_mul
+            codes = int4.unpack(layer.weight.data)
+            layer.weight = nn.Parameter(cpu_linear.pack_q4_weight(codes, gate_up), requires_grad=False)
+            layer.weight_scale = nn.Parameter(cpu_linear.pack_scales(layer.weight_scale.data, torch.float32, gate_up), requires_grad=False)
+            layer.weight_offset = nn.Parameter(cpu_linear.pack_scales(layer.weight_offset.data, torch.float32, gate_up), requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
+            self.kernel = cpu_linear.linear_q4
+            self._forward = self._cpu_q4
+        else:
+            self.kernel = reference.int4_linear
+            self._forward = self._dequant
+
+    # ---------------------------------------------------------------- forward
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(layer, x)
+
+    def _cpu_q4(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.out_features,
+                           layer.bias, self.fuse_silu_and_mul)
+
+    def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
+        return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.out_features,
+                           layer.bias, False)
+
+    def _dequant(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, int4.unpack(layer.weight), layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
+
+
+def unpack_int32_nibbles(packed: torch.Tensor, count: int, dim: int, where: str,
+                         order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32s of eight unsigned 4-bit codes along `dim` (value i of each int32 in bits
+    4i..4i+3; compressed-tensors stores the signed value + 8), zero-padded to a multiple of
+    eight -> uint8 codes in [0, 15] with `count` entries along `dim`. `order`: entry j of each
+    eight is nibble order[j] (AWQ's packing), else nibble j."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"{where} must be a 2-D int32 tensor, got {tuple(packed.shape)} {packed.dtype}")
+    if packed.shape[dim] * PACK_FACTOR < count:
+        raise ValueError(f"{where} holds {packed.shape[dim] * PACK_FACTOR} values along dim {dim}, the layer needs {count}")
+    shifts = torch.tensor([4 * i for i in (order or range(PACK_FACTOR))], dtype=torch.int32)
+    codes = (packed.unsqueeze(-1) >> shifts) & 0x0F  # (..., 8) along a new last dim
+    if dim == 1:
+        codes = codes.reshape(packed.shape[0], -1)[:, :count]
+    else:  # (R8, G, 8) -> (R8, 8, G) -> (R8 * 8, G)
+        codes = codes.permute(0, 2, 1).reshape(-1, packed.shape[1])[:count]
+    return codes.to(torch.uint8).contiguous()
+
+
+def pack_int32_nibbles(codes: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The inverse of `unpack_int32_nibbles` (used to write test checkpoints as llm-compressor,
+    AutoGPTQ and AutoAWQ do)."""
+    c = codes.to(torch.int64)
+    if dim == 0:
+        return pack_int32_nibbles(c.t(), 1, order).t().contiguous()
+    n, k = c.shape
+    padded = torch.zeros(n, -(-k // PACK_FACTOR) * PACK_FACTOR, dtype=torch.int64)
+    padded[:, :k] = c
+    groups = padded.view(n, -1, PACK_FACTOR)
+    nibble = order or tuple(range(PACK_FACTOR))
+    value = sum(groups[..., j] << (4 * nibble[j]) for j in range(PACK_FACTOR))
+    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
