@@ -7,6 +7,8 @@ import importlib
 from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("stoker.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("stoker.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("stoker.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("stoker.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("stoker.models.llama", "LlamaForCausalLM"),

@@ -45,10 +45,11 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPE_ALIASES.get(key, key)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, kv_tensors: int = 2) -> float:
     """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x element bytes.
-    The one formula the planner and the engine's cache sizing both use."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
+    The one formula the planner and the engine's cache sizing both use. `kv_tensors` 1: one
+    cache per layer (multi-head latent attention: 1 "head" of kv_lora_rank + qk_rope_head_dim)."""
+    return kv_tensors * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
 
 
 # Quantized weights carry one float32 scale per output row (per-channel, what --quantization

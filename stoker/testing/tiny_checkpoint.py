@@ -27,6 +27,8 @@ _ARCH = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 # Per family, the 1-D tensors transformers initialises to zero that the tests should see
@@ -34,6 +36,13 @@ _ARCH = {
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
+    "deepseek_v3": ("e_score_correction_bias",),
+}
+
+# MLA (DeepSeek) expands the latent to every head: transformers' repeat_kv must be a no-op.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(num_key_value_heads=4),
+    "deepseek_v3": dict(num_key_value_heads=4),
 }
 
 # Small enough for CPU tests, shaped like the real thing (GQA 2:1, head_dim 16).
@@ -81,7 +90,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **overrides}
+    kwargs = {**TINY, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
     kwargs.setdefault("bos_token_id", 0)
     kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
     config = config_cls(**kwargs)
