@@ -1,0 +1,143 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention over a latent KV cache) against HF transformers
+on tiny random checkpoints: prefill logits; greedy tokens of one mixed batch (prefix-cache
+hits, chunked prefill, preemption) equal HF's token for token with logprobs within 1e-4; the
+cache holds exactly kv_lora_rank + qk_rope_head_dim values per token and layer; absorbed
+decode equals the expanded computation; what MLA does not support is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from stoker import LLM, SamplingParams
+from stoker.layers.mla_attention import mla_absorbed_decode, mla_expanded_attention
+from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
+
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+           first_k_dense_replace=1, num_hidden_layers=3)
+CONFIGS = {
+    # q through a LoRA (q_a_proj, q_a_layernorm, q_b_proj), grouped sigmoid routing with its
+    # correction bias, DeepSeek YaRN with mscale_all_dim (the softmax scale changes), interleaved rope
+    "deepseek_v3": ("deepseek_v3", dict(MLA, **MOE, q_lora_rank=48, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                        rope_scaling=dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.7,
+                                                          original_max_position_embeddings=256))),
+    # V2-Lite's shape: a plain q_proj, softmax greedy router
+    "deepseek_v2-lite": ("deepseek_v2", dict(MLA, **MOE, q_lora_rank=None, topk_method="greedy")),
+    # V2's group-limited router (2 of 4 groups), scaled weights, q LoRA
+    "deepseek_v2-group-limited": ("deepseek_v2", dict(MLA, **MOE, q_lora_rank=40, topk_method="group_limited_greedy",
+                                                      n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(2)
+    shared = [rng.randrange(5, 1000) for _ in range(32)]  # two full 16-token blocks
+    ps = [[0]] + [[0] + [rng.randrange(5, 1000) for _ in range(n - 1)] for n in (5, 40, 130)]
+    return ps + [shared + [rng.randrange(5, 1000) for _ in range(k)] for k in (1, 12)]
+
+
+@torch.no_grad()
+def hf_token_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_logits_match_hf(name, tiny_checkpoints, prompts) -> None:
+    arch, overrides = CONFIGS[name]
+    path = tiny_checkpoints(arch, **overrides)
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory_bytes=4 << 20)
+    hf = load_hf(path)
+    for ids in (prompts[2], prompts[3]):
+        torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2-lite"])
+def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) -> None:
+    arch, overrides = CONFIGS[name]
+    path = tiny_checkpoints(arch, **overrides)
+    # 14 blocks x 16 = 224 tokens of KV for ~330: preemption is certain; a 48-token budget
+    # splits the long prompts into chunks.
+    llm = LLM(str(path), max_model_len=192, block_size=16, num_gpu_blocks_override=14, max_num_batched_tokens=48)
+    max_new = 12
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
+    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
+    hf = load_hf(path)
+    for ids, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, ids, max_new), f"prompt of length {len(ids)}"
+        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
+        assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
+    llm.engine.check_integrity()
+    assert llm.engine.block_manager.num_free_blocks == 14
+
+
+def test_the_cache_holds_one_latent_per_token_and_layer(tiny_checkpoints, caplog) -> None:
+    arch, overrides = CONFIGS["deepseek_v3"]
+    with caplog.at_level(logging.INFO, logger="stoker.engine.llm_engine"):
+        llm = LLM(str(tiny_checkpoints(arch, **overrides)), max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.driver_runner
+    width = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]  # 40 values, no heads, no V
+    for k, v in runner.kv_caches:
+        assert k.shape[2:] == (1, width) and v.numel() == 0
+    per_token = 3 * width * 4  # 3 layers, float32
+    assert runner.kv_spec.bytes_per_token == per_token
+    assert runner.bytes_per_block == per_token * 16
+    assert f"{per_token} bytes per token" in caplog.text
+    assert len(runner.kv_caches) * runner.kv_caches[0][0].numel() * 4 == runner.bytes_per_block * runner.kv_caches[0][0].shape[0]
+
+
+@pytest.mark.parametrize("context", [1, 7, 50])
+def test_absorbed_decode_equals_expanded(context) -> None:
+    g = torch.Generator().manual_seed(context)
+    H, nope, rope, r, v = 4, 16, 8, 32, 24
+    q_nope, q_pe = torch.randn(1, H, nope, generator=g), torch.randn(1, H, rope, generator=g)
+    latents = torch.randn(context, r + rope, generator=g)
+    w = torch.randn(H, nope + v, r, generator=g) / r**0.5
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    absorbed = mla_absorbed_decode(q_nope[0], q_pe[0], latents, w_uk, w_uv, 0.2)
+    expanded = mla_expanded_attention(q_nope, q_pe, latents, w_uk, w_uv, 0.2)[0]
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    # and the expanded path is causal: the last query of a chunk equals that token decoding alone
+    chunk = mla_expanded_attention(torch.randn(3, H, nope, generator=g).index_copy(0, torch.tensor([2]), q_nope),
+                                   torch.randn(3, H, rope, generator=g).index_copy(0, torch.tensor([2]), q_pe),
+                                   latents if context >= 3 else torch.randn(3, r + rope, generator=g),
+                                   w_uk, w_uv, 0.2)
+    if context >= 3:
+        torch.testing.assert_close(chunk[2], absorbed, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_cache_is_refused(tiny_checkpoints) -> None:
+    arch, overrides = CONFIGS["deepseek_v2-lite"]
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported with multi-head latent attention"):
+        LLM(str(tiny_checkpoints(arch, **overrides)), max_model_len=64, kv_cache_memory_bytes=1 << 20,
+            kv_cache_dtype="fp8")
+
+
+def test_multi_token_prediction_layers_are_skipped(tiny_checkpoints, tmp_path, prompts) -> None:
+    """V3's checkpoints carry the MTP module as layer num_hidden_layers; it loads and changes nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    arch, overrides = CONFIGS["deepseek_v3"]
+    src = tiny_checkpoints(arch, **overrides)
+    dst = tmp_path / "with_mtp"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+    tensors["model.layers.3.self_attn.kv_b_proj.weight"] = torch.randn(4 * 40, 32)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    ids = prompts[2]
+    a = engine_logits(LLM(str(dst), max_model_len=128, kv_cache_memory_bytes=1 << 20), ids)
+    b = engine_logits(LLM(str(src), max_model_len=128, kv_cache_memory_bytes=1 << 20), ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
