@@ -141,3 +141,30 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoints, tmp_path, p
     a = engine_logits(LLM(str(dst), max_model_len=128, kv_cache_memory_bytes=1 << 20), ids)
     b = engine_logits(LLM(str(src), max_model_len=128, kv_cache_memory_bytes=1 << 20), ids)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_roofline_counts_the_bytes_held(name, tiny_checkpoints, monkeypatch) -> None:
+    """spec_from_config prices MLA's projections, latent norms and routers as the engine holds them."""
+    from stoker.roofline.modelspec import spec_from_config
+
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")  # no panel padding
+    arch, overrides = CONFIGS[name]
+    llm = LLM(str(tiny_checkpoints(arch, **overrides)), max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.driver_runner
+    spec = spec_from_config(runner.hf_config)
+    assert runner.weight_bytes_held() == spec.weight_bytes("fp32", rest_dtype="fp32")
+    assert spec.kv_bytes_per_token("fp32") == runner.kv_spec.bytes_per_token  # engine and planner agree
+
+
+def test_mla_kv_bytes_in_the_roofline() -> None:
+    from stoker.roofline.modelspec import get_model_spec
+
+    v3 = get_model_spec("deepseek-v3")
+    # 61 layers x (512 + 64) values x 2 bytes, the same on every TP rank
+    assert v3.kv_bytes_per_token("bf16") == 61 * 576 * 2 == v3.kv_bytes_per_token("bf16", tp=8)
+    # against 128 heads of K and V of 128 + 64 and 128 (what an MHA cache of V3's heads would hold)
+    mha = 61 * 128 * (192 + 128) * 2
+    assert mha / v3.kv_bytes_per_token("bf16") == pytest.approx(71.1, abs=0.1)
+    # absorbed attention FLOPs per position: 2 x layers x heads x (2 x 512 + 64)
+    assert v3.flops_per_token(1000)["attention"] == 2 * 61 * 128 * (2 * 512 + 64) * 1000
