@@ -47,6 +47,13 @@ def mla_softmax_scale(cfg: dict[str, Any]) -> float:
     return scale
 
 
+def block_fp8_of(cfg: dict[str, Any]) -> tuple[int, int] | None:
+    """The checkpoint's FP8 weight blocks ([128, 128] in DeepSeek's), None when not block-FP8."""
+    qc = cfg.get("quantization_config") or {}
+    block = qc.get("weight_block_size") if str(qc.get("quant_method", "")).lower() == "fp8" else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved rotary: pairs (x0, x1), (x2, x3), ... each turned by one angle;
     the result laid out [rotated evens | rotated odds] as transformers' DeepSeek-V3 writes it
@@ -64,17 +71,35 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class LatentUpProjection(nn.Module):
-    """`kv_b_proj`: (H * (qk_nope + v), kv_lora_rank), kept as a plain float weight because both
-    attention paths read its per-head blocks (W_UK, W_UV) directly."""
+    """`kv_b_proj`: (H * (qk_nope + v), kv_lora_rank), held as a float weight because both
+    attention paths read its per-head blocks (W_UK, W_UV) directly. A block-FP8 checkpoint
+    (DeepSeek's: `weight_block_size` [b0, b1], `weight_scale_inv` (ceil(N / b0), ceil(K / b1)))
+    is dequantized into it once, at the first forward after loading."""
 
-    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> None:
+    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+                 block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.num_heads, self.qk_nope_head_dim, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
-        self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank),
-                                   requires_grad=False)
+        rows = num_heads * (qk_nope_head_dim + v_head_dim)
+        self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank), requires_grad=False)
+        self.block = block
+        if block is not None:
+            scales = (-(-rows // block[0]), -(-kv_lora_rank // block[1]))
+            self.weight_scale_inv = nn.Parameter(torch.empty(scales, dtype=torch.float32), requires_grad=False)
+
+    @torch.no_grad()
+    def _dequantize(self) -> None:
+        """weight (the e4m3 values, exactly, in the model dtype) x its block's scale."""
+        b0, b1 = self.block  # type: ignore[misc]
+        rows, cols = self.weight.shape
+        scale = self.weight_scale_inv.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+        self.weight.copy_((self.weight.float() * scale).to(self.weight.dtype))
+        self.block = None
 
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, qk_nope, r) and W_UV (H, v, r), views of the weight."""
+        if self.block is not None:
+            self._dequantize()
         w = self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
@@ -204,7 +229,8 @@ class MLAAttention(nn.Module):
             self.q_proj = Linear(hidden, q_rows)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads, self.nope, self.v_head_dim)
+        self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads, self.nope, self.v_head_dim,
+                                            block_fp8_of(cfg))
         self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias)
         self.rotary = rotary
         self.interleaved = bool(cfg.get("rope_interleave", True))

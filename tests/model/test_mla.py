@@ -168,3 +168,38 @@ def test_mla_kv_bytes_in_the_roofline() -> None:
     assert mha / v3.kv_bytes_per_token("bf16") == pytest.approx(71.1, abs=0.1)
     # absorbed attention FLOPs per position: 2 x layers x heads x (2 x 512 + 64)
     assert v3.flops_per_token(1000)["attention"] == 2 * 61 * 128 * (2 * 512 + 64) * 1000
+
+
+def test_block_fp8_checkpoint_matches_its_dequantized_weights(tiny_checkpoints, tmp_path, prompts) -> None:
+    """DeepSeek's own format: every projection (kv_a_proj_with_mqa, kv_b_proj and the experts
+    included) e4m3 in 128 x 128 blocks with weight_scale_inv; HF runs the dequantized weights."""
+    from stoker.testing.quantized_checkpoint import quantize_checkpoint
+
+    arch, overrides = CONFIGS["deepseek_v3"]
+    src = tiny_checkpoints(arch, **overrides)
+    quantized = quantize_checkpoint(src, tmp_path / "fp8", "fp8-block", dequantized_dst=tmp_path / "deq")
+    llm = LLM(str(quantized), max_model_len=256, kv_cache_memory_bytes=2 << 20)
+    hf = load_hf(tmp_path / "deq")
+    for ids in (prompts[2], prompts[3]):
+        torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=2e-4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:4]], params, use_tqdm=False)
+    for ids, out in zip(prompts[1:4], outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 8)
+
+
+def test_tensor_parallelism_is_refused() -> None:
+    from stoker.models.deepseek_v2 import check_mla_config
+
+    class TwoRanks:
+        world_size, rank = 2, 0
+
+    cfg = dict(CONFIGS["deepseek_v3"][1], architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ValueError, match="tensor parallelism .* not supported with multi-head latent attention"):
+        check_mla_config(cfg, TwoRanks())  # type: ignore[arg-type]
+    class OneRank:
+        world_size, rank = 1, 0
+
+    with pytest.raises(ValueError, match="moe_layer_freq 2"):
+        check_mla_config(dict(cfg, moe_layer_freq=2), OneRank())  # type: ignore[arg-type]
+    check_mla_config(cfg, OneRank())  # type: ignore[arg-type]
