@@ -158,6 +158,9 @@ class LatentAttention(nn.Module):
     `v_cache` stays empty."""
 
     graph_capturable = False  # loops over sequences on the host (runner: CUDA graphs off)
+    # Decodes attend absorbed; False runs them expanded like a prefill (for measuring the two
+    # against each other: benchmarks/mla_decode_cpu.py). Either gives the same result.
+    absorbed_decode = True
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, scale: float,
                  up: LatentUpProjection) -> None:
@@ -197,7 +200,7 @@ class LatentAttention(nn.Module):
             if stop == start:
                 continue
             latents = gather_latents(cache, md.block_tables[i], context_len)
-            if i < md.num_decodes:
+            if i < md.num_decodes and self.absorbed_decode:
                 out[start] = mla_absorbed_decode(q_nope[start], q_pe[start], latents, w_uk, w_uv, self.scale)
             else:
                 out[start:stop] = mla_expanded_attention(q_nope[start:stop], q_pe[start:stop], latents, w_uk, w_uv,
