@@ -22,6 +22,7 @@ computed alone). Scores and softmax run in float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,6 +135,13 @@ def mla_expanded_attention(
     return torch.einsum("hnl,hld->nhd", probs, v)
 
 
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """One token's query in latent space: [W_UK_h^T q_nope_h | q_pe_h] -> (H, r + R) float32,
+    one shared "head" of width r + R."""
+    q_latent = torch.einsum("hd,hdr->hr", q_nope.float(), w_uk.float())  # (H, r)
+    return torch.cat([q_latent, q_pe.float()], dim=-1)
+
+
 def mla_absorbed_decode(
     q_nope: torch.Tensor,  # (H, nope): one query token
     q_pe: torch.Tensor,  # (H, R)
@@ -144,12 +152,24 @@ def mla_absorbed_decode(
 ) -> torch.Tensor:
     """One token attending over its whole context in latent space -> (H, v) float32."""
     r = w_uk.shape[-1]
-    q_latent = torch.einsum("hd,hdr->hr", q_nope.float(), w_uk.float())  # W_UK folded into q: (H, r)
-    q = torch.cat([q_latent, q_pe.float()], dim=-1)  # (H, r + R): one shared "head" of width r + R
+    q = absorb_query(q_nope, q_pe, w_uk)  # (H, r + R)
     kv = latents.float()  # (L, r + R): keys; their first r columns are also the values
     probs = torch.softmax((q @ kv.T) * scale, dim=-1)  # (H, L)
     out_latent = probs @ kv[:, :r]  # (H, r)
     return torch.einsum("hr,hdr->hd", out_latent, w_uv.float())  # W_UV after attention: (H, v)
+
+
+def decode_kernel(cache: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The paged absorbed-decode attention for this cache: the C kernel for a CPU float32 cache
+    when the kernel library is built, else the torch twin (both batch-invariant)."""
+    from stoker.kernels import reference
+    from stoker.kernels.cpu import build
+
+    if cache.device.type == "cpu" and cache.dtype == torch.float32 and not build.disabled() and build.available():
+        from stoker.kernels.cpu.mla_decode_attention import mla_decode_attention
+
+        return mla_decode_attention
+    return reference.mla_decode_attention
 
 
 class LatentAttention(nn.Module):
@@ -195,16 +215,21 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self._up[0].per_head()
         out = torch.empty(q_nope.shape[0], self.num_heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
         cu, lens = md.cu_seqlens_q, md.context_lens_list
-        for i, context_len in enumerate(lens):
+        nd = md.num_decodes if self.absorbed_decode else 0
+        if nd:  # decodes (one token each, rows 0..nd-1): absorbed, one paged call for all of them
+            # per sequence, so a row's absorption does not depend on the batch
+            q = torch.stack([absorb_query(q_nope[i], q_pe[i], w_uk) for i in range(nd)])  # (nd, H, r + R)
+            block_tables, context_lens = md.decode_views()
+            out_latent = decode_kernel(cache)(q, cache, block_tables, context_lens, self.kv_lora_rank, self.scale)
+            for i in range(nd):  # W_UV after attention: (H, r) -> (H, v)
+                out[i] = torch.einsum("hr,hdr->hd", out_latent[i], w_uv.float())
+        for i in range(nd, len(lens)):  # prefills, chunks, extends (and decodes when not absorbed): expanded
             start, stop = cu[i], cu[i + 1]
             if stop == start:
                 continue
-            latents = gather_latents(cache, md.block_tables[i], context_len)
-            if i < md.num_decodes and self.absorbed_decode:
-                out[start] = mla_absorbed_decode(q_nope[start], q_pe[start], latents, w_uk, w_uv, self.scale)
-            else:
-                out[start:stop] = mla_expanded_attention(q_nope[start:stop], q_pe[start:stop], latents, w_uk, w_uv,
-                                                         self.scale)
+            latents = gather_latents(cache, md.block_tables[i], lens[i])
+            out[start:stop] = mla_expanded_attention(q_nope[start:stop], q_pe[start:stop], latents, w_uk, w_uv,
+                                                     self.scale)
         return out
 
 

@@ -203,3 +203,33 @@ def test_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ValueError, match="moe_layer_freq 2"):
         check_mla_config(dict(cfg, moe_layer_freq=2), OneRank())  # type: ignore[arg-type]
     check_mla_config(cfg, OneRank())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_c_decode_kernel_equals_its_twin(block_size) -> None:
+    """kernels/cpu/mla_decode_attention.c against reference.mla_decode_attention: mixed context
+    lengths (0 included), shuffled block tables; and a sequence's rows the same alone or in a batch."""
+    from stoker.kernels import reference
+    from stoker.kernels.cpu import build
+    from stoker.kernels.cpu.mla_decode_attention import mla_decode_attention
+
+    if not build.available():
+        pytest.skip("no C compiler: the CPU kernel library is not built")
+    g = torch.Generator().manual_seed(block_size)
+    H, r, R = 6, 32, 8  # 6 heads: a partial task of heads
+    lens = [0, 1, 5, 37, 64]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks
+    cache = torch.randn(num_blocks, block_size, 1, r + R, generator=g)
+    tables = torch.randperm(num_blocks, generator=g).view(len(lens), max_blocks).to(torch.int32)
+    q = torch.randn(len(lens), H, r + R, generator=g)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    ours = mla_decode_attention(q, cache, tables, ctx, r, 0.15)
+    torch.testing.assert_close(ours, reference.mla_decode_attention(q, cache, tables, ctx, r, 0.15), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[0], torch.zeros(H, r))
+    alone = mla_decode_attention(q[3:4], cache, tables[3:4], ctx[3:4], r, 0.15)
+    assert torch.equal(alone[0], ours[3])  # batch-invariant, bit for bit
+    with pytest.raises(ValueError, match="outside"):
+        bad = tables.clone()
+        bad[4, 0] = num_blocks  # the first block of the 64-token sequence: read
+        mla_decode_attention(q, cache, bad, ctx, r, 0.15)
