@@ -1,6 +1,7 @@
 """MLA on CPU (issue 37): decode tokens/s of a DeepSeek-V2-Lite-shaped model with absorbed
-decode (what the engine runs) against expanded decode (the latent expanded to per-head K/V every
-step, as prefill does), same process, in turn each round; and the KV capacity of the latent
+decode through the C kernel (what the engine runs on CPU), through its torch twin, and expanded
+decode (the latent expanded to per-head K/V every step, as prefill does), same process, in turn
+each round; and the KV capacity of the latent
 cache at the same memory against an MHA-sized cache of the same heads.
 
     nice -n 5 python benchmarks/mla_decode_cpu.py [--rounds 3] [--context 128] [--json out.json]
@@ -42,6 +43,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from stoker import LLM, SamplingParams
+    from stoker.kernels import reference
+    from stoker.layers import mla_attention as mla
+
+    c_kernel = mla.decode_kernel
     from stoker.testing.tiny_checkpoint import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,15 +72,17 @@ def main() -> None:
             for batch in (1, 32):
                 prompts = [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(args.context)]}
                            for _ in range(batch)]
-                for mode in ("absorbed", "expanded"):
+                for mode in ("absorbed-c", "absorbed-torch", "expanded"):
                     for layer in layers:
-                        layer.absorbed_decode = mode == "absorbed"
+                        layer.absorbed_decode = mode != "expanded"
+                    mla.decode_kernel = c_kernel if mode == "absorbed-c" else (lambda cache: reference.mla_decode_attention)
                     step_times.clear()
                     params = SamplingParams(temperature=0, max_tokens=1 + args.steps, ignore_eos=True)
                     llm.generate(prompts, params, use_tqdm=False)
                     results.setdefault(f"{mode} batch {batch}", []).append(batch / statistics.median(step_times))
         for layer in layers:
             layer.absorbed_decode = True
+        mla.decode_kernel = c_kernel
         spec = runner.kv_spec
         mha_bytes = spec.num_layers * 16 * (192 + 128) * 4  # K 192 + V 128 per head, float32
         report = {

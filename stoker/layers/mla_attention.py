@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.distributed.partition import WHOLE, Partition
 from stoker.layers.forward_context import get_forward_context
 from stoker.layers.linear import Linear
 from stoker.layers.norm import RMSNorm
@@ -78,9 +80,11 @@ class LatentUpProjection(nn.Module):
     is dequantized into it once, at the first forward after loading."""
 
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
-                 block: tuple[int, int] | None = None) -> None:
+                 block: tuple[int, int] | None = None, heads: slice | None = None) -> None:
         super().__init__()
         self.num_heads, self.qk_nope_head_dim, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
+        # Tensor parallelism: every rank holds the whole (small) weight, and reads its heads
+        self.heads = heads or slice(0, num_heads)
         rows = num_heads * (qk_nope_head_dim + v_head_dim)
         self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank), requires_grad=False)
         self.block = block
@@ -98,10 +102,10 @@ class LatentUpProjection(nn.Module):
         self.block = None
 
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK (H, qk_nope, r) and W_UV (H, v, r), views of the weight."""
+        """W_UK (H, qk_nope, r) and W_UV (H, v, r) of this rank's heads, views of the weight."""
         if self.block is not None:
             self._dequantize()
-        w = self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        w = self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)[self.heads]
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
 
@@ -236,30 +240,38 @@ class LatentAttention(nn.Module):
 class MLAAttention(nn.Module):
     """DeepSeek-V2/V3's attention block. Checkpoint: self_attn.q_proj (q_lora_rank null) or
     self_attn.q_a_proj, q_a_layernorm, q_b_proj; self_attn.kv_a_proj_with_mqa, kv_a_layernorm,
-    kv_b_proj; self_attn.o_proj (biases on q_a / kv_a / o with `attention_bias`)."""
+    kv_b_proj; self_attn.o_proj (biases on q_a / kv_a / o with `attention_bias`).
 
-    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding) -> None:
+    Tensor parallelism (`heads`: this rank's part of the heads): q_proj / q_b_proj column-parallel
+    and o_proj row-parallel over the heads (one all-reduce), q_a, kv_a, their norms and the
+    latent replicated (every rank caches the whole latent), kv_b_proj whole on every rank, read
+    for this rank's heads."""
+
+    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, heads: Partition = WHOLE,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         hidden, bias = cfg["hidden_size"], bool(cfg.get("attention_bias", False))
-        self.num_heads = cfg["num_attention_heads"]
+        total_heads = cfg["num_attention_heads"]
+        self.num_heads = heads.size(total_heads)
         self.q_lora_rank = cfg.get("q_lora_rank")
         self.kv_lora_rank = int(cfg["kv_lora_rank"])
         self.nope, self.rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
         self.v_head_dim = int(cfg["v_head_dim"])
         if self.rope % 2:
             raise ValueError(f"qk_rope_head_dim {self.rope} must be even (rotary turns pairs)")
-        q_rows = self.num_heads * (self.nope + self.rope)
+        q_rows = total_heads * (self.nope + self.rope)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # transformers' default eps (1e-6), as the reference
-            self.q_b_proj = Linear(self.q_lora_rank, q_rows)
+            self.q_b_proj = Linear(self.q_lora_rank, q_rows, out_split=heads)
         else:
-            self.q_proj = Linear(hidden, q_rows)
+            self.q_proj = Linear(hidden, q_rows, out_split=heads)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads, self.nope, self.v_head_dim,
-                                            block_fp8_of(cfg))
-        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias)
+        self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, total_heads, self.nope, self.v_head_dim,
+                                            block_fp8_of(cfg), slice(*heads.range(total_heads)))
+        self.o_proj = Linear(total_heads * self.v_head_dim, hidden, bias, in_split=heads,
+                             tp=tp if not heads.is_whole else None)
         self.rotary = rotary
         self.interleaved = bool(cfg.get("rope_interleave", True))
         self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.rope, mla_softmax_scale(cfg), self.kv_b_proj)

@@ -17,8 +17,8 @@ mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj, mlp.shared_experts.{gate,u
 Layers numbered from num_hidden_layers up (V3's multi-token-prediction module) are skipped
 on load: this model does not run them.
 
-Not supported, refused at build: tensor parallelism (the latent is not split yet), an FP8 KV
-cache, LoRA adapters on the attention projections.
+Tensor parallelism splits the heads (layers/mla_attention.MLAAttention) and every rank caches
+the whole latent. Not supported, refused at build: expert parallelism, an FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ class DeepseekMoeBlock(nn.Module):
 def check_mla_config(cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
     """What the MLA families cannot honour, refused by name before any tensor exists."""
     arch = (cfg.get("architectures") or ["this model"])[0]
-    if tp.world_size > 1:
-        raise ValueError(f"{arch}: tensor parallelism (tensor_parallel_size {tp.world_size}) is not supported with "
-                         "multi-head latent attention yet; run with tensor_parallel_size 1")
+    if tp.world_size > 1 and getattr(tp, "expert_parallel", False):
+        raise ValueError(f"{arch}: expert parallelism (--enable-expert-parallel) is not supported with multi-head "
+                         "latent attention yet; run tensor parallelism without it")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if not cfg.get(key):
             raise ValueError(f"{arch}: config.json has no {key!r}, which multi-head latent attention needs")
@@ -127,7 +127,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.config = cfg
         # the rotary turns only the qk_rope_head_dim part of q and the shared rope key
         self.rotary = RotaryEmbedding(int(cfg["qk_rope_head_dim"]), max_position, cfg)
-        layers = [LlamaDecoderLayer(MLAAttention(cfg, self.rotary), cfg, tp, self.mlp_block(cfg, i, tp))
+        heads = split_evenly(cfg["num_attention_heads"], "num_attention_heads", tp)  # the latent is replicated
+        layers = [LlamaDecoderLayer(MLAAttention(cfg, self.rotary, heads, tp), cfg, tp, self.mlp_block(cfg, i, tp))
                   for i in range(cfg["num_hidden_layers"])]
         self.model = LlamaModel(cfg, layers, tp)
         self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], tp)

@@ -188,20 +188,22 @@ def test_block_fp8_checkpoint_matches_its_dequantized_weights(tiny_checkpoints, 
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 8)
 
 
-def test_tensor_parallelism_is_refused() -> None:
+def test_what_mla_cannot_honour_is_refused() -> None:
     from stoker.models.deepseek_v2 import check_mla_config
 
-    class TwoRanks:
-        world_size, rank = 2, 0
+    class TwoRanksEP:
+        world_size, rank, expert_parallel = 2, 0, True
+
+    class OneRank:
+        world_size, rank, expert_parallel = 1, 0, False
 
     cfg = dict(CONFIGS["deepseek_v3"][1], architectures=["DeepseekV3ForCausalLM"])
-    with pytest.raises(ValueError, match="tensor parallelism .* not supported with multi-head latent attention"):
-        check_mla_config(cfg, TwoRanks())  # type: ignore[arg-type]
-    class OneRank:
-        world_size, rank = 1, 0
-
+    with pytest.raises(ValueError, match="expert parallelism .* not supported with multi-head latent attention"):
+        check_mla_config(cfg, TwoRanksEP())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="moe_layer_freq 2"):
         check_mla_config(dict(cfg, moe_layer_freq=2), OneRank())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no 'kv_lora_rank'"):
+        check_mla_config({k: v for k, v in cfg.items() if k != "kv_lora_rank"}, OneRank())  # type: ignore[arg-type]
     check_mla_config(cfg, OneRank())  # type: ignore[arg-type]
 
 
