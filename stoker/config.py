@@ -73,19 +73,22 @@ class CacheConfig:
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one token of KV cache is, as the model describes it (`model.kv_cache_spec()`):
-    K and V of every attention layer. dtype: "float32", "bfloat16", "float16" or "fp8_e4m3"."""
+    K and V of every attention layer. dtype: "float32", "bfloat16", "float16" or "fp8_e4m3".
+    `kv_tensors` 1: a single cache per layer (multi-head latent attention: one latent of
+    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads 1, no V)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_tensors: int = 2
 
     @property
     def bytes_per_token(self) -> int:
         """The roofline's formula (roofline/modelspec.py), so engine and planner agree."""
         from stoker.roofline.modelspec import kv_bytes_per_token
 
-        return int(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype))
+        return int(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.kv_tensors))
 
 
 @dataclass(frozen=True)

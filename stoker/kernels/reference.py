@@ -521,3 +521,26 @@ def int4_linear(
     does (q * s, rounded, + o, rounded; one layer per call), cast to x's dtype, F.linear."""
     w = q.float() * scale.float().repeat_interleave(group_k, dim=1) + offset.float().repeat_interleave(group_k, dim=1)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def mla_decode_attention(
+    query: torch.Tensor,  # (B, H, kv_lora_rank + rope): the W_UK-absorbed nope part, then q_pe
+    latent_cache: torch.Tensor,  # (num_blocks, block_size, 1, kv_lora_rank + rope): [latent | k_pe] rows
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    context_lens: torch.Tensor,  # (B,) int32
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:  # (B, H, kv_lora_rank) float32
+    """Absorbed MLA decode (twin of kernels/cpu/mla_decode_attention.c): each sequence's heads
+    attend over its latent rows as keys (all values) and values (the first kv_lora_rank)."""
+    b, h, width = query.shape
+    out = torch.zeros(b, h, kv_lora_rank, dtype=torch.float32, device=query.device)
+    bs = latent_cache.shape[1]
+    for i, n in enumerate(context_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = block_tables[i, : -(-n // bs)].long()
+        rows = latent_cache[blocks].reshape(-1, width)[:n].float()  # (L, width)
+        probs = torch.softmax((query[i].float() @ rows.T) * scale, dim=-1)  # (H, L)
+        out[i] = probs @ rows[:, :kv_lora_rank]
+    return out

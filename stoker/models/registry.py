@@ -7,6 +7,8 @@ import importlib
 from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("stoker.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("stoker.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     # Gemma 2 and 3 (text; a multimodal Gemma 3 checkpoint serves its language model)
     "Gemma2ForCausalLM": ("stoker.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("stoker.models.gemma3", "Gemma3ForCausalLM"),

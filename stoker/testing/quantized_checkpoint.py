@@ -47,7 +47,7 @@ from stoker.quantization import formats
 FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-channel-static", "ct-int8-channel", "ct-int8-pack-group", "fp8-block",
            "fp8-tensor", "ct-w4a16-group", "ct-w4a16-asym-group", "gptq-sym", "gptq-asym", "awq")
 # decoder projections, Mixture-of-Experts experts included (Mixtral's are experts.{e}.w1/w2/w3)
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(.*_proj|.*_proj_with_mqa|.*experts\.\d+\.w[123])\.weight$")
 
 
 def _ct_config(wtype: str, strategy: str, fmt: str, group_size: int | None, acts: dict | None, kv: bool, ignore: list[str],

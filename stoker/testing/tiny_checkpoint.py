@@ -32,6 +32,8 @@ _ARCH = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 # Gemma 2 and 3 (text)
 _ARCH.update({
@@ -44,6 +46,13 @@ _ARCH.update({
 _RANDOM_VECTORS: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("proj.bias", "e_score_correction_bias"),
     "gpt_oss": ("proj.bias", "router.bias", "sinks"),
+    "deepseek_v3": ("e_score_correction_bias",),
+}
+
+# MLA (DeepSeek) expands the latent to every head: transformers' repeat_kv must be a no-op.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(num_key_value_heads=4),
+    "deepseek_v3": dict(num_key_value_heads=4),
 }
 # Gemma's norms scale by (1 + w) with w initialised to 0: drawn around 0 so that they count
 _RANDOM_VECTORS.update({
@@ -104,7 +113,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCH[arch])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **_TINY_FOR.get(arch, {}), **_FAMILY_DEFAULTS.get(arch, {}), **overrides}
+    kwargs = {**TINY, **_TINY_FOR.get(arch, {}), **_FAMILY_DEFAULTS.get(arch, {}), **_ARCH_DEFAULTS.get(arch, {}), **overrides}
     kwargs.setdefault("bos_token_id", 0)
     kwargs.setdefault("eos_token_id", 4)  # <|eot_id|> in the demo tokenizer
     config = config_cls(**kwargs)
