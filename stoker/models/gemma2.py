@@ -66,11 +66,7 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.feed_forward(hidden)), residual

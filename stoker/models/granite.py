@@ -48,11 +48,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual)
         hidden = self.self_attn(positions, hidden) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden) * self.residual_multiplier, residual

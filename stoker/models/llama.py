@@ -113,14 +113,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
+    def norm_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_layernorm, fused with the residual add after the first layer: (normed, residual)."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
