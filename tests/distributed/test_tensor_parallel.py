@@ -53,8 +53,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         # a windowed local layer and a global one (their own rotary bases), a final logit soft cap
         ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 2, "query_pre_attn_scalar": 16,
                          "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 6.0}),
+        # attention logit soft-capping on each rank's heads, GeGLU, a window on the first layer
+        ("gemma2", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
+                    "final_logit_softcapping": 6.0}),
     ],
-    ids=["llama", "mistral-window", "qwen2-bias", "qwen3-qknorm-obias", "llama-kv1-tied-vocab1023", "gemma3"],
+    ids=["llama", "mistral-window", "qwen2-bias", "qwen3-qknorm-obias", "llama-kv1-tied-vocab1023", "gemma3",
+         "gemma2-softcap"],
 )
 def test_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> None:
     path = tiny_checkpoints(arch, **overrides)
