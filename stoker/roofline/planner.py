@@ -264,8 +264,8 @@ def serve_command(model: str, c: Candidate) -> str:
         # gpt-oss ships MXFP4 experts: the engine holds them 4-bit and dequantizes each routed expert in
         # torch (layers/moe_mxfp4.py), whole experts per rank only (docs/moe.md).
         notes.append(f"{spec.expert_dtype} experts: dequantized per expert in torch, not a fused kernel (docs/moe.md)")
-    if moe and c.weight_dtype != "bf16":
-        notes.append(f"{c.weight_dtype} experts: the engine has no quantized MoE method yet (docs/moe.md)")
+    if moe and c.weight_dtype == "int4":
+        notes.append("int4 experts: not in the engine yet (--quantization int4 refuses MoE experts; docs/moe.md)")
     elif c.weight_dtype not in _ENGINE_QUANTIZATION:
         notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
     elif _ENGINE_QUANTIZATION[c.weight_dtype]:
