@@ -1,6 +1,6 @@
 """Mixture-of-Experts under tensor parallelism on CPU over gloo: each rank holds its columns of
 every expert's I (and of the shared expert's), all-reduces its partial sum, and a TP=2 engine
-gives TP=1's tokens. OLMoE's whole-projection q/k norm is refused, by name."""
+gives TP=1's tokens; OLMoE's whole-projection q/k norm adds every rank's sums of squares."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ from tests.distributed.test_tensor_parallel import GREEDY, KV, engine, run
         # expert biases (w2's added once, by rank 0), the clamped SwiGLU, each rank's heads' sinks
         ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
                          sliding_window=24, swiglu_limit=1.0)),
+        # q/k RMSNorm over the whole projection: each rank adds the others' sums of squares
+        ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),
     ],
-    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "glm4_moe", "gpt_oss"],
+    ids=["qwen3_moe", "mixtral", "qwen2_moe-shared", "glm4_moe", "gpt_oss", "olmoe-qknorm"],
 )
 def test_moe_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict) -> None:
     path = tiny_checkpoints(arch, **overrides)
@@ -36,10 +38,3 @@ def test_moe_tp2_greedy_equals_tp1(tiny_checkpoints, arch: str, overrides: dict)
         assert run(llm, GREEDY) == want
         experts = [m for m in llm.engine.executor.driver_runner.model.modules() if type(m).__name__ == "FusedMoE"]
         assert experts and all(m.intermediate_size == m.checkpoint_intermediate_size // 2 for m in experts)
-
-
-def test_olmoe_tp_is_refused(tiny_checkpoints) -> None:
-    path = tiny_checkpoints("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32)
-    with pytest.raises(ValueError, match=r"tensor parallelism \(--tensor-parallel-size\) is not supported for OLMoE"):
-        LLM(str(path), kv_cache_memory_bytes=KV, max_model_len=256, device="cpu", tensor_parallel_size=2)
-    assert not torch.distributed.is_initialized()
