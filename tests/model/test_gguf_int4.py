@@ -78,10 +78,10 @@ def test_q4_k_writer_round_trips() -> None:
 
 
 def test_4_bit_beside_8_bit_shard_refused(tiny_checkpoints, tmp_path) -> None:
-    """gate/up are one GEMM in Stoker: a Q4_K gate beside a Q6_K up (the 4-bit beside 8-bit
-    shards a Q4_K_M file has in some layers' q/k/v) has no exact common method."""
+    """q/k/v are one GEMM in Stoker: Q4_K q/k beside a Q6_K v (as a Q4_K_M file writes some
+    layers) has no exact common method; the error names the tensors and types."""
     src = tiny_checkpoints("llama", **WIDE)
-    path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.0\.mlp\.up_proj": "Q6_K", r"proj\.weight": "Q4_K"}, "llama")
-    with pytest.raises(QuantizationError, match=r"blk\.0\.ffn_gate\.weight \(Q4_K\), blk\.0\.ffn_up\.weight \(Q6_K\).*"
-                                                r"4-bit beside 8-bit"):
+    path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.1\.self_attn\.v_proj": "Q6_K", r"proj\.weight": "Q4_K"}, "llama")
+    with pytest.raises(QuantizationError, match=r"blk\.1\.attn_q\.weight \(Q4_K\), blk\.1\.attn_k\.weight \(Q4_K\), "
+                                                r"blk\.1\.attn_v\.weight \(Q6_K\).*4-bit beside 8-bit"):
         LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
