@@ -7,6 +7,10 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
 `models/loader.load_weights` reads it like any checkpoint:
 
   * float tensors (F32, F16, BF16) as they are;
+  * 4-bit blocks (Q4_0, Q4_K) decoded exactly into `int4.AffineInt4` (codes, scale and
+    offset per group of 32) and handed whole to the int4 method (`load_affine_weights`, which
+    load_weights calls after the keys): they are not keys, since the form has no
+    safetensors-like tensors of the int4 method's;
   * 8-bit blocks (Q8_0, Q6_K) decoded exactly (quantization/gguf_blocks.py) into `weight`
     (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint tensors, the
     scales of a merged projection's coarser shard repeated to its finer group;
@@ -208,6 +212,8 @@ class GGUFTensors:
         self.groups = self._groups(model)
         # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
         self.entries: dict[str, tuple[Any, str]] = {}
+        # HF module -> its 4-bit (Q4_0 / Q4_K) GGUF tensor
+        self.affine: dict[str, Any] = {}
         for t in self.reader.tensors:
             if t.name == gguf_names.ROPE_FREQS:  # read into the config's rope_scaling (read_gguf_config)
                 continue
@@ -216,9 +222,13 @@ class GGUFTensors:
             if t.name == "token_embd.weight":
                 self.entries[hf] = (t, "float" if _type_name(t) in gguf_types.FLOAT_TYPES else "dequant")
                 if "lm_head" in self.types and self.types["lm_head"][0] == t.name:
-                    self.entries["lm_head.weight"], self.entries["lm_head.weight_scale"] = (t, "q"), (t, "scale")
-            elif _type_name(t) in gguf_types.FLOAT_TYPES:
+                    module, hf = "lm_head", "lm_head.weight"
+                else:
+                    continue
+            if _type_name(t) in gguf_types.FLOAT_TYPES:
                 self.entries[hf] = (t, "float")
+            elif _type_name(t) in gguf_types.INT4_GROUPS:
+                self.affine[module] = t  # not a key: handed whole to the int4 method (load_affine_weights)
             else:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
         self._decoded: dict[str, tuple[torch.Tensor, torch.Tensor, set[str]]] = {}
@@ -277,6 +287,36 @@ class GGUFTensors:
                 del self._decoded[module]
         heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
         return out if heads is None else gguf_names.unpermute_rows(out, heads)
+
+    # -- 4-bit tensors: decoded to the affine form and handed to the int4 method whole
+    def load_affine_weights(self, linears: dict[str, Any], packed: dict[str, tuple[str, str]]) -> list[str]:
+        """Decode each Q4_0 / Q4_K tensor (quantization/gguf_blocks.py) into an `int4.AffineInt4`
+        (q (N, K) uint8, scale and offset (N, K / 32) float32) and hand it to its projection's
+        method (`int4.load_affine`, which takes this rank's rows and columns); returns the
+        loaded keys as models/loader.load_weights counts them."""
+        from stoker.quantization import int4
+
+        loaded = []
+        for module, t in self.affine.items():
+            parent, _, leaf = module.rpartition(".")
+            shard = None
+            if leaf in packed:  # a shard of a merged projection (q/k/v, gate/up)
+                merged, shard = packed[leaf]
+                module = f"{parent}.{merged}" if parent else merged
+            layer = linears.get(module)
+            if layer is None:
+                raise ValueError(f"GGUF tensor {t.name} ({_type_name(t)}) matches no projection of the model")
+            q, scale, offset = gguf_blocks.AFFINE[_type_name(t)](self._raw(t))
+            heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
+            if heads is not None:  # every row's codes, scales and offsets move together
+                q, scale, offset = (gguf_names.unpermute_rows(x, heads) for x in (q, scale, offset))
+            weight = int4.AffineInt4(q.contiguous(), scale.contiguous(), offset.contiguous(), gguf_types.INT4_GROUPS[_type_name(t)])
+            try:
+                int4.load_affine(layer, shard, weight)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (GGUF tensor {t.name})") from None
+            loaded.append(f"{module}.weight#{shard}")
+        return loaded
 
     # -- decoding
     def _raw(self, t: Any) -> torch.Tensor:

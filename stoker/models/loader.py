@@ -156,6 +156,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                     filled.update(_load_fused(fused_into, name, f))
                     continue
                 filled.add(_load_one(params, linears, embeddings, packed, name, f))
+            if isinstance(raw, GGUFTensors):  # Q4_0 / Q4_K tensors, decoded whole to the int4 method's affine form
+                filled.update(raw.load_affine_weights(linears, packed))
     expected = {n for n in params if not any(n.startswith(prefix + ".") for prefix in (*linears, *moes))}
     expected.update(f"{name}.{p}" for name, layer in linears.items() for p in getattr(layer, "extra_params", ()))
     for module_name, moe in moes.items():

@@ -99,15 +99,16 @@ class LinearMethodChooser:
                     f"the quantization config ignores {[n for n, i in zip(names, ignored) if i]} but not "
                     f"{[n for n, i in zip(names, ignored) if not i]}; Stoker runs them as one GEMM, so they must agree"
                 )
-            if not all(ignored) and self.quant.weights.dtype == "int4":
+            # one scheme per checkpoint; per tensor in a GGUF file (Q4_0 int4 beside Q8_0 int8)
+            scheme = None if all(ignored) else self.quant.weights_for(names)
+            if scheme is not None and scheme.dtype == "int4":
                 from stoker.layers.int4_method import Int4LinearMethod
 
                 backend = "cpu_q4" if self.cpu_kernels else "dequant"
-                return Int4LinearMethod(self.quant.weights, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
-            if not all(ignored):
+                return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
+            if scheme is not None:
                 from stoker.layers.quantized_method import QuantizedLinearMethod
 
-                scheme = self.quant.weights_for(names)  # one per checkpoint; per tensor in a GGUF file
                 backend = quantized_backend(scheme, self.device, self.dtype)
                 if scheme.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
                     # Not dropped silently: the activations stay in the model dtype, which only

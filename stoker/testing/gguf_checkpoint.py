@@ -4,9 +4,9 @@ the test asks for; and the HF checkpoint of the weights the file stands for (deq
 reference transformers runs.
 
 Q8_0, Q4_0 and Q4_1 blocks come from `gguf.quants.quantize`; the gguf package cannot quantize
-K-quants, so Q6_K blocks are written here (`quantize_q6_k`, the layout of ggml's block_q6_K,
-checked against `gguf.quants.dequantize` by the tests) and Q4_K as any bytes (only refusals
-are tested with it).
+K-quants, so Q6_K and Q4_K blocks are written here (`quantize_q6_k`, `quantize_q4_k`, the
+layouts of ggml's block_q6_K and block_q4_K, checked against `gguf.quants.dequantize` by the
+tests) and Q5_K as any bytes (only refusals are tested with it).
 """
 
 from __future__ import annotations
@@ -60,6 +60,29 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(n, -1))
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """(N, K) float32, K a multiple of 256 -> (N, K / 256 * 144) uint8 Q4_K blocks: per 32
+    values a step s = (max - min') / 15 and a minimum m' = -min(min, 0), per 256 fp16 d =
+    max s / 63 and dmin = max m' / 63, 6-bit sc = round(s / d), m = round(m' / dmin), and
+    q = round((w + dmin m) / (d sc)) in [0, 15] (ggml's block_q4_K layout)."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    mn = -np.minimum(x.min(axis=-1), 0)  # (n, nb, 8) >= 0
+    s = (x.max(axis=-1) + mn) / 15.0
+    d, dmin = (s.max(axis=-1) / 63.0).astype(np.float16), (mn.max(axis=-1) / 63.0).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.where(df > 0, np.round(s / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dmf > 0, np.round(mn / np.where(dmf > 0, dmf, 1)), 0).clip(0, 63).astype(np.uint8)
+    step, low = (df * sc)[..., None], (dmf * m)[..., None]
+    q = np.where(step > 0, np.round((x + low) / np.where(step > 0, step, 1)), 0).clip(0, 15).astype(np.uint8)
+    # scales: bytes 0-3 sc[0:4] | top bits of sc[4:8]; 4-7 m[0:4] | top bits of m[4:8]; 8-11 low nibbles
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)  # sub-block 2i low nibbles, 2i + 1 high
+    blocks = np.concatenate([d.reshape(n, -1, 1).view(np.uint8), dmin.reshape(n, -1, 1).view(np.uint8), packed, qs], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
 def encode(w: np.ndarray, kind: str) -> np.ndarray:
     """A float (N, K) tensor in GGUF type `kind`: its data as the writer takes it."""
     import gguf
@@ -70,9 +93,11 @@ def encode(w: np.ndarray, kind: str) -> np.ndarray:
         return w.astype(np.float16)
     if kind == "Q6_K":
         return quantize_q6_k(w)
-    if kind == "Q4_K":  # any bytes with finite scales: only refusals are tested with it
+    if kind == "Q4_K":
+        return quantize_q4_k(w)
+    if kind == "Q5_K":  # any bytes with finite scales: only refusals are tested with it
         rng = np.random.default_rng(0)
-        raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // 256, 144), dtype=np.uint8)
+        raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // 256, 176), dtype=np.uint8)
         raw[..., 0:4] = 0
         return raw.reshape(w.shape[0], -1)
     return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])

@@ -1,6 +1,7 @@
 """A GGUF file under tensor parallelism on CPU over gloo: each rank reads its rows and columns
 of the decoded blocks (q/k rows un-permuted first, Q8_0 scales repeated to a merged layer's
-groups of 16, a tied LM head from token_embd's blocks split by vocabulary rows), and TP=2
+groups of 16, a tied LM head from token_embd's blocks split by vocabulary rows; Q4_0 / Q4_K
+through the int4 method, cut at groups of 32), and TP=2
 gives TP=1's greedy tokens."""
 
 from __future__ import annotations
@@ -31,3 +32,23 @@ def test_gguf_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
         rank0 = llm.engine.executor.driver_runner
         assert rank0.tp.world_size == 2
         assert isinstance(rank0.model.get_submodule("lm_head").method, QuantizedLinearMethod)
+
+
+# Q4_0 and Q4_K projections (int4, each rank's rows and whole groups of 32 columns of the decoded
+# tensors, q/k rows un-permuted first), the output tied to a Q4_0 token_embd (an int4 LM head
+# split by vocabulary rows)
+Q4_TYPES = {r"q_proj|v_proj|o_proj|up_proj": "Q4_0", r"proj\.weight": "Q4_K", r"embed_tokens": "Q4_0"}
+
+
+def test_gguf_q4_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    from stoker.layers.int4_method import Int4LinearMethod
+
+    path = write_gguf(tiny_checkpoints(ARCH, **WIDE, **OVERRIDES), tmp_path / "m.gguf", Q4_TYPES, ARCH)
+    copy_demo_tokenizer(tmp_path)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        model = llm.engine.executor.driver_runner.model
+        for name in ("lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"):
+            assert isinstance(model.get_submodule(name).method, Int4LinearMethod), name
