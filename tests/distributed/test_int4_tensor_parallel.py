@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker import LLM, SamplingParams
+from stoker import LLM
 from tests.distributed.test_tensor_parallel import GREEDY, KV, engine, run
 
 # o_proj's 256 input columns and down_proj's 512 split into whole groups of 128 at TP=2

@@ -5,10 +5,8 @@ gives TP=1's tokens; OLMoE's whole-projection q/k norm adds every rank's sums of
 from __future__ import annotations
 
 import pytest
-import torch
 
-from stoker import LLM
-from tests.distributed.test_tensor_parallel import GREEDY, KV, engine, run
+from tests.distributed.test_tensor_parallel import GREEDY, engine, run
 
 
 @pytest.mark.parametrize(

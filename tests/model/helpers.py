@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -75,3 +76,51 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], n: int) -> list[in
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          min_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+def mixed_batch_prompts(seed: int = 1, lengths: tuple[int, ...] = (3, 17, 40, 95, 180),
+                        shared_tails: tuple[int, ...] = (1, 9, 21)) -> list[list[int]]:
+    """A one-token prompt, prompts of `lengths`, and prompts sharing a 32-token prefix (two
+    full 16-token blocks: prefix-cache hits) with tails of `shared_tails` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 1000) for _ in range(32)]
+    ps = [[0]] + [[0] + [rng.randrange(5, 1000) for _ in range(n - 1)] for n in lengths]
+    return ps + [shared + [rng.randrange(5, 1000) for _ in range(k)] for k in shared_tails]
+
+
+@torch.no_grad()
+def hf_token_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    """HF's log-probability of each generated token, from one forward over prompt + tokens."""
+    logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def check_mixed_batch_vs_hf(path: Path, prompts: list[list[int]], *, max_new: int, num_blocks: int = 24,
+                            max_model_len: int = 256, budget: int = 64, skip=None) -> None:
+    """One batch of `prompts` on a KV cache of `num_blocks` 16-token blocks (too few: preemption
+    is certain) with a `budget`-token step (long prompts are chunked): each prompt's greedy
+    tokens equal HF's greedy path for it alone, their logprobs within 1e-4; the prefix cache
+    was hit, a sequence was preempted, and every block is free and whole afterwards.
+    `skip(ids)`: prompts the comparison leaves out (they still run in the batch)."""
+    from stoker import LLM, SamplingParams
+
+    llm = LLM(str(path), max_model_len=max_model_len, block_size=16, num_gpu_blocks_override=num_blocks,
+              max_num_batched_tokens=budget)
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
+    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
+    hf = load_hf(path)
+    for ids, out in zip(prompts, outs):
+        if skip is not None and skip(ids):
+            continue
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, ids, max_new), f"prompt of length {len(ids)}"
+        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
+        assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
+    llm.engine.check_integrity()
+    assert llm.engine.block_manager.num_free_blocks == num_blocks
+

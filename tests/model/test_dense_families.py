@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
-from tests.model.test_moe_families import hf_token_logprobs
+from tests.model.helpers import check_mixed_batch_vs_hf, engine_logits, hf_logits, load_hf, mixed_batch_prompts
 
 
 def longrope(num_factors: int, original: int) -> dict:
@@ -45,34 +44,12 @@ PHI3_SHORT = ("phi3", dict(partial_rotary_factor=0.5, **longrope(4, 512)))
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    shared = [rng.randrange(5, 1000) for _ in range(32)]  # two full 16-token blocks
-    ps = [[0]]
-    for n in (3, 17, 40, 95, 180):
-        ps.append([0] + [rng.randrange(5, 1000) for _ in range(n - 1)])
-    ps += [shared + [rng.randrange(5, 1000) for _ in range(k)] for k in (1, 9, 21)]
-    return ps
+    return mixed_batch_prompts()
 
 
 def check_mixed_batch(path, prompts: list[list[int]], long_rope: bool = False) -> None:
-    # 24 blocks x 16 = 384 tokens of KV for ~600: preemption is certain; a 64-token budget
-    # splits every long prompt into chunks.
-    llm = LLM(str(path), max_model_len=256, block_size=16, num_gpu_blocks_override=24, max_num_batched_tokens=64)
-    max_new = 10
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
-    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
-    hf = load_hf(path)
-    for ids, out in zip(prompts, outs):
-        if long_rope and len(ids) <= 32:
-            continue  # transformers rotates a sequence within the pretraining length with the short factors
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, ids, max_new), f"prompt of length {len(ids)}"
-        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
-        assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
-    llm.engine.check_integrity()
-    assert llm.engine.block_manager.num_free_blocks == 24
+    # transformers rotates a sequence within the pretraining length (32 here) with the short factors
+    check_mixed_batch_vs_hf(path, prompts, max_new=10, skip=(lambda ids: len(ids) <= 32) if long_rope else None)
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, "phi3-short"])

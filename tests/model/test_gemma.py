@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
+from tests.model.helpers import check_mixed_batch_vs_hf, engine_logits, hf_logits, load_hf, mixed_batch_prompts
 
 WINDOW = 24
 CONFIGS = {
@@ -39,20 +39,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    shared = [rng.randrange(5, 1000) for _ in range(32)]  # two full 16-token blocks
-    ps = [[0]]
-    for n in (3, 17, 40, 95, 180):
-        ps.append([0] + [rng.randrange(5, 1000) for _ in range(n - 1)])
-    ps += [shared + [rng.randrange(5, 1000) for _ in range(k)] for k in (1, 9, 21)]
-    return ps
-
-
-@torch.no_grad()
-def hf_token_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
-    logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return mixed_batch_prompts()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -69,19 +56,7 @@ def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) ->
     path = tiny_checkpoints(CONFIGS[name][0], **CONFIGS[name][1])
     # 24 blocks x 16 = 384 tokens of KV for ~600: preemption is certain; a 64-token budget
     # splits every long prompt into chunks.
-    llm = LLM(str(path), max_model_len=256, block_size=16, num_gpu_blocks_override=24, max_num_batched_tokens=64)
-    max_new = 12
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
-    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
-    hf = load_hf(path)
-    for ids, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, ids, max_new), f"prompt of length {len(ids)}"
-        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
-        assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
-    llm.engine.check_integrity()
+    check_mixed_batch_vs_hf(path, prompts, max_new=12)
 
 
 def test_layers_take_their_windows_caps_and_rotary_bases(tiny_checkpoints) -> None:

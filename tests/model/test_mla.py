@@ -8,14 +8,13 @@ decode equals the expanded computation; what MLA does not support is refused by 
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
 
 from stoker import LLM, SamplingParams
 from stoker.layers.mla_attention import mla_absorbed_decode, mla_expanded_attention
-from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
+from tests.model.helpers import check_mixed_batch_vs_hf, engine_logits, hf_greedy, hf_logits, load_hf, mixed_batch_prompts
 
 MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
 MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
@@ -36,17 +35,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(2)
-    shared = [rng.randrange(5, 1000) for _ in range(32)]  # two full 16-token blocks
-    ps = [[0]] + [[0] + [rng.randrange(5, 1000) for _ in range(n - 1)] for n in (5, 40, 130)]
-    return ps + [shared + [rng.randrange(5, 1000) for _ in range(k)] for k in (1, 12)]
-
-
-@torch.no_grad()
-def hf_token_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
-    logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return mixed_batch_prompts(seed=2, lengths=(5, 40, 130), shared_tails=(1, 12))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -65,20 +54,7 @@ def test_greedy_mixed_batch_matches_hf_alone(name, tiny_checkpoints, prompts) ->
     path = tiny_checkpoints(arch, **overrides)
     # 14 blocks x 16 = 224 tokens of KV for ~330: preemption is certain; a 48-token budget
     # splits the long prompts into chunks.
-    llm = LLM(str(path), max_model_len=192, block_size=16, num_gpu_blocks_override=14, max_num_batched_tokens=48)
-    max_new = 12
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.engine.block_manager.prefix_cache_hits > 0, "the test should hit the prefix cache"
-    assert llm.engine.scheduler.num_preemptions > 0, "the test should force preemption"
-    hf = load_hf(path)
-    for ids, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, ids, max_new), f"prompt of length {len(ids)}"
-        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
-        assert ours == pytest.approx(hf_token_logprobs(hf, ids, tokens), abs=1e-4)
-    llm.engine.check_integrity()
-    assert llm.engine.block_manager.num_free_blocks == 14
+    check_mixed_batch_vs_hf(path, prompts, max_new=12, num_blocks=14, max_model_len=192, budget=48)
 
 
 def test_the_cache_holds_one_latent_per_token_and_layer(tiny_checkpoints, caplog) -> None:
