@@ -66,18 +66,9 @@ def fused_moe(
         raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
     if silu_fused and (activation != "silu" or b13 is not None):
         raise ValueError("silu_fused takes SiLU without a gate/up bias (gate_up-packed panels interleave the columns)")
-    for name, bias, panels in (("b13", b13, p13), ("b2", b2, w2.shape[1])):
-        if bias is not None and (bias.shape != (num_experts, panels * nr) or bias.dtype != torch.float32
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
-                             f"({num_experts}, {panels * nr}) (pack_expert_bias)")
-    num_tokens, k = topk_ids.shape
-    if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
-                         f"{tuple(x.shape)} disagree")
-    ids = topk_ids.to(torch.int64).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    _check_biases(((("b13", b13, p13 * nr), ("b2", b2, w2.shape[1] * nr))), num_experts)
+    ids, weights, out = _routing(x, topk_weights, topk_ids, hidden)
+    num_tokens, k = ids.shape
     if num_tokens == 0:
         return out
     rows, stride = _as_rows(x)
@@ -88,10 +79,7 @@ def fused_moe(
         b2.data_ptr() if b2 is not None else None, ACTIVATIONS[activation], alpha, limit,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if status == 1:
-        raise MemoryError("fused_moe: could not allocate the scratch buffers")
-    if status == 2:
-        raise ValueError(f"topk_ids hold expert ids outside [0, {num_experts})")
+    _raise_on(status, "fused_moe", num_experts)
     return out
 
 
@@ -126,19 +114,9 @@ def fused_moe_mxfp4(
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}: expected (T, {hidden}) float32")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
-    for name, bias, n in (("b13", b13, 2 * inter), ("b2", b2, hidden)):
-        width = -(-n // nr) * nr
-        if bias is not None and (bias.shape != (num_experts, width) or bias.dtype != torch.float32
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
-                             f"({num_experts}, {width}) (pack_expert_bias)")
-    num_tokens, k = topk_ids.shape
-    if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
-                         f"{tuple(x.shape)} disagree")
-    ids = topk_ids.to(torch.int64).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    _check_biases((("b13", b13, -(-2 * inter // nr) * nr), ("b2", b2, -(-hidden // nr) * nr)), num_experts)
+    ids, weights, out = _routing(x, topk_weights, topk_ids, hidden)
+    num_tokens, k = ids.shape
     if num_tokens == 0:
         return out
     rows, stride = _as_rows(x)
@@ -148,8 +126,35 @@ def fused_moe_mxfp4(
         b13.data_ptr() if b13 is not None else None, b2.data_ptr() if b2 is not None else None,
         ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    _raise_on(status, "fused_moe_mxfp4", num_experts)
+    return out
+
+
+def _routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing as moe.c reads it: ids (T, k) int64 and weights (T, k) float32, contiguous,
+    and the (T, hidden) float32 output; the shapes checked against x's tokens."""
+    num_tokens, k = topk_ids.shape
+    if topk_weights.shape != (num_tokens, k) or num_tokens != x.shape[0]:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)} and x "
+                         f"{tuple(x.shape)} disagree")
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    return ids, weights, torch.empty(num_tokens, hidden, dtype=torch.float32)
+
+
+def _check_biases(biases: tuple[tuple[str, torch.Tensor | None, int], ...], num_experts: int) -> None:
+    """Each given bias (name, tensor, panel-padded width) is contiguous float32 (E, width) (pack_expert_bias)."""
+    for name, bias, width in biases:
+        if bias is not None and (bias.shape != (num_experts, width) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype}: expected contiguous float32 "
+                             f"({num_experts}, {width}) (pack_expert_bias)")
+
+
+def _raise_on(status: int, kernel: str, num_experts: int) -> None:
+    """moe.c's status: 1 scratch allocation failed, 2 an expert id out of range."""
     if status == 1:
-        raise MemoryError("fused_moe_mxfp4: could not allocate the scratch buffers")
+        raise MemoryError(f"{kernel}: could not allocate the scratch buffers")
     if status == 2:
         raise ValueError(f"topk_ids hold expert ids outside [0, {num_experts})")
-    return out
