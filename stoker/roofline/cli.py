@@ -55,9 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "targets by the cost model; rank by cost per million tokens; say why each rejected family fails.")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu", required=True)
-    p.add_argument("--target-tokens-per-s", type=float, required=True, help="aggregate output tokens/s to serve")
+    p.add_argument("--target-tokens-per-s", type=float, default=None,
+                   help="aggregate output tokens/s to serve (or --request-rate)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s to serve: the target is this x --output-len output tokens/s")
     p.add_argument("--ttft-p50-ms", type=float, default=None, help="median time-to-first-token budget")
-    p.add_argument("--tpot-ms", type=float, default=None, help="time-per-output-token budget")
+    p.add_argument("--tpot-ms", "--itl-ms", dest="tpot_ms", type=float, default=None,
+                   help="time-per-output-token (inter-token latency) budget")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-gpus", type=int, default=8)
@@ -73,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="scheduler token budget per step: decode batch + prefill chunk (default 8192, vLLM's)")
     p.add_argument("--device-file", metavar="DEVICES.yaml")
     _profile_flags(p)
+    from stoker.roofline.plan_extras import register_plan_extras
+
+    register_plan_extras(p)
     p.set_defaults(func=run_plan)
 
 
@@ -240,6 +247,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.device_file:
         hardware.load_gpu_yaml(args.device_file)
     eff = profiles.get_profile(args.profile)
+    if (args.target_tokens_per_s is None) == (args.request_rate is None):
+        raise ValueError("give one of --target-tokens-per-s (output tokens/s) or --request-rate (requests/s)")
+    if args.request_rate is not None:
+        args.target_tokens_per_s = args.request_rate * args.output_len
     targets = planner.PlanTargets(
         target_tokens_per_s=args.target_tokens_per_s, ttft_p50_ms=args.ttft_p50_ms, tpot_ms=args.tpot_ms,
         prompt_len=args.prompt_len, output_len=args.output_len, max_gpus=args.max_gpus,
@@ -248,9 +259,13 @@ def run_plan(args: argparse.Namespace) -> int:
     weight_dtypes = tuple(d.strip() for d in (args.weight_dtypes or "").split(",") if d.strip()) or None
     result = planner.plan(args.model, args.gpu, targets, link=args.link, eff=eff, overlap_comm=args.overlap_comm,
                           weight_dtypes=weight_dtypes)
+    from stoker.roofline import plan_extras
+
+    extras = plan_extras.compute(args, targets, result, eff)
+    ok = bool(result.feasible) or plan_extras.feasible(extras)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
-        return 0 if result.feasible else 1
+        print(json.dumps({**result.as_dict(), **plan_extras.as_dict(extras)}, indent=2))
+        return 0 if ok else 1
     gpu = hardware.get_gpu(args.gpu)
     budgets = ", ".join(b for b in (args.ttft_p50_ms and f"TTFT p50 <= {args.ttft_p50_ms:g} ms",
                                     args.tpot_ms and f"TPOT <= {args.tpot_ms:g} ms") if b) or "no latency budget"
@@ -276,7 +291,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print("\nrejected:")
         for r in result.rejected:
             print(f"  {r.family}: {r.reason}")
-    return 0 if result.feasible else 1
+    for line in plan_extras.format_lines(extras, args):
+        print(line)
+    return 0 if ok else 1
 
 
 def run_kv(args: argparse.Namespace) -> int:

@@ -79,6 +79,11 @@ class CollectiveTime:
 
 
 def _hops(collective: str, algorithm: str, n: int) -> int:
+    if collective == "all_to_all":
+        # Not a ring: every rank posts a send and a receive to each peer inside one group call, all
+        # in flight at once (nccl-tests' alltoall: ncclGroupStart, ncclSend/ncclRecv per peer,
+        # ncclGroupEnd), so it waits one step's latency, not n - 1 serial hops.
+        return 1
     if algorithm == "ring":
         return 2 * (n - 1) if collective == "all_reduce" else n - 1
     if algorithm == "tree":

@@ -206,15 +206,17 @@ def kv_read_factor(m: ModelSpec, tp: int = 1, per_query_head: bool = False) -> f
 MOE_SCHEMES = ("tp", "dp_attention")
 
 
-def experts_per_rank(m: ModelSpec, tokens: float, ep: int) -> float:
+def experts_per_rank(m: ModelSpec, tokens: float, ep: int, redundant: int = 0) -> float:
     """Touched experts of one sparse layer on the busiest of `ep` ranks, each holding E/ep whole
     experts, for a step of `tokens` tokens: each expert is touched with p = 1 - (1 - k/E)^tokens
     (ModelSpec.experts_touched / E), taken independently, so a rank's count is Binomial(E/ep, p)
     and the step waits on the expected maximum over ranks, sum_j P(max >= j) = sum_j 1 - F(j-1)^ep.
-    ep=1: experts_touched(tokens)."""
+    ep=1: experts_touched(tokens). `redundant`: extra copies of experts (SGLang's
+    --ep-num-redundant-experts, EPLB), so each rank holds (E + redundant) / ep; a copy is taken to be
+    touched as often as an expert (load balancing splits the work, not the touch)."""
     if ep == 1 or not m.is_moe:
         return m.experts_touched(tokens)
-    n = m.num_experts // ep
+    n = (m.num_experts + redundant) // ep
     p = min(1.0, max(0.0, m.experts_touched(tokens) / m.num_experts))
     pmf = [math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(n + 1)]
     cdf, expected_max = 0.0, 0.0
@@ -233,7 +235,8 @@ def _op(name: str, op_class: str, flops: float, nbytes: float, peak: float, bw: 
 def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kvd: str, tp: int,
          link: Interconnect, eff: Efficiencies, chunk: int | None = None, overlap: bool = False,
          act_dtype: str = "bf16", last_token_logits: bool = False, lora: LoRASpec | None = None,
-         kv_per_query_head: bool = False, ep: int = 1, moe_scheme: str = "tp") -> tuple[OpCost, ...]:
+         kv_per_query_head: bool = False, ep: int = 1, moe_scheme: str = "tp",
+         redundant_experts: int = 0) -> tuple[OpCost, ...]:
     tokens = batch if phase == "decode" else (chunk or batch * ctx)
     # Mean context a query attends to: all `ctx` in decode, half on average in causal prefill.
     attn_ctx = ctx if phase == "decode" else ctx / 2
@@ -245,20 +248,21 @@ def _ops(m: ModelSpec, g: GPUSpec, phase: str, batch: int, ctx: int, wd: str, kv
     seqs = max(batch, -(-chunk // ctx)) if chunk else batch
     lora_cost = LoRACost.of(m, lora, tp=tp, seqs=seqs, tokens=tokens, act_dtype=act_dtype) if lora else None
     return _token_ops(m, g, tokens, attn_ctx, kv_tokens, batch if last_token_logits else tokens, wd, kvd, tp, link,
-                      eff, overlap, act_dtype, prefill=phase == "prefill", lora=lora_cost, ep=ep, moe_scheme=moe_scheme)
+                      eff, overlap, act_dtype, prefill=phase == "prefill", lora=lora_cost, ep=ep, moe_scheme=moe_scheme,
+                      redundant_experts=redundant_experts)
 
 
 def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens: float, logit_rows: int, wd: str,
                kvd: str, tp: int, link: Interconnect, eff: Efficiencies, overlap: bool = False,
                act_dtype: str = "bf16", *, prefill: bool = False, lora: LoRACost | None = None,
-               ep: int = 1, moe_scheme: str = "tp") -> tuple[OpCost, ...]:
+               ep: int = 1, moe_scheme: str = "tp", redundant_experts: int = 0) -> tuple[OpCost, ...]:
     """The ops of a step computing `tokens` tokens that attend to `attn_ctx` positions on average,
     moving `kv_tokens` tokens' K/V, with `logit_rows` rows of logits. `prefill`: the step holds
     prompt (context) tokens, and pays the per-layer context setup (eff.prefill_layer_overhead_s).
     `lora`: the step's adapters (roofline/lora.py), one more op. `ep`, `moe_scheme`: the experts'
     layout (module docstring); under "dp_attention" `tokens` are one rank's."""
     act_bytes = dtype_bytes(act_dtype)  # activations, and the unquantized LM head and router
-    fpt = m.flops_per_token(attn_ctx)
+    fpt = m.flops_per_token(attn_ctx, absorbed=not prefill)  # MLA: absorbed decode, expanded prefill
     lp, L = m.layer_params, m.num_layers
     wb, peak, bw = dtype_bytes(wd), g.peak_flops(compute_dtype(wd, g)), g.hbm_bytes_per_s
     # MoE: per sparse layer only the experts some token in the step picked, in expectation
@@ -270,7 +274,7 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
     eb = m.expert_bytes_per_param(wd)
     if ep > 1:
         # Whole experts per rank: the busiest rank's touched experts, read by it alone (no 1/tp cut).
-        busiest = experts_per_rank(m, routed, ep) / m.experts_touched(routed) if m.is_moe else 0.0
+        busiest = experts_per_rank(m, routed, ep, redundant_experts) / m.experts_touched(routed) if m.is_moe else 0.0
         expert_w = {k: v * busiest * eb for k, v in expert_read.items()}
     else:
         expert_w = {k: v * eb / tp for k, v in expert_read.items()}  # TP cuts every expert's I
@@ -327,6 +331,10 @@ def _token_ops(m: ModelSpec, g: GPUSpec, tokens: int, attn_ctx: float, kv_tokens
         a2a = collective_time("all_to_all", tokens * m.num_experts_per_tok * h * act_bytes, ep, link,
                               efficiency=eff.comm)
         comm_s = 2 * m.num_sparse_layers * (a2a.time_s + eff.comm_latency_s)
+        if overlap:
+            # Two-batch overlap (SGLang's TBO, DeepSeek's inference system): one micro-batch's dispatch and
+            # combine run under the other's compute; only what outlasts the step's other work is exposed.
+            comm_s = max(0.0, comm_s - sum(op.time_s for op in ops))
         ops.append(OpCost("all_to_all", "comm", 0.0, 2 * m.num_sparse_layers * a2a.size_bytes, comm_s,
                           "communication"))
     gaps = L * eff.layer_overhead_s + eff.step_overhead_s
@@ -366,6 +374,7 @@ def step_cost(
     with_floor: bool = True,
     ep: int = 1,
     moe_scheme: str = "tp",
+    redundant_experts: int = 0,
 ) -> StepCost:
     """One step: decode (`batch` sequences, one new token each, `context_len` cached) or prefill
     (`batch` prompts of `context_len` tokens; with `chunk_tokens`, one chunk of that many prompt
@@ -378,9 +387,11 @@ def step_cost(
     an older kernel, e.g. TensorRT-LLM v0.6.1's masked MHA); the floor keeps one read per group.
     `with_floor=False`: floor_ops left empty (half the work; for callers that read only the time).
     `ep`, `moe_scheme`: expert parallelism (module docstring): "tp" needs ep 1 or ep == tp;
-    "dp_attention" needs tp 1, and prices one rank of `ep`, each decoding `batch` sequences."""
+    "dp_attention" needs tp 1, and prices one rank of `ep`, each decoding `batch` sequences.
+    `redundant_experts`: extra expert copies spread over the EP ranks (experts_per_rank).
+    `overlap_comm` also hides the all-to-all under the step's compute (two-batch overlap)."""
     m, g = _resolve(model, gpu)
-    _check_ep(m, tp, ep, moe_scheme)
+    _check_ep(m, tp, ep, moe_scheme, redundant_experts)
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, not {phase!r}")
     if batch < 1 or context_len < 1 or tp < 1:
@@ -398,7 +409,7 @@ def step_cost(
     dtype_bytes(act_dtype)
     args = (m, g, phase, batch, context_len, normalize_dtype(weight_dtype), kvd, tp, lnk)
     extra = (chunk_tokens, overlap_comm, act_dtype, last_token_logits, lora)
-    moe = dict(ep=ep, moe_scheme=moe_scheme)
+    moe = dict(ep=ep, moe_scheme=moe_scheme, redundant_experts=redundant_experts)
     # The floor reads each KV byte once (repeats a kernel makes may come from L2): it stays a wall.
     return StepCost(phase, batch, context_len, tp, weight_dtype, kvd, g.name,
                     _ops(*args, eff or Efficiencies(), *extra, kv_per_query_head, **moe),
@@ -406,7 +417,7 @@ def step_cost(
                     ep, moe_scheme)
 
 
-def _check_ep(m: ModelSpec, tp: int, ep: int, scheme: str) -> None:
+def _check_ep(m: ModelSpec, tp: int, ep: int, scheme: str, redundant: int = 0) -> None:
     if scheme not in MOE_SCHEMES:
         raise ValueError(f"moe_scheme must be one of {MOE_SCHEMES}, not {scheme!r}")
     if ep < 1:
@@ -415,8 +426,11 @@ def _check_ep(m: ModelSpec, tp: int, ep: int, scheme: str) -> None:
         return
     if not m.is_moe:
         raise ValueError(f"--ep {ep}: {m.name} has no experts")
-    if m.num_experts % ep:
-        raise ValueError(f"--ep {ep} does not divide {m.name}'s {m.num_experts} experts")
+    if redundant < 0:
+        raise ValueError("redundant_experts must be >= 0")
+    if (m.num_experts + redundant) % ep:
+        extra = f" + {redundant} redundant" if redundant else ""
+        raise ValueError(f"--ep {ep} does not divide {m.name}'s {m.num_experts}{extra} experts")
     if scheme == "tp" and ep != tp:
         raise ValueError(f"TP-replicated expert parallelism runs on the TP group: ep ({ep}) must equal tp ({tp})")
     if scheme == "dp_attention" and tp != 1:

@@ -16,6 +16,7 @@ class Interconnect:
     gb_per_s: float
     kind: str  # "nvlink" | "pcie" | "network" | "none": selects NCCL's per-hop latency class
     source: str
+    rdma: bool = False  # a network link that moves bytes NIC to GPU memory without the host's TCP stack
 
     def __post_init__(self) -> None:
         if self.kind not in ("nvlink", "pcie", "network", "none"):
@@ -32,7 +33,14 @@ LINKS: dict[str, Interconnect] = {
         Interconnect("nvlink-bridge", 300.0, "nvlink", f"H100 PCIe NVLink bridge 600 GB/s ({_FACTS})"),
         Interconnect("pcie4", 32.0, "pcie", f"PCIe Gen4 x16 ~32 GB/s/dir ({_FACTS})"),
         Interconnect("pcie5", 64.0, "pcie", f"PCIe Gen5 x16 ~64 GB/s/dir ({_FACTS})"),
-        Interconnect("ib-ndr", 47.0, "network", f"InfiniBand NDR 400 Gb/s, ~46-48 GB/s measured ({_FACTS})"),
+        Interconnect("ib-ndr", 47.0, "network", f"InfiniBand NDR 400 Gb/s, ~46-48 GB/s measured ({_FACTS})", rdma=True),
+        # RoCE at the same 400 Gb/s line rate as NDR: taken at NDR's measured rate.
+        Interconnect("roce-400g", 47.0, "network", f"RoCE 400 Gb/s NIC, taken at InfiniBand NDR's ~46-48 GB/s "
+                     f"measured at the same line rate ({_FACTS})", rdma=True),
+        # TCP over the same NICs: Mooncake's Transfer Engine README ("Performance") moves 190 GB/s over 8 x 400 Gbps
+        # RoCE, "about 4.6x faster than the TCP protocol": ~41 GB/s for 8 NICs, ~5.2 GB/s per GPU's NIC.
+        Interconnect("tcp", 5.2, "network", "TCP over a 400 Gb/s NIC per GPU: 190 GB/s / 4.6 / 8 NICs, "
+                     "github.com/kvcache-ai/Mooncake README, Transfer Engine performance"),
         Interconnect("infinity-fabric", 448.0, "nvlink", f"MI300X Infinity Fabric 896 GB/s ({_FACTS})"),
         Interconnect("none", 0.0, "none", "no GPU-GPU link (MIG slice or single device)"),
     )

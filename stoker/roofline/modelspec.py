@@ -27,10 +27,12 @@ INT4_GROUP_SIZE = 128
 # Stoker's int4 method holds a float32 scale and a float32 offset per group (w = q s + o).
 ENGINE_INT4_GROUP_BYTES = 8.0
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
+NVFP4_BLOCK_SIZE = 16  # NVIDIA NVFP4: E2M1 values, one FP8 E4M3 scale per 16 (plus one FP32 per tensor)
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
     "int4": 0.5 + 2.0 / INT4_GROUP_SIZE,
     "mxfp4": 0.5 + 1.0 / MX_BLOCK_SIZE,  # 4.25 bits
+    "nvfp4": 0.5 + 1.0 / NVFP4_BLOCK_SIZE,  # 4.5 bits
 }
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
 KV_DTYPES = ("bf16", "fp8")
@@ -124,6 +126,9 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # The dtype the checkpoint ships its projections in, where it ships them quantized ("fp8": DeepSeek-V3's
+    # and Kimi-K2's block-FP8, quantization_config quant_method "fp8"); "" for a float checkpoint.
+    checkpoint_dtype: str = ""
     published_params: float | None = None
     source: str = ""
 
@@ -356,7 +361,7 @@ class ModelSpec:
         return kv_bytes_per_token(self.num_layers, kv_heads_per_gpu, self.head_dim, kv_dtype)
 
     # ---- FLOPs ---------------------------------------------------------------------------
-    def flops_per_token(self, context_len: float) -> dict[str, float]:
+    def flops_per_token(self, context_len: float, absorbed: bool = True) -> dict[str, float]:
         """Forward FLOPs for one token attending to `context_len` positions, by operation.
 
         2 FLOPs per multiply-accumulate on active weights (MoE: the token's k experts and the
@@ -364,12 +369,19 @@ class ModelSpec:
         formula in facts.md (Kaplan et al. 2020, sec. 2.1). MLA is priced absorbed, as it decodes:
         every head scores the latent and rope key (r + R) and sums the latent (r) per position,
         2 x layers x heads x (2r + R) x context (the absorption's own matmuls are kv_b_proj's
-        weight FLOPs, in qkv_proj).
+        weight FLOPs, in qkv_proj). `absorbed=False`: MLA as it prefills (vLLM's and SGLang's MLA
+        backends expand the latent through kv_b_proj and run multi-head attention over the prompt):
+        per head a (qk_nope + qk_rope)-wide score and a v_head_dim-wide sum per position,
+        2 x layers x heads x (qk_nope + qk_rope + v_head_dim) x context.
         """
         lp, L, h = self.layer_params, self.num_layers, self.hidden_size
         cols = L * self.active_intermediate_size()
-        per_position = (2.0 * self.num_heads * (self.kv_lora_rank + self.mla_latent_dim) if self.is_mla
-                        else 4.0 * self.q_dim)
+        if self.is_mla:
+            width = (self.kv_lora_rank + self.mla_latent_dim if absorbed
+                     else self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+            per_position = 2.0 * self.num_heads * width
+        else:
+            per_position = 4.0 * self.q_dim
         return {
             "qkv_proj": 2.0 * L * lp["qkv_proj"],
             "attention": L * per_position * self.kv_context(context_len),  # a window caps its layers
@@ -420,6 +432,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0),
             qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
             v_head_dim=int(config.get("v_head_dim") or 0),
+            checkpoint_dtype=checkpoint_dtype(config),
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
@@ -452,6 +465,13 @@ def expert_dtype(config: dict) -> str:
     `modules_to_not_convert`); "" (the weights' dtype) otherwise."""
     q = config.get("quantization_config") or {}
     return "mxfp4" if str(q.get("quant_method", "")).lower() == "mxfp4" else ""
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """"fp8" where quantization_config ships the projections in FP8 (DeepSeek's block-FP8:
+    quant_method "fp8", weight_block_size [128, 128]); "" otherwise (mxfp4 experts: expert_dtype)."""
+    q = config.get("quantization_config") or {}
+    return "fp8" if str(q.get("quant_method", "")).lower() == "fp8" else ""
 
 
 def qkv_bias(config: dict) -> bool:

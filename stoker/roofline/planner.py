@@ -180,19 +180,29 @@ MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
 
 
 def servable_weight_dtypes(m: ModelSpec) -> tuple[str, ...]:
-    """The weight dtypes a default plan searches for `m`: what `stoker serve` runs for it."""
+    """The weight dtypes a default plan searches for `m`: what `stoker serve` runs for it. A checkpoint
+    shipped quantized (DeepSeek-V3's and Kimi-K2's block-FP8) is served as shipped (docs/mla.md)."""
+    if m.checkpoint_dtype:
+        return (m.checkpoint_dtype,)
     return MOE_SERVABLE_WEIGHT_DTYPES if m.is_moe else SERVABLE_WEIGHT_DTYPES
+
+
+def servable_kv_dtypes(m: ModelSpec) -> tuple[str, ...]:
+    """KV dtypes the engine runs for `m`: an FP8 KV cache is refused with multi-head latent attention
+    (docs/mla.md, "Refused"), so an MLA model is planned with a bf16 latent cache."""
+    return ("bf16",) if m.is_mla else KV_DTYPES
 
 
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTargets, *,
          link: Interconnect | str | None = None, weight_dtypes: tuple[str, ...] | None = None,
-         kv_dtypes: tuple[str, ...] = KV_DTYPES, tp_degrees: tuple[int, ...] = TP_DEGREES,
+         kv_dtypes: tuple[str, ...] | None = None, tp_degrees: tuple[int, ...] = TP_DEGREES,
          batches: tuple[int, ...] = BATCHES, eff: Efficiencies | None = None, overlap_comm: bool = False) -> Plan:
     """Cheapest plans; `eff` None predicts with the "engine" profile (profiles.ENGINE); `weight_dtypes`
     None searches what the engine serves for the model (servable_weight_dtypes)."""
     eff = eff or ENGINE
     m = get_model_spec(model) if isinstance(model, str) else model
     weight_dtypes = weight_dtypes or servable_weight_dtypes(m)
+    kv_dtypes = kv_dtypes or servable_kv_dtypes(m)
     g = get_gpu(gpu) if isinstance(gpu, str) else gpu
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
     feasible: list[Candidate] = []
@@ -268,6 +278,8 @@ def serve_command(model: str, c: Candidate) -> str:
         notes.append("int4 experts: not in the engine yet (--quantization int4 refuses MoE experts; docs/moe.md)")
     elif c.weight_dtype not in _ENGINE_QUANTIZATION:
         notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
+    elif spec is not None and spec.checkpoint_dtype == c.weight_dtype:
+        pass  # served as the checkpoint ships it (block-FP8): its quantization_config says so, no flag
     elif _ENGINE_QUANTIZATION[c.weight_dtype]:
         parts.append(f"--quantization {_ENGINE_QUANTIZATION[c.weight_dtype]}")
         if c.weight_dtype == "int4":

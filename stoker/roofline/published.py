@@ -65,7 +65,7 @@ import functools
 import statistics
 from dataclasses import dataclass
 
-from stoker.roofline.costmodel import decode_tokens_per_s, ttft_s
+from stoker.roofline.costmodel import decode_tokens_per_s, step_cost, ttft_s
 from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GPUSpec, get_gpu
 from stoker.roofline.modelspec import ModelSpec, get_model_spec
@@ -76,7 +76,7 @@ GPT_FAST_MIXTRAL = "github.com/pytorch-labs/gpt-fast mixtral-moe/README.md#bench
 VLLM_NIGHTLY = "buildkite.com/vllm/performance-benchmark/builds/{build} Latency tests (vLLM nightly)"
 TT_QWEN3 = "github.com/tenstorrent/tt-inference-server/issues/340 (Qwen3-30B-A3B on A100, vLLM, 2025-07-18)"
 TRT_PERF = "github.com/NVIDIA/TensorRT-LLM docs/source/performance.md @138f96d"
-KINDS = ("decode", "static", "ttft")
+KINDS = ("decode", "static", "ttft", "prefill")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,16 @@ class PublicPoint:
     # per group (costmodel.kv_read_factor): a property of the measured engine's kernel, read from
     # its source (KV_READS below); changes nothing for an MHA model (llama-2-7b: groups of one).
     kv_per_query_head: bool = False
+    # Expert-parallel deployments (DEEPSEEK_POINTS): the layout as the cost model's step_cost takes it;
+    # figures of a "dp_attention" point are one rank's (one GPU). `link`: the link the all-to-all
+    # crosses; `overlap_comm`: the engine overlaps communication with compute (two-batch overlap);
+    # `expert_dtype`: the experts' storage dtype where the measured run quantized them on its own.
+    ep: int = 1
+    moe_scheme: str = "tp"
+    redundant_experts: int = 0
+    link: str | None = None
+    overlap_comm: bool = False
+    expert_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -117,6 +127,8 @@ def predict(p: PublicPoint, eff: Efficiencies | None = None) -> float:
     """The cost model's figure for the point, in the point's own unit."""
     kw = dict(weight_dtype=p.weight_dtype, kv_dtype=p.kv_dtype, tp=p.tp, eff=eff)
     model, gpu = _shapes(p.model, p.gpu)
+    if p.ep > 1 or p.kind == "prefill" or p.expert_dtype or p.link or p.overlap_comm:
+        return _predict_layout(p, model, gpu, eff)
     if p.kind == "decode":
         return decode_tokens_per_s(model, gpu, batch=p.batch, context_len=p.input_len + p.output_len // 2,
                                    kv_per_query_head=p.kv_per_query_head, **kw)  # type: ignore[arg-type]
@@ -124,6 +136,22 @@ def predict(p: PublicPoint, eff: Efficiencies | None = None) -> float:
         return static_batch_tokens_per_s(model, gpu, batch=p.batch, input_len=p.input_len,
                                          output_len=p.output_len, kv_per_query_head=p.kv_per_query_head, **kw)
     return ttft_s(model, gpu, p.input_len, **kw)  # type: ignore[arg-type]  # one context step: no decode reads
+
+
+def _predict_layout(p: PublicPoint, model: ModelSpec, gpu: GPUSpec, eff: Efficiencies | None) -> float:
+    """A point with a parallel layout of its own: decode tokens/s or prefill prompt tokens/s of one
+    step of `batch` sequences (prefill: `batch` prompts of input_len tokens in one step)."""
+    m = dataclasses.replace(model, expert_dtype=p.expert_dtype) if p.expert_dtype else model
+    kw = dict(weight_dtype=p.weight_dtype, kv_dtype=p.kv_dtype, tp=p.tp, eff=eff, ep=p.ep, moe_scheme=p.moe_scheme,
+              redundant_experts=p.redundant_experts, link=p.link, overlap_comm=p.overlap_comm, with_floor=False)
+    if p.kind == "prefill":
+        step = step_cost(m, gpu, phase="prefill", batch=1, context_len=p.input_len, chunk_tokens=p.batch * p.input_len,
+                         **kw)  # type: ignore[arg-type]
+        return p.batch * p.input_len / step.step_time_s
+    if p.kind != "decode":
+        raise ValueError(f"{p.label}: a layout point is a decode or prefill point, not {p.kind!r}")
+    return step_cost(m, gpu, batch=p.batch, context_len=p.input_len + p.output_len // 2,
+                     **kw).tokens_per_s  # type: ignore[arg-type]
 
 
 def speed_ratio(p: PublicPoint, eff: Efficiencies | None = None) -> float:
@@ -282,4 +310,46 @@ MOE_POINTS: tuple[PublicPoint, ...] = (
     _vllm_latency("A100-80GB", 9523, 3643.84),
     PublicPoint("tt-inference-server Qwen3-30B-A3B A100 bf16 b1 128/128", "qwen3-30b-a3b", "A100-80GB", 1, "bf16",
                 "bf16", "decode", 1, 128, 128, 103.9, TT_QWEN3, note=QWEN3_A100_NOTE),
+)
+
+
+# DeepSeek-V3/R1 points (issue 37), out of the fit like MOE_POINTS. Figures per GPU: a DP-attention rank
+# is one GPU, and the per-node figures are divided by the node's 8 GPUs.
+SGLANG_LARGE_EP = ("github.com/lm-sys/lm-sys.github.io blog/2025-05-05-large-scale-ep.md (lmsys.org, \"Deploying "
+                   "DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs\"), Evaluation")
+TRT_B200_MIN_LATENCY = ("nvidia.github.io/TensorRT-LLM blogs/tech_blog/blog1_Pushing_Latency_Boundaries_Optimizing_"
+                        "DeepSeek-R1_Performance_on_NVIDIA_B200_GPUs (8 x B200, ISL 1k / OSL 2k, batch 1)")
+SGLANG_PREFILL_NOTE = ("pessimistic: the all-to-all is priced as k = 8 bf16 copies of every token over its NIC "
+                       "(1.9 GB per rank per layer at 16,384 tokens: 5.5 s a step, against 1.4 s of compute); DeepEP's "
+                       "prefill (normal) kernels send each token once per destination node over RDMA (DeepSeek's "
+                       "node-limited routing: at most 4 nodes) in FP8 and fan out over NVLink, which the link model "
+                       "does not know")
+SGLANG_DECODE_NOTE = ""
+TRT_B200_NOTE = ("pessimistic: the figure is with 3 MTP draft layers (speculative decoding: several tokens accepted per "
+                 "step), which the cost model does not price; and the engine profile's 50 us per layer of launch "
+                 "gaps (fitted to 2023 engines) is what CUDA graphs and programmatic dependent launch remove in the "
+                 "blog's engine. Not fitted")
+
+
+def _sglang(label: str, kind: str, batch: int, isl: int, osl: int, per_node: float, ep: int, redundant: int,
+            note: str = "") -> PublicPoint:
+    # SGLang's runs: block-FP8 weights as shipped (DeepGEMM), bf16 latent cache, DP attention + DeepEP over
+    # 400 Gb/s InfiniBand between nodes (the blog's Atlas Cloud H100 nodes), two-batch overlap on.
+    return PublicPoint(label, "deepseek-v3", "H100", 1, "fp8", "bf16", kind, batch, isl, osl, per_node / 8,
+                       SGLANG_LARGE_EP, note=note, ep=ep, moe_scheme="dp_attention", redundant_experts=redundant,
+                       link="ib-ndr", overlap_comm=True)
+
+
+DEEPSEEK_POINTS: tuple[PublicPoint, ...] = (
+    # Decode: 9 nodes (EP72; 256 + 32 redundant experts = 4 per rank), 256 sequences per GPU, KV length 2,000:
+    # 22,282 tokens/s per node (the profile table: batch 256, KV cache length 2,000, 9 nodes).
+    _sglang("SGLang DeepSeek-V3 H100 decode EP72 b256 ctx 2000 (per GPU)", "decode", 256, 2000, 1, 22282, 72, 32,
+            SGLANG_DECODE_NOTE),
+    # Prefill: 4 nodes (EP32), 16,384 tokens per device, prompts of 4,096: 50,302 tokens/s per node.
+    _sglang("SGLang DeepSeek-V3 H100 prefill EP32 16384 tokens of 4096 (per GPU)", "prefill", 4, 4096, 1, 50302, 32, 0,
+            SGLANG_PREFILL_NOTE),
+    # TensorRT-LLM min latency: 253 tokens/s per user before GTC 2025 (3 MTP layers), attention bf16, MoE
+    # experts nvfp4, TP8 attention (experts TP4 x EP2, priced here as the TP cut: the same bytes per rank).
+    PublicPoint("TRT-LLM DeepSeek-R1 8 x B200 min latency b1 1k/2k (MTP)", "deepseek-v3", "B200", 8, "bf16", "bf16",
+                "decode", 1, 1024, 2048, 253.0, TRT_B200_MIN_LATENCY, note=TRT_B200_NOTE, expert_dtype="nvfp4"),
 )
