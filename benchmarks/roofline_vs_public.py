@@ -64,6 +64,7 @@ def main() -> None:
           f"{refit.replace(moe_layer_overhead_s=floor) == ENGINE}")
     moe_kernel_table()
     moe_table()
+    deepseek_table()
 
 
 _MOE_SOURCES = {published.GPT_FAST_MIXTRAL: "gpt-fast mixtral-moe README", published.TT_QWEN3: "tt-inference-server #340"}
@@ -84,6 +85,26 @@ def moe_table() -> None:
     print(f"\nMoE points: {e['n']}; kernel profile median {k['median_ratio']:.2f}, {k['within']} within 25%; engine "
           f"profile median {e['median_ratio']:.2f}, {e['within']} within 25%; ceiling at or above every one: "
           f"{all(published.ceiling_ratio(p) >= 1 for p in published.MOE_POINTS)}")
+
+
+_DEEPSEEK_SOURCES = {published.SGLANG_LARGE_EP: "SGLang large-scale EP blog", published.TRT_B200_MIN_LATENCY:
+                     "TRT-LLM B200 min-latency blog"}
+
+
+def deepseek_table() -> None:
+    """The DeepSeek-V3/R1 points (published.DEEPSEEK_POINTS, issue 37): MLA + expert parallelism, out of the fit."""
+    print("\nDeepSeek-V3/R1 points (published.DEEPSEEK_POINTS, not fitted; figures per GPU):\n")
+    print("| point | kind | layout | source | measured | engine pred. | ratio | ceiling ratio | note |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|")
+    for p in published.DEEPSEEK_POINTS:
+        layout = (f"DP attention + EP{p.ep} ({p.redundant_experts} redundant), {p.link}, TBO" if p.ep > 1
+                  else f"TP{p.tp}, experts {p.expert_dtype or p.weight_dtype}")
+        unit = "prompt tok/s" if p.kind == "prefill" else "tok/s"
+        print(f"| {p.label} | {p.kind} | {layout} | {_DEEPSEEK_SOURCES[p.source]} | {p.measured:,.0f} {unit} | "
+              f"{published.predict(p, ENGINE):,.0f} {unit} | {published.speed_ratio(p, ENGINE):.2f} | "
+              f"{published.ceiling_ratio(p):.2f} | {p.note} |")
+    e = published.summary(published.DEEPSEEK_POINTS, ENGINE)
+    print(f"\nDeepSeek points: {e['n']}; engine profile median {e['median_ratio']:.2f}, {e['within']} within 25%")
 
 
 def moe_kernel_table() -> None:

@@ -115,8 +115,11 @@ def _layout(m: ModelSpec, g: GPUSpec, t: PlanTargets, n: int, inter: str, wd: st
     per_gpu = b / itl
     groups = math.ceil(t.target_tokens_per_s / (per_gpu * n))
     a2a = 2 * m.num_sparse_layers * b * m.num_experts_per_tok * m.hidden_size * 2.0 if n > 1 else 0.0
-    reason = "" if t.ttft_p50_ms is None or ttft * 1e3 <= t.ttft_p50_ms else (
-        f"TTFT {ttft * 1e3:.0f} ms > budget {t.ttft_p50_ms:g} ms")
+    reason = ""
+    if t.ttft_p50_ms is not None and ttft * 1e3 > t.ttft_p50_ms:
+        reason = f"TTFT {ttft * 1e3:.0f} ms > budget {t.ttft_p50_ms:g} ms"
+    elif groups * n > t.max_gpus:
+        reason = f"needs {groups * n} GPUs > --max-gpus {t.max_gpus}"
     return _with(base, max_batch=b, itl_ms=itl * 1e3, ttft_ms=ttft * 1e3, tokens_per_s_per_gpu=per_gpu,
                  all_to_all_mb_per_step=a2a / 1e6, groups=groups, gpus=groups * n, reason=reason)
 

@@ -74,8 +74,11 @@ def _host_tier(args: argparse.Namespace, targets: PlanTargets, result: Plan, eff
 
 
 def feasible(extras: dict[str, Any]) -> bool:
+    """Whether an asked-for section found a layout that meets the targets (the exit code counts it)."""
     d = extras.get("disaggregation")
-    return d is not None and d.disaggregated is not None and d.verdict != "refused"
+    if d is not None and d.disaggregated is not None and d.verdict != "refused":
+        return True
+    return any(x.max_batch and not x.reason for x in extras.get("expert_parallel", ()))
 
 
 def as_dict(extras: dict[str, Any]) -> dict[str, Any]:

@@ -102,3 +102,12 @@ def test_plan_json_carries_the_comparison(capsys) -> None:
 def test_plan_needs_exactly_one_rate(capsys) -> None:
     assert main(["plan", "--model", "llama-3-8b", "--gpu", "H100"]) == 2
     assert "--request-rate" in capsys.readouterr().err
+
+
+def test_plan_sections_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, stoker.roofline.disagg, stoker.roofline.host_tier, stoker.roofline.ep_sizing, "
+            "stoker.roofline.plan_extras; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
