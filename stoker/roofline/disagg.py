@@ -272,7 +272,9 @@ def _disaggregated(t: PlanTargets, decode: dict[str, _Pool], prefill: dict[str, 
                       f"transfer {xfer.time_s * 1e3:.1f} ms over {klnk.name} + the first decode step "
                       f"{d.latency_s * 1e3:.1f} ms"), xfer
     desc = f"{p.describe('prefill')}; {d.describe('decode')}"
-    return Layout("disaggregated", gpus, desc, d.rate, ttft * 1e3, d.latency_s * 1e3, p.gpus, d.gpus,
+    # The split serves what its tighter pool allows: decode's output tokens/s, or prefill's prompts x output.
+    capacity = min(d.rate, p.rate / t.prompt_len * t.output_len)
+    return Layout("disaggregated", gpus, desc, capacity, ttft * 1e3, d.latency_s * 1e3, p.gpus, d.gpus,
                   xfer.time_s * 1e3), "", xfer
 
 
