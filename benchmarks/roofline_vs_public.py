@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stoker.roofline import moe_kernels, published
+from stoker.roofline import moe_kernels, published, published_deepseek
 from stoker.roofline.calibrate import fit_points, points_loss
 from stoker.roofline.profiles import ENGINE, KERNEL
 
@@ -87,23 +87,23 @@ def moe_table() -> None:
           f"{all(published.ceiling_ratio(p) >= 1 for p in published.MOE_POINTS)}")
 
 
-_DEEPSEEK_SOURCES = {published.SGLANG_LARGE_EP: "SGLang large-scale EP blog", published.TRT_B200_MIN_LATENCY:
-                     "TRT-LLM B200 min-latency blog"}
+_DEEPSEEK_SOURCES = {published_deepseek.SGLANG_LARGE_EP: "SGLang large-scale EP blog",
+                     published_deepseek.TRT_B200_MIN_LATENCY: "TRT-LLM B200 min-latency blog"}
 
 
 def deepseek_table() -> None:
-    """The DeepSeek-V3/R1 points (published.DEEPSEEK_POINTS, issue 37): MLA + expert parallelism, out of the fit."""
-    print("\nDeepSeek-V3/R1 points (published.DEEPSEEK_POINTS, not fitted; figures per GPU):\n")
+    """The DeepSeek-V3/R1 points (published_deepseek.DEEPSEEK_POINTS, issue 37): MLA + expert parallelism, out of the fit."""
+    print("\nDeepSeek-V3/R1 points (published_deepseek.DEEPSEEK_POINTS, not fitted; figures per GPU):\n")
     print("| point | kind | layout | source | measured | engine pred. | ratio | ceiling ratio | note |")
     print("|---|---|---|---|---:|---:|---:|---:|---|")
-    for p in published.DEEPSEEK_POINTS:
+    for p in published_deepseek.DEEPSEEK_POINTS:
         layout = (f"DP attention + EP{p.ep} ({p.redundant_experts} redundant), {p.link}, TBO" if p.ep > 1
                   else f"TP{p.tp}, experts {p.expert_dtype or p.weight_dtype}")
         unit = "prompt tok/s" if p.kind == "prefill" else "tok/s"
         print(f"| {p.label} | {p.kind} | {layout} | {_DEEPSEEK_SOURCES[p.source]} | {p.measured:,.0f} {unit} | "
               f"{published.predict(p, ENGINE):,.0f} {unit} | {published.speed_ratio(p, ENGINE):.2f} | "
               f"{published.ceiling_ratio(p):.2f} | {p.note} |")
-    e = published.summary(published.DEEPSEEK_POINTS, ENGINE)
+    e = published.summary(published_deepseek.DEEPSEEK_POINTS, ENGINE)
     print(f"\nDeepSeek points: {e['n']}; engine profile median {e['median_ratio']:.2f}, {e['within']} within 25%")
 
 

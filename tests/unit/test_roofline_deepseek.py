@@ -1,5 +1,5 @@
 """DeepSeek-V3 / Kimi-K2 on the wall: the latent KV the engine holds, FP8 as shipped, EP sizing, and the
-published DeepSeek points (roofline/ep_sizing.py, published.DEEPSEEK_POINTS)."""
+published DeepSeek points (roofline/ep_sizing.py, published_deepseek.DEEPSEEK_POINTS)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from stoker.cli import main
 from stoker.config import KVCacheSpec
-from stoker.roofline import published
+from stoker.roofline import published, published_deepseek
 from stoker.roofline.collectives import collective_time
 from stoker.roofline.costmodel import experts_per_rank, step_cost
 from stoker.roofline.ep_sizing import ep_layouts, ep_weight_bytes
@@ -99,8 +99,8 @@ def test_two_batch_overlap_hides_the_all_to_all_under_compute() -> None:
 
 
 def test_published_deepseek_points_predicted_or_explained() -> None:
-    pts = published.DEEPSEEK_POINTS
-    assert {p.source for p in pts} == {published.SGLANG_LARGE_EP, published.TRT_B200_MIN_LATENCY}
+    pts = published_deepseek.DEEPSEEK_POINTS
+    assert {p.source for p in pts} == {published_deepseek.SGLANG_LARGE_EP, published_deepseek.TRT_B200_MIN_LATENCY}
     for p in pts:
         r = published.speed_ratio(p, ENGINE)
         assert abs(r - 1) <= 0.25 or p.note, f"{p.label}: ratio {r:.2f} with no explanation"
