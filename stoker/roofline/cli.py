@@ -250,6 +250,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if (args.target_tokens_per_s is None) == (args.request_rate is None):
         raise ValueError("give one of --target-tokens-per-s (output tokens/s) or --request-rate (requests/s)")
     if args.request_rate is not None:
+        if args.request_rate <= 0:
+            raise ValueError("--request-rate must be > 0 (requests/s)")
         args.target_tokens_per_s = args.request_rate * args.output_len
     targets = planner.PlanTargets(
         target_tokens_per_s=args.target_tokens_per_s, ttft_p50_ms=args.ttft_p50_ms, tpot_ms=args.tpot_ms,

@@ -43,6 +43,9 @@ def compute(args: argparse.Namespace, targets: PlanTargets, result: Plan, eff: E
     """The sections the flags ask for, computed once for the text and the JSON."""
     out: dict[str, Any] = {}
     weight_dtypes = tuple(d.strip() for d in (args.weight_dtypes or "").split(",") if d.strip()) or None
+    if args.multi_turn is None and (args.kv_offloading_size or args.conversations is not None):
+        raise ValueError("--kv-offloading-size and --conversations price the host tier of a multi-turn workload: "
+                         "add --multi-turn TURNS (and --turn-tokens)")
     if args.compare_disaggregated:
         from stoker.roofline.disagg import compare_layouts
 
@@ -53,10 +56,20 @@ def compute(args: argparse.Namespace, targets: PlanTargets, result: Plan, eff: E
     if args.ep_sizes:
         from stoker.roofline.ep_sizing import ep_layouts
 
-        sizes = tuple(int(v) for v in args.ep_sizes.split(",") if v.strip())
+        sizes = _ep_sizes(args.ep_sizes)
         out["expert_parallel"] = ep_layouts(args.model, args.gpu, targets, ep_sizes=sizes, inter_node_link=args.ep_link,
                                             weight_dtype=(weight_dtypes or (None,))[0], eff=eff)
     return out
+
+
+def _ep_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--ep takes comma-separated GPU counts like 8,16,32, not {text!r}")
+    return sizes
 
 
 def _host_tier(args: argparse.Namespace, targets: PlanTargets, result: Plan, eff: Efficiencies) -> Any:
@@ -67,7 +80,7 @@ def _host_tier(args: argparse.Namespace, targets: PlanTargets, result: Plan, eff
     c = result.feasible[0]
     active = c.max_batch * (targets.prompt_len + targets.output_len)  # what the running batch holds
     return price_host_tier(args.model, args.gpu, turns=args.multi_turn, turn_tokens=args.turn_tokens,
-                           conversations=args.conversations or c.max_batch,
+                           conversations=args.conversations if args.conversations is not None else c.max_batch,
                            device_tokens=max(0, c.kv_capacity_tokens - active), offloading_gib=args.kv_offloading_size,
                            weight_dtype=c.weight_dtype, kv_dtype=c.kv_dtype, tp=c.tp, link=args.link,
                            host_link=args.host_link, max_num_batched_tokens=targets.max_num_batched_tokens, eff=eff)

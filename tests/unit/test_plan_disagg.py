@@ -111,3 +111,23 @@ def test_plan_sections_import_no_torch() -> None:
     code = ("import sys, stoker.roofline.disagg, stoker.roofline.host_tier, stoker.roofline.ep_sizing, "
             "stoker.roofline.plan_extras; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--compare-disaggregated", "--kv-link", "carrier-pigeon"], "unknown interconnect"),
+        (["--ep", "8,x"], "--ep takes comma-separated GPU counts"),
+        (["--ep", "8"], "has no experts"),
+        (["--kv-offloading-size", "64"], "add --multi-turn"),
+        (["--multi-turn", "4", "--conversations", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_section_flags_are_one_clear_error(extra: list[str], message: str, capsys) -> None:
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--target-tokens-per-s", "1000", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_request_rate(capsys) -> None:
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--request-rate", "0"]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
