@@ -15,7 +15,7 @@ and with C tokens of cache the prefix is still there with p = min(1, C / W).
     device only    p_dev = min(1, C_device / W)
     with the tier  p_all = min(1, (C_device + C_host) / W); host hits = p_all - p_dev: prefixes the
                    device evicted (vLLM's offloading connector writes evicted blocks to the host pool,
-                   keyed by the same prefix hash; docs of issue 35, "Host KV tier").
+                   keyed by the same prefix hash: the tier of issue 35).
 Hit rate = prompt tokens found cached / prompt tokens = p x (turns - 1) / (turns + 1) (the sum of
 (n - 1) T over the sum of n T). One turn: no reuse, so no hits and no gain; more tier: never fewer hits.
 TTFT of turn n (the cost model's prefill, roofline/workloads.py, no queueing):
@@ -25,7 +25,8 @@ TTFT of turn n (the cost model's prefill, roofline/workloads.py, no queueing):
                 TP share of the KV on its own PCIe link, at the comm share of the link's rate)
 Device capacity: the replica's KV tokens less what its running batch holds (vLLM keeps a finished
 request's blocks cached in the free pool until they are reused or evicted). Host capacity:
-offloading_gib (the replica's buffer, all its TP ranks together) / KV bytes per token.
+offloading_gib / KV bytes per token: vLLM's CacheConfig.kv_offloading_size is "the total buffer size
+summed across all TP ranks" (vllm/config/cache.py), so the replica's whole KV per token.
 Not modelled: a skewed (Zipf) conversation popularity (LRU does better than this uniform case),
 copies overlapped with other work, the store bandwidth of evictions.
 """
