@@ -1,0 +1,153 @@
+"""EAGLE-3 drafting (method "eagle3") through the engine, with a tiny random head written in the
+published layout (`LlamaForCausalLMEagle3`: `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`;
+no embedding, the target's is shared). Random weights propose nearly random drafts, so what
+is tested is the loading and the verification path: output equal to decoding without drafts,
+drafts really proposed and verified. Acceptance of a trained head cannot be measured here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from stoker import LLM, SamplingParams
+
+REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}
+PLAIN = {"prompt_token_ids": list(range(40, 75))}
+PROMPTS = [REPEAT, PLAIN, {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}, "hello there, how are you"]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def write_eagle3_head(path: Path, target: Path, draft_vocab: int = 96, seed: int = 0, **config) -> Path:
+    """A one-layer EAGLE-3 head for `target` (hidden 64, vocab from its config) in the published layout."""
+    tc = json.loads((target / "config.json").read_text())
+    hidden, vocab, inter = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
+    heads, kv_heads = tc["num_attention_heads"], tc["num_key_value_heads"]
+    head_dim = hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    # the draft vocabulary: a sorted subset of the target's (as the published heads keep the most frequent ids)
+    kept = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    tensors = {
+        "fc.weight": w(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": 1 + w(hidden, std=0.1),
+        "midlayer.hidden_norm.weight": 1 + w(hidden, std=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + w(hidden, std=0.1),
+        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden),
+        "midlayer.mlp.up_proj.weight": w(inter, hidden),
+        "midlayer.mlp.down_proj.weight": w(hidden, inter),
+        "norm.weight": 1 + w(hidden, std=0.1),
+        "lm_head.weight": w(draft_vocab, hidden, std=0.3),
+        "d2t": kept - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": tc["max_position_embeddings"], "rope_theta": tc.get("rope_theta", 10000.0),
+           "tie_word_embeddings": False, "vocab_size": vocab, "draft_vocab_size": draft_vocab, **config}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("llama", num_hidden_layers=4)  # vLLM's default taps (2, L // 2, L - 3) need L >= 3
+
+
+@pytest.fixture(scope="module")
+def head(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_eagle3_head(tmp_path_factory.mktemp("eagle3"), target)
+
+
+def _make(path: Path, spec: dict | None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(str(path), speculative_config=spec, **kw)
+
+
+def _tokens(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def base(target: Path) -> LLM:
+    return _make(target, None)
+
+
+@pytest.fixture(scope="module")
+def eagle(target: Path, head: Path) -> LLM:
+    return _make(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+
+
+def test_greedy_output_equals_decoding_without_drafts(base: LLM, eagle: LLM) -> None:
+    before = eagle.engine.stats().spec_decoding
+    assert _tokens(eagle, PROMPTS, GREEDY) == _tokens(base, PROMPTS, GREEDY)
+    after = eagle.engine.stats().spec_decoding
+    assert after.num_drafts > before.num_drafts and after.num_draft_tokens > before.num_draft_tokens
+
+
+def test_the_head_maps_draft_ids_into_the_target_vocabulary(eagle: LLM, head: Path) -> None:
+    """Every proposal is a target id the head's d2t reaches (a draft id left unmapped would
+    almost surely fall outside the kept set)."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(head / "model.safetensors"))
+    reachable = set((torch.arange(t["d2t"].numel()) + t["d2t"]).tolist())
+    engine = eagle.engine
+    seen: list[int] = []
+    execute = engine.executor.execute
+
+    def spy(step):
+        result = execute(step)
+        for drafts in result.draft_token_ids.values():
+            seen.extend(drafts)
+        return result
+
+    engine.executor.execute = spy
+    try:
+        _tokens(eagle, [REPEAT, PLAIN], GREEDY)
+    finally:
+        engine.executor.execute = execute
+    assert seen and set(seen) <= reachable
+
+
+def test_chunked_prompts_and_pinned_layers_stay_lossless(target: Path, base: LLM, tmp_path: Path) -> None:
+    """Long prompts cut into chunks (the head's carried row between chunks) and a head that names
+    its target layers (eagle_aux_hidden_state_layer_ids)."""
+    pinned = write_eagle3_head(tmp_path / "pinned", target, seed=3, eagle_aux_hidden_state_layer_ids=[0, 1, 3])
+    llm = _make(target, {"method": "eagle3", "model": str(pinned), "num_speculative_tokens": 2},
+                max_num_batched_tokens=24, enable_chunked_prefill=True)
+    assert _tokens(llm, PROMPTS, GREEDY) == _tokens(base, PROMPTS, GREEDY)
+    assert llm.engine.stats().spec_decoding.num_drafts > 0
+
+
+def test_seeded_sampling_is_reproducible(eagle: LLM) -> None:
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=11)
+    assert _tokens(eagle, [REPEAT], p) == _tokens(eagle, [REPEAT, PLAIN], p)[:1]
+
+
+def test_a_head_that_does_not_fit_the_target_is_refused(target: Path, tmp_path: Path) -> None:
+    wrong = write_eagle3_head(tmp_path / "wrong", target, eagle_aux_hidden_state_layer_ids=[0, 1, 9])
+    with pytest.raises(ValueError, match="three target layers"):
+        _make(target, {"method": "eagle3", "model": str(wrong), "num_speculative_tokens": 2})
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        _make(target, {"method": "eagle3", "model": str(wrong), "num_speculative_tokens": 2})
