@@ -228,7 +228,8 @@ class SpeculativeConfig:
             known = {"method", "num_speculative_tokens", "model", "draft_tensor_parallel_size"}
         unknown = sorted(set(values) - known)
         if unknown:
-            cls(method=values["method"])  # an unbuilt method is named before its keys are
+            if values["method"] not in SPECULATIVE_METHODS:
+                cls(method=values["method"])  # an unbuilt method is named before its keys are
             raise ValueError(f"speculative_config keys {', '.join(unknown)} are not supported for method "
                              f"{values['method']!r}; supported keys: {', '.join(sorted(known))}")
         if "num_speculative_tokens" not in values:

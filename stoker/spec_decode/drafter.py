@@ -95,8 +95,9 @@ class Drafter:
         seqs, rows = [], 0
         for p in plans:
             last = p.start_pos + len(p.token_ids) - 1 + max(p.num_drafts - 1, 0)
-            table = self.cache.table_with_scratch(p.block_table, last, rows) if p.num_drafts else p.block_table
-            rows += p.num_drafts > 0
+            # a sampled row's new token (and its lookahead) may lie past the allocated blocks
+            table = self.cache.table_with_scratch(p.block_table, last, rows)
+            rows += len(table) > len(p.block_table)
             seqs.append(SeqStep(p.seq_id, p.token_ids, p.start_pos, table, p.num_drafts > 0))
         hidden = torch.cat([p.hidden for p in plans]) if plans[0].hidden is not None else None
         tokens, nxt = self.run(seqs, hidden)
