@@ -151,3 +151,84 @@ def test_a_head_that_does_not_fit_the_target_is_refused(target: Path, tmp_path: 
     (wrong / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         _make(target, {"method": "eagle3", "model": str(wrong), "num_speculative_tokens": 2})
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """(T, H, D) with Llama's rotary (rotate-half pairs)."""
+    d = x.shape[-1]
+    freqs = positions[:, None].float() * (1.0 / theta ** (torch.arange(0, d, 2).float() / d))[None]
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _reference_drafts(head: Path, target: Path, prompt: list[int], k: int) -> list[int]:
+    """The head's first k greedy drafts after a prefill of `prompt`, in plain torch from the
+    checkpoint tensors and Hugging Face's hidden states of the target (hidden_states[j] is the
+    residual stream entering layer j)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((head / "config.json").read_text())
+    t = load_file(str(head / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    num_layers = hf.config.num_hidden_layers
+    taps = (2, num_layers // 2, num_layers - 3)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), output_hidden_states=True)
+        new = int(out.logits[0, -1].argmax())  # the target's sampled token
+        aux = torch.cat([out.hidden_states[j][0] for j in taps], -1)  # (L, 3 x hidden)
+        hidden = aux @ t["fc.weight"].T  # (L, hidden)
+        embed = hf.model.embed_tokens.weight
+        tokens = prompt[1:] + [new]  # row p reads the token at p + 1
+        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        d = cfg["hidden_size"] // heads
+        drafts: list[int] = []
+        for _ in range(k):
+            rows = len(tokens)
+            x = torch.cat([_rms(embed[tokens], t["midlayer.input_layernorm.weight"]),
+                           _rms(hidden, t["midlayer.hidden_norm.weight"])], -1)
+            pos = torch.arange(rows)
+            q = _rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(rows, heads, d), pos, cfg["rope_theta"])
+            kk = _rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(rows, kv_heads, d), pos, cfg["rope_theta"])
+            v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(rows, kv_heads, d)
+            rep = heads // kv_heads
+            kk, v = kk.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, kk) / d**0.5
+            scores = scores.masked_fill(torch.triu(torch.ones(rows, rows, dtype=torch.bool), 1), float("-inf"))
+            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(rows, heads * d)
+            h = attn @ t["midlayer.self_attn.o_proj.weight"].T + hidden
+            m = _rms(h, t["midlayer.post_attention_layernorm.weight"])
+            mlp = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T))
+            prenorm = mlp @ t["midlayer.mlp.down_proj.weight"].T + h
+            best = int((_rms(prenorm[-1], t["norm.weight"]) @ t["lm_head.weight"].T).argmax())
+            drafts.append(best + int(t["d2t"][best]))
+            tokens = tokens + [drafts[-1]]  # the next row: the draft token, the head's own output as hidden
+            hidden = torch.cat([hidden, prenorm[-1:]])
+    return drafts
+
+
+def test_first_drafts_match_a_plain_torch_reference(eagle: LLM, head: Path, target: Path) -> None:
+    """The layout, end to end: which target layers feed fc, the 2 x hidden attention input, the
+    residuals, the pre-norm feedback, d2t. The engine's proposals after a prompt's prefill equal
+    the reference computed from the checkpoint files."""
+    prompt = list(range(40, 75))
+    engine = eagle.engine
+    proposals: list[list[int]] = []
+    execute = engine.executor.execute
+
+    def spy(step):
+        result = execute(step)
+        proposals.extend(result.draft_token_ids.values())
+        return result
+
+    engine.executor.execute = spy
+    try:
+        _tokens(eagle, [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        engine.executor.execute = execute
+    assert proposals[0] == _reference_drafts(head, target, prompt, 3)
