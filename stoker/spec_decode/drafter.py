@@ -159,6 +159,7 @@ def make_drafter(config: EngineConfig, target: nn.Module, target_cfg: dict[str, 
     """The drafter `config.speculative_config` names, its weights loaded (TP 1: the config refuses more)."""
     from stoker.models.loader import build_model, load_weights, read_hf_config
     from stoker.quantization import config as quant_config
+    from stoker.quantization import gguf as gguf_quant
 
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
@@ -170,7 +171,10 @@ def make_drafter(config: EngineConfig, target: nn.Module, target_cfg: dict[str, 
     if int(draft_cfg["vocab_size"]) != int(target_cfg["vocab_size"]):
         raise ValueError(f"speculative_config model {spec.model} has vocab_size {draft_cfg['vocab_size']}, the target "
                          f"{target_cfg['vocab_size']}: a draft model must share the target's tokenizer and vocabulary")
-    model = build_model(draft_cfg, max_model_len, dtype, device, quant_config.resolve(draft_cfg, None))
+    # its own representation, decided as the target's is (a GGUF file: a scheme per tensor type)
+    quant = (gguf_quant.resolve(draft_cfg, None) if draft_cfg.get("gguf_architecture")
+             else quant_config.resolve(draft_cfg, None))
+    model = build_model(draft_cfg, max_model_len, dtype, device, quant)
     load_weights(model, spec.model)
     cache = DraftKVCache(model.attention_layers(), model.kv_cache_spec(str(dtype).removeprefix("torch.")),
                          config.cache_config.block_size, spec.num_speculative_tokens,
