@@ -121,7 +121,7 @@ def test_the_head_maps_draft_ids_into_the_target_vocabulary(eagle: LLM, head: Pa
 
     engine.executor.execute = spy
     try:
-        _tokens(eagle, [REPEAT, PLAIN], GREEDY)
+        _tokens(eagle, [REPEAT, PLAIN], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     finally:
         engine.executor.execute = execute
     assert seen and set(seen) <= reachable
@@ -138,7 +138,7 @@ def test_chunked_prompts_and_pinned_layers_stay_lossless(target: Path, base: LLM
 
 
 def test_seeded_sampling_is_reproducible(eagle: LLM) -> None:
-    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=11)
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, ignore_eos=True, seed=11)
     assert _tokens(eagle, [REPEAT], p) == _tokens(eagle, [REPEAT, PLAIN], p)[:1]
 
 
@@ -175,7 +175,7 @@ def _reference_drafts(head: Path, target: Path, prompt: list[int], k: int) -> li
 
     cfg = json.loads((head / "config.json").read_text())
     t = load_file(str(head / "model.safetensors"))
-    hf = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     num_layers = hf.config.num_hidden_layers
     taps = (2, num_layers // 2, num_layers - 3)
     with torch.no_grad():
