@@ -18,8 +18,11 @@ worse, never the output (the rejection sampler decides).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +126,27 @@ def read_head_config(folder: str) -> dict[str, Any]:
     return cfg
 
 
+@contextlib.contextmanager
+def _safetensors_folder(folder: str) -> Iterator[str]:
+    """`folder`, or, when it holds only `pytorch_model.bin` (as the original EAGLE-3 releases
+    do), a temporary copy of its tensors as safetensors (read with weights_only: no code runs),
+    removed once loaded."""
+    bin_file = Path(folder) / "pytorch_model.bin"
+    if list(Path(folder).glob("*.safetensors")) or not bin_file.is_file():
+        yield folder
+        return
+    from safetensors.torch import save_file
+
+    tensors = torch.load(bin_file, map_location="cpu", weights_only=True)
+    with tempfile.TemporaryDirectory(prefix="stoker-eagle3-") as tmp:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(Path(tmp) / "model.safetensors"))
+        del tensors
+        yield tmp
+
+
 def _tensor_names(folder: str) -> list[str]:
     from stoker.models.loader import safetensors_files
 
-    if not list(Path(folder).glob("*.safetensors")) and (Path(folder) / "pytorch_model.bin").is_file():
-        raise ValueError(f"EAGLE-3 head {folder} holds pytorch_model.bin; convert it to safetensors first "
-                         f"(safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors'))")
     names = []
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as st:
@@ -177,14 +195,15 @@ def make_eagle3_drafter(config: EngineConfig, target: nn.Module, target_cfg: dic
     if layers is None:
         raise ValueError(f"EAGLE-3 needs a decoder-layer stack in the target; {type(target).__name__} has none")
     ids = aux_layer_ids(cfg, len(layers))
-    has_embedding = "embed_tokens.weight" in _tensor_names(folder)
-    if not has_embedding and hidden != target_hidden:
-        raise ValueError(f"EAGLE-3 head {folder} has no embed_tokens and hidden_size {hidden} != the target's "
-                         f"{target_hidden}: it cannot share the target's embedding")
-    head = build_with_methods(lambda: Eagle3Head(cfg, max_model_len, None, has_embedding), dtype, device,
-                              what="EAGLE-3 head")
-    load_weights(head, folder)
-    _load_vocab_map(head, folder, int(target_cfg["vocab_size"]))
+    with _safetensors_folder(folder) as weights:
+        has_embedding = "embed_tokens.weight" in _tensor_names(weights)
+        if not has_embedding and hidden != target_hidden:
+            raise ValueError(f"EAGLE-3 head {folder} has no embed_tokens and hidden_size {hidden} != the target's "
+                             f"{target_hidden}: it cannot share the target's embedding")
+        head = build_with_methods(lambda: Eagle3Head(cfg, max_model_len, None, has_embedding), dtype, device,
+                                  what="EAGLE-3 head")
+        load_weights(head, weights)
+        _load_vocab_map(head, weights, int(target_cfg["vocab_size"]))
     embedding = head.embed_tokens if has_embedding else target.model.embed_tokens
     cache = DraftKVCache(head.attention_layers(), head.kv_cache_spec(str(dtype).removeprefix("torch.")),
                          config.cache_config.block_size, spec.num_speculative_tokens,

@@ -142,6 +142,25 @@ def test_seeded_sampling_is_reproducible(eagle: LLM) -> None:
     assert _tokens(eagle, [REPEAT], p) == _tokens(eagle, [REPEAT, PLAIN], p)[:1]
 
 
+def test_a_head_saved_as_pytorch_model_bin_loads_the_same(target: Path, head: Path, eagle: LLM, tmp_path: Path) -> None:
+    """The original releases ship pytorch_model.bin: the same tensors give the same drafts."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    bin_head = tmp_path / "bin"
+    bin_head.mkdir()
+    shutil.copy(head / "config.json", bin_head / "config.json")
+    torch.save(load_file(str(head / "model.safetensors")), bin_head / "pytorch_model.bin")
+    llm = _make(target, {"method": "eagle3", "model": str(bin_head), "num_speculative_tokens": 3})
+    before = [eagle.engine.stats().spec_decoding.num_accepted_tokens]
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _tokens(llm, [REPEAT, PLAIN], short) == _tokens(eagle, [REPEAT, PLAIN], short)
+    a, b = llm.engine.stats().spec_decoding, eagle.engine.stats().spec_decoding
+    assert a.num_draft_tokens > 0 and a.num_accepted_tokens == b.num_accepted_tokens - before[0]
+    assert not list(bin_head.glob("*.safetensors"))  # the temporary copy is not left in the folder
+
+
 def test_a_head_that_does_not_fit_the_target_is_refused(target: Path, tmp_path: Path) -> None:
     wrong = write_eagle3_head(tmp_path / "wrong", target, eagle_aux_hidden_state_layer_ids=[0, 1, 9])
     with pytest.raises(ValueError, match="three target layers"):
