@@ -133,8 +133,18 @@ def test_chunked_prompts_and_pinned_layers_stay_lossless(target: Path, base: LLM
     pinned = write_eagle3_head(tmp_path / "pinned", target, seed=3, eagle_aux_hidden_state_layer_ids=[0, 1, 3])
     llm = _make(target, {"method": "eagle3", "model": str(pinned), "num_speculative_tokens": 2},
                 max_num_batched_tokens=24, enable_chunked_prefill=True)
+    drafter = llm.engine.executor.driver_runner.drafter
+    carried: list[int] = []
+
+    class Carry(dict):  # counts the rows carried from one chunk to the next
+        def __setitem__(self, seq_id, value):
+            carried.append(seq_id)
+            super().__setitem__(seq_id, value)
+
+    drafter.carry = Carry()
     assert _tokens(llm, PROMPTS, GREEDY) == _tokens(base, PROMPTS, GREEDY)
     assert llm.engine.stats().spec_decoding.num_drafts > 0
+    assert carried and not drafter.carry  # chunks carried a row; finished sequences left none behind
 
 
 def test_seeded_sampling_is_reproducible(eagle: LLM) -> None:
