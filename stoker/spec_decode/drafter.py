@@ -171,6 +171,9 @@ def make_drafter(config: EngineConfig, target: nn.Module, target_cfg: dict[str, 
     if int(draft_cfg["vocab_size"]) != int(target_cfg["vocab_size"]):
         raise ValueError(f"speculative_config model {spec.model} has vocab_size {draft_cfg['vocab_size']}, the target "
                          f"{target_cfg['vocab_size']}: a draft model must share the target's tokenizer and vocabulary")
+    limit = draft_cfg.get("max_position_embeddings")
+    if limit is not None and int(limit) < max_model_len:  # still lossless: its drafts just get worse there
+        logger.warning("draft model %s was made for %d positions, the target serves %d", spec.model, limit, max_model_len)
     # its own representation, decided as the target's is (a GGUF file: a scheme per tensor type)
     quant = (gguf_quant.resolve(draft_cfg, None) if draft_cfg.get("gguf_architecture")
              else quant_config.resolve(draft_cfg, None))
