@@ -176,7 +176,11 @@ class LoRAConfig:
 # vLLM's --speculative-config methods: those built, and those vLLM has that are not built here
 # yet (refused by name, not mistaken for a typo).
 SPECULATIVE_METHODS = ("ngram",)
-_SPECULATIVE_METHODS_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+# Methods whose drafts a model makes in the runner right after sampling (spec_decode/drafter.py),
+# with `model` (a checkpoint folder) and its own KV cache under the target's block tables.
+RUNNER_DRAFT_METHODS = ("draft_model", "eagle3")
+SPECULATIVE_METHODS += RUNNER_DRAFT_METHODS
+_SPECULATIVE_METHODS_NOT_BUILT = ("eagle", "medusa", "mlp_speculator", "suffix", "mtp")
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # draft_model / eagle3: the draft checkpoint folder, and vLLM's draft TP (1 or the target's)
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in _SPECULATIVE_METHODS_NOT_BUILT:
@@ -199,6 +206,7 @@ class SpeculativeConfig:
                              f"supported: {', '.join(SPECULATIVE_METHODS)}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is unknown; supported: {', '.join(SPECULATIVE_METHODS)}")
+        self._check_draft_model()
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -216,14 +224,46 @@ class SpeculativeConfig:
         if "method" not in values:
             raise ValueError('speculative_config needs a "method" (supported: ' + ", ".join(SPECULATIVE_METHODS) + ")")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if values.get("method") in RUNNER_DRAFT_METHODS:  # a model drafts: no n-gram keys
+            known = {"method", "num_speculative_tokens", "model", "draft_tensor_parallel_size"}
         unknown = sorted(set(values) - known)
         if unknown:
-            cls(method=values["method"])  # an unbuilt method is named before its keys are
+            if values["method"] not in SPECULATIVE_METHODS:
+                cls(method=values["method"])  # an unbuilt method is named before its keys are
             raise ValueError(f"speculative_config keys {', '.join(unknown)} are not supported for method "
                              f"{values['method']!r}; supported keys: {', '.join(sorted(known))}")
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
         return cls(**values)
+
+    @property
+    def drafts_in_runner(self) -> bool:
+        """A draft model or head proposes in the runner (not the engine's n-gram lookup)."""
+        return self.method in RUNNER_DRAFT_METHODS
+
+    def _check_draft_model(self) -> None:
+        if self.method not in RUNNER_DRAFT_METHODS:
+            if self.model is not None:
+                raise ValueError(f"speculative_config model is for methods {', '.join(RUNNER_DRAFT_METHODS)}; "
+                                 f"method {self.method!r} drafts without a model")
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f'speculative_config method {self.method!r} needs "model": the draft checkpoint folder')
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be a positive integer, got {tp!r}")
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """vLLM's rule: the draft runs at TP 1 or at the target's TP; a model-drafted method runs
+        at TP 1 only here (its draft cache and forwards live on the sampling rank)."""
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and tp not in (1, tensor_parallel_size):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 or the target's "
+                             f"tensor_parallel_size ({tensor_parallel_size}), got {tp}")
+        if self.drafts_in_runner and tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported with tensor parallelism "
+                             f"yet (tensor_parallel_size {tensor_parallel_size}); serve with tensor_parallel_size 1 "
+                             f"or use method 'ngram'")
 
 
 @dataclass(frozen=True)
@@ -240,3 +280,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
+        if self.speculative_config is not None:
+            self.speculative_config.check_tensor_parallel(self.parallel_config.tensor_parallel_size)

@@ -163,6 +163,9 @@ class StepResult:
     # (their blocks may go) and receiving (their prompt's K/V arrived). Empty without a connector.
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
+    # seq_id -> tokens a draft model proposed after this step's accepted ones (draft_model, eagle3:
+    # spec_decode/drafter.py); the engine puts them on the sequence for the next step to verify
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _needs_history(p: SamplingParams) -> bool:

@@ -96,6 +96,10 @@ class LLMEngine:
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None else None)
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
+        # draft_model / eagle3: the runner drafts after sampling; seq_id -> drafts for the next step
+        self.runner_drafts: dict[int, list[int]] | None = {} if spec is not None and spec.drafts_in_runner else None
+        if self.runner_drafts is not None:
+            self.proposer = None
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
@@ -213,7 +217,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         self.last_step_shape = None
-        if self.proposer is not None:
+        if self.proposer is not None or self.runner_drafts is not None:
             self._propose_drafts()
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -249,6 +253,8 @@ class LLMEngine:
             raise StepFailed(exc, failed, []) from exc
         if self.spec_stats is not None:
             self._count_accepted(plan, result)
+        if self.runner_drafts is not None:
+            self.runner_drafts = result.draft_token_ids  # valid for the next step only
         self.scheduler.update_after_step(plan, result)
         failures: dict[str, BaseException] = {}
         touched = self.output_processor.process(result, self._seq_to_request, failures)
@@ -267,7 +273,6 @@ class LLMEngine:
         """Drafts for every running sequence whose next step is a decode (only its last sampled
         token uncomputed). A sequence drafts at most what it may still emit: the step keeps its
         accepted drafts and one more token, within max_tokens and max_model_len."""
-        assert self.proposer is not None
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
                 continue
@@ -275,6 +280,10 @@ class LLMEngine:
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
+            if self.runner_drafts is not None:
+                seq.draft_token_ids = self.runner_drafts.get(seq.seq_id, [])[: max(room, 0)]
+                continue
+            assert self.proposer is not None
             seq.draft_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _count_accepted(self, plan: SchedulerOutput, result: StepResult) -> None:

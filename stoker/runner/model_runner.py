@@ -34,6 +34,7 @@ from stoker.sampling.prompt_logprobs import score_prompt
 from stoker.sampling.rejection import VerifyGroup, verify
 from stoker.sampling.sampler import Sampler, SamplingRow
 from stoker.sampling_params import SamplingParams
+from stoker.spec_decode.drafter import Drafter, make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.matchers: Any = None  # structured outputs' GrammarMatchers (enable_structured_outputs)
+        spec = config.speculative_config  # draft_model / eagle3: a model drafts after each sampling
+        self.drafter: Drafter | None = (make_drafter(config, self.model, hf_config, max_model_len, self.device, self.dtype)
+                                        if spec is not None and spec.drafts_in_runner else None)
 
     # ------------------------------------------------------------------ KV cache
     def _apply_kv_scales(self, fp8: bool) -> None:
@@ -166,21 +170,25 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.kv_spec.bytes_per_token * self.block_size
+        draft = self.drafter.cache.bytes_per_block if self.drafter is not None else 0  # its cache shares the blocks
+        return self.kv_spec.bytes_per_token * self.block_size + draft
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         cache = self.config.cache_config
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type == "cuda":
-            return memory.cuda_num_blocks(
+            num_blocks = memory.cuda_num_blocks(
                 self.device,
                 self.bytes_per_block,
                 cache.gpu_memory_utilization,
                 lambda: self._profile_forward(max_num_batched_tokens),
                 cache.kv_cache_memory_bytes,
             )
-        return memory.cpu_num_blocks(self.bytes_per_block, cache.kv_cache_memory_bytes)
+        else:
+            num_blocks = memory.cpu_num_blocks(self.bytes_per_block, cache.kv_cache_memory_bytes)
+        # the draft's scratch blocks (spec_decode/draft_cache.py) come out of the same budget
+        return num_blocks - (self.drafter.cache.reserved_blocks(self.bytes_per_block) if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
@@ -192,6 +200,8 @@ class ModelRunner:
             v = torch.zeros(shape if self.kv_spec.kv_tensors == 2 else 0, dtype=self.kv_dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
+        if self.drafter is not None:
+            self.drafter.cache.allocate(num_blocks)
 
     @torch.inference_mode()
     def _profile_forward(self, num_tokens: int) -> None:
@@ -204,6 +214,8 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
+        if self.drafter is not None:
+            self.drafter.cache.free()
         self.release(-1)
         self.expert_load_reader.reset()  # the dummy tokens are no traffic
 
@@ -219,12 +231,17 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             if v.numel():  # empty for a latent (MLA) cache
                 v.index_copy_(0, dst, v.index_select(0, src))
+        if self.drafter is not None:
+            self.drafter.cache.copy_blocks(src, dst)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (after allocate_kv_cache); a no-op on CPU or with enforce_eager."""
         if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        if self.drafter is not None and not self.drafter.target_graphs_ok:
+            logger.warning("CUDA graphs off with EAGLE-3 drafting (its hooks read the target's hidden states)")
             return
         if self.lora is not None:
             logger.warning("CUDA graphs off with LoRA (the per-step adapter mapping is not captured yet)")
@@ -264,7 +281,10 @@ class ModelRunner:
     def execute(self, step: StepMessage) -> StepResult | None:
         """Run one step; the sampled tokens on rank 0, None on the other ranks."""
         inputs, logits = self.forward(step)
-        return self.sample(step, inputs, logits)
+        result = self.sample(step, inputs, logits)
+        if self.drafter is not None and result is not None:  # TP 1 (the config refuses more)
+            result.draft_token_ids = self.drafter.propose(step, inputs, result.sampled)
+        return result
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
@@ -369,5 +389,7 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq_id)
         if self.matchers is not None:
             self.matchers.release(seq_id)

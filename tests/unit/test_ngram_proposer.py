@@ -47,7 +47,7 @@ def test_speculative_config_takes_vllms_keys_and_refuses_by_name() -> None:
                                      "prompt_lookup_min": 2})
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 3, 2)
     for values, message in (
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "'draft_model' needs \"model\""),
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported yet"),
         ({"method": "ngramm", "num_speculative_tokens": 3}, "'ngramm' is unknown"),
         ({"num_speculative_tokens": 3}, 'needs a "method"'),

@@ -1,0 +1,138 @@
+"""Speculative decoding with a draft model (method "draft_model") through the engine: a model
+drafting for itself accepts every draft at temperature 0; a different small draft model leaves
+greedy output token for token what decoding without drafts gives; its KV cache shares the
+target's block tables (the conftest checks every engine's blocks after each test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stoker import LLM, SamplingParams
+from stoker.config import SpeculativeConfig
+
+REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}
+PLAIN = {"prompt_token_ids": list(range(40, 75))}
+MIXED = [REPEAT, PLAIN, {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}, "hello there, how are you",
+         {"prompt_token_ids": [11, 12, 13, 14] * 9}]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _spec(draft: Path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def _make(path: Path, spec: dict | None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(str(path), speculative_config=spec, **kw)
+
+
+def _tokens(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def small_draft(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("llama", seed=5, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                            num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama: Path) -> LLM:
+    return _make(tiny_llama, None)
+
+
+@pytest.fixture(scope="module")
+def itself(tiny_llama: Path) -> LLM:
+    return _make(tiny_llama, _spec(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def other(tiny_llama: Path, small_draft: Path) -> LLM:
+    return _make(tiny_llama, _spec(small_draft))
+
+
+def test_a_model_drafting_for_itself_accepts_every_draft(base: LLM, itself: LLM) -> None:
+    before = itself.engine.stats().spec_decoding
+    assert _tokens(itself, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    sd = itself.engine.stats().spec_decoding
+    drafted = sd.num_draft_tokens - before.num_draft_tokens
+    accepted = sd.num_accepted_tokens - before.num_accepted_tokens
+    assert drafted > 0 and accepted == drafted  # acceptance rate 1.0
+    # 5 sequences x 24 tokens in far fewer verify steps: 4 tokens per step once drafting
+    assert sd.num_drafts - before.num_drafts < 5 * 24 / 3
+
+
+def test_a_different_draft_model_leaves_greedy_output_unchanged(base: LLM, other: LLM) -> None:
+    before = other.engine.stats().spec_decoding
+    assert _tokens(other, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert other.engine.stats().spec_decoding.num_draft_tokens > before.num_draft_tokens
+
+
+def test_seeded_sampling_is_reproducible(itself: LLM) -> None:
+    """A seeded row draws the same tokens alone or beside another request (whose drafts differ)."""
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=7, n=2)
+    a = [c.token_ids for c in itself.generate([REPEAT], p, use_tqdm=False)[0].outputs]
+    b = [c.token_ids for c in itself.generate([REPEAT, PLAIN], p, use_tqdm=False)[0].outputs]
+    assert a == b and a[0] != a[1] and all(len(t) == 16 for t in a)
+
+
+def test_max_tokens_stops_and_logprobs_mid_draft(base: LLM, itself: LLM) -> None:
+    for n in (1, 2, 5):
+        p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        assert _tokens(itself, [REPEAT, PLAIN], p) == _tokens(base, [REPEAT, PLAIN], p)
+    full = _tokens(base, [REPEAT], GREEDY)[0]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[full[9]], logprobs=2)
+    a, b = (llm.generate([REPEAT], p, use_tqdm=False)[0].outputs[0] for llm in (base, itself))
+    assert b.token_ids == a.token_ids == full[: full.index(full[9]) + 1]
+    assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+
+
+def test_preemption_and_chunked_prefill(tiny_llama: Path, base: LLM) -> None:
+    """A cache too small for every sequence (preempted and recomputed, the draft's cache too),
+    prompts in chunks of at most 32 tokens."""
+    tight = _make(tiny_llama, _spec(tiny_llama), num_gpu_blocks_override=14, max_model_len=128,
+                  max_num_batched_tokens=32)
+    assert _tokens(tight, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert tight.engine.scheduler.num_preemptions > 0
+    sd = tight.engine.stats().spec_decoding
+    assert sd.num_accepted_tokens == sd.num_draft_tokens > 0  # its own draft: every one kept
+
+
+def test_prefix_cache_hits_bring_the_draft_cache_along(base: LLM, itself: LLM) -> None:
+    """The same prompts twice: the second run's prompt blocks come from the prefix cache, the
+    draft's K/V in the same blocks, so drafting for itself still accepts everything."""
+    want = _tokens(base, MIXED, GREEDY)
+    assert _tokens(itself, MIXED, GREEDY) == want
+    hits, before = itself.engine.block_manager.prefix_cache_hits, itself.engine.stats().spec_decoding
+    assert _tokens(itself, MIXED, GREEDY) == want
+    assert itself.engine.block_manager.prefix_cache_hits > hits
+    sd = itself.engine.stats().spec_decoding
+    assert sd.num_accepted_tokens - before.num_accepted_tokens == sd.num_draft_tokens - before.num_draft_tokens > 0
+
+
+def test_the_draft_cache_counts_in_the_kv_budget(tiny_llama: Path, base: LLM, itself: LLM) -> None:
+    """Same byte budget: the draft's K/V (and its scratch blocks) leave fewer blocks."""
+    plain, drafted = base.engine.runner_info.bytes_per_block, itself.engine.runner_info.bytes_per_block
+    assert drafted == 2 * plain  # drafting for itself: the same K/V per token again
+    assert itself.engine.block_manager.num_blocks < base.engine.block_manager.num_blocks // 2
+
+
+def test_bad_configs_are_refused_by_name(tiny_llama: Path, tiny_checkpoints) -> None:
+    with pytest.raises(ValueError, match='needs "model"'):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        SpeculativeConfig.from_dict({**_spec(tiny_llama), "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1 or"):
+        from stoker.config import EngineConfig, ModelConfig, ParallelConfig
+        EngineConfig(ModelConfig(model=str(tiny_llama)), parallel_config=ParallelConfig(tensor_parallel_size=2),
+                     speculative_config=SpeculativeConfig(**_spec(tiny_llama), draft_tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(ModelConfig(model=str(tiny_llama)), parallel_config=ParallelConfig(tensor_parallel_size=2),
+                     speculative_config=SpeculativeConfig(**_spec(tiny_llama), draft_tensor_parallel_size=1))
+    other_vocab = tiny_checkpoints("llama", vocab_size=600)
+    with pytest.raises(ValueError, match="vocab_size 600"):
+        _make(tiny_llama, _spec(other_vocab))
