@@ -1,0 +1,104 @@
+"""One upstream server (`stoker serve` or any vLLM-compatible server) as the router sees it:
+its health, its load (requests this router has in flight there, and the queue depth and KV
+usage the server itself reports on /metrics), and the loop that keeps both fresh. [no torch]
+
+A failed request marks an upstream unhealthy at once; it is skipped until its /health answers
+200 again (vLLM's meaning of /health: ready for requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("stoker.router")
+
+# vLLM's metric names, which `stoker serve` exports under the same names.
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+_SCRAPED = (WAITING, RUNNING, KV_USAGE)
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """Sum of the samples of each scraped metric over its label sets (one per served model)."""
+    out = dict.fromkeys(_SCRAPED, 0.0)
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        name = line[:name_end]
+        if name in out:
+            try:
+                out[name] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+@dataclass
+class Upstream:
+    url: str  # "http://host:port", no trailing slash
+    role: str  # "worker" (balancer), "prefill" or "decode"
+    healthy: bool = True  # optimistic until a check or a request says otherwise
+    in_flight: int = 0  # requests this router has open there
+    waiting: float = 0.0  # server-reported, at the last scrape
+    running: float = 0.0
+    kv_usage: float = 0.0  # 0-1
+    assigned: int = 0  # requests ever sent: the last tie-breaker, so idle replicas take turns
+    scraped_at: float = field(default=0.0)
+
+    @property
+    def load(self) -> float:
+        """Requests queued or running there. The scrape sees every client's requests but is up to
+        one interval old; the in-flight count is exact for this router's: take the larger."""
+        return max(float(self.in_flight), self.waiting + self.running)
+
+    def mark_unhealthy(self, why: str) -> None:
+        if self.healthy:
+            log.warning("upstream %s (%s) marked unhealthy: %s", self.url, self.role, why)
+        self.healthy = False
+
+    async def refresh(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        """One check: an unhealthy upstream must answer /health with 200 to come back; then (or
+        if healthy) /metrics is scraped for its load. A server without /metrics stays usable
+        with in-flight counts only."""
+        try:
+            if not self.healthy:
+                r = await client.get(self.url + "/health", timeout=timeout_s)
+                if r.status_code != 200:
+                    return
+                log.warning("upstream %s (%s) healthy again", self.url, self.role)
+                self.healthy = True
+            r = await client.get(self.url + "/metrics", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            self.mark_unhealthy(f"{type(exc).__name__}: {exc}")
+            return
+        if r.status_code == 503:  # stoker/vLLM: loading, engine dead or shutting down
+            self.mark_unhealthy("/metrics answered 503")
+        elif r.status_code == 200:
+            load = parse_load(r.text)
+            self.waiting, self.running, self.kv_usage = load[WAITING], load[RUNNING], load[KV_USAGE]
+            self.scraped_at = time.monotonic()
+
+
+async def poll_forever(upstreams: list[Upstream], client: httpx.AsyncClient, interval_s: float,
+                       health_interval_s: float) -> None:
+    """Refresh every upstream each `interval_s`; an unhealthy one is re-checked each
+    `health_interval_s`. Runs until cancelled (the router's shutdown)."""
+    last_check = dict.fromkeys((u.url, u.role) for u in upstreams)
+    while True:
+        now = time.monotonic()
+        due = []
+        for u in upstreams:
+            prev = last_check[(u.url, u.role)]
+            if prev is None or now - prev >= (interval_s if u.healthy else health_interval_s):
+                last_check[(u.url, u.role)] = now
+                due.append(u.refresh(client, timeout_s=max(1.0, interval_s)))
+        if due:
+            await asyncio.gather(*due)
+        await asyncio.sleep(min(interval_s, health_interval_s) / 2)
