@@ -40,7 +40,7 @@ class Fake:
 
         @app.get("/health")
         async def health() -> Response:
-            return Response(status_code=200)
+            return Response(status_code=503 if self.mode == "unavailable" else 200)
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -63,6 +63,8 @@ class Fake:
             body = await request.json()
             self.bodies.append(body)
             self.headers.append(dict(request.headers))
+            if self.mode == "unavailable":
+                return JSONResponse({"error": {"message": "engine stopped"}}, status_code=503)
             if self.mode == "http500":
                 return JSONResponse({"error": {"message": "engine fell over"}}, status_code=500)
             if self.mode == "bad_request":
@@ -249,3 +251,35 @@ def test_router_rejects_non_json_and_bad_flags(pd):
         RouterConfig(prefill=("http://a:1",))
     with pytest.raises(ValueError, match="listed twice"):
         RouterConfig(workers=("a:1", "http://a:1/"))
+
+
+def test_unhealthy_replica_skipped_until_health_recovers(fakes):
+    """A replica answering 503 is marked unhealthy, skipped, and taken back once /health says 200."""
+    prefill, decode, lp, ld = fakes
+    prefill.mode, decode.mode = "unavailable", "ok"
+    prefill.bodies.clear(), decode.bodies.clear()
+    cfg = RouterConfig(workers=(lp.url, ld.url), policy="round_robin", metrics_interval_s=0.1,
+                       health_check_interval_s=0.1)
+    router = serve_app(create_app(cfg), ready_path="/health")
+    try:
+        for _ in range(4):
+            r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode-answer"
+        assert len(prefill.bodies) == 1 and len(decode.bodies) == 4  # tried once, then skipped
+        assert metric(router.url, "stoker_router:upstream_healthy", upstream=lp.url) == 0
+        prefill.mode = "ok"
+        deadline = time.monotonic() + 5
+        while metric(router.url, "stoker_router:upstream_healthy", upstream=lp.url) == 0:
+            assert time.monotonic() < deadline, "never taken back"
+            time.sleep(0.05)
+        texts = {httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"}).json()["choices"][0]["text"]
+                 for _ in range(4)}
+        assert texts == {"prefill-answer", "decode-answer"}
+        decode.mode = "unavailable"  # every replica down: a clear 503, no hang
+        prefill.mode = "unavailable"
+        r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and "no healthy server" in r.text
+        assert httpx.get(router.url + "/health").status_code == 503
+    finally:
+        prefill.mode = decode.mode = "ok"
+        router.stop()
