@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
@@ -42,7 +42,7 @@ class Router:
         self.pool = Pool([Upstream(u, role) for u in cfg.pool_urls], **knobs)
         self.prefill = Pool([Upstream(u, "prefill") for u in cfg.prefill], **knobs) if cfg.disaggregated else None
         self.tokenizer: LocalTokenizer | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.session: aiohttp.ClientSession | None = None
 
     @property
     def upstreams(self) -> list[Upstream]:
@@ -90,13 +90,13 @@ class Router:
 
     async def _local_reason(self, body: dict[str, Any], chat: bool, text: str, decode: Choice) -> str | None:
         """Why this request is prefilled on the decode server, or None to disaggregate it."""
-        assert self.prefill is not None and self.client is not None
+        assert self.prefill is not None and self.session is not None
         healthy = self.prefill.healthy()
         if not healthy:
             return "no_prefill_server"
         if not single_sequence(body, chat):
             return "multi_sequence"
-        tokens, exact = await count_tokens(body, chat, text, self.client, decode.upstream.url, self.tokenizer,
+        tokens, exact = await count_tokens(body, chat, text, self.session, decode.upstream.url, self.tokenizer,
                                            self.cfg.connect_timeout_s)
         if not exact:
             self._error(decode.upstream, "tokenize")
@@ -112,9 +112,9 @@ class Router:
                            text: str) -> dict[str, Any] | Response | None:
         """The decode leg's kv_transfer_params, an error Response for the client, or None when
         no prefill server could be reached."""
-        assert self.prefill is not None and self.client is not None
+        assert self.prefill is not None and self.session is not None
         content = json.dumps(prefill_leg(body)).encode()
-        timeout = httpx.Timeout(self.cfg.prefill_timeout_s, connect=self.cfg.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s, sock_connect=self.cfg.connect_timeout_s)
         tried: set[str] = set()
         choice = self.prefill.choose(text)
         while choice is not None:
@@ -122,34 +122,34 @@ class Router:
             sw = Stopwatch()
             up.in_flight += 1
             try:
-                r = await self.client.post(up.url + path, content=content, headers=headers, timeout=timeout)
-            except RETRYABLE as exc:
-                self._error(up, type(exc).__name__)
-                up.mark_unhealthy(f"prefill leg: {type(exc).__name__}")
-                tried.add(up.url)
-                choice = self.prefill.choose(text, frozenset(tried))
-                continue
-            except httpx.TimeoutException:
+                async with self.session.post(up.url + path, data=content, headers=headers, timeout=timeout) as r:
+                    status, media_type, raw = r.status, r.headers.get("content-type"), await r.read()
+            except aiohttp.ConnectionTimeoutError:
+                status, media_type, raw = -1, None, b"connect timeout"
+            except asyncio.TimeoutError:
                 self._error(up, "timeout")
                 return error_response(504, f"the prefill leg to {up.url} did not answer within "
                                       f"{self.cfg.prefill_timeout_s:g} s (--prefill-timeout-secs)", "GatewayTimeout")
+            except RETRYABLE as exc:
+                status, media_type, raw = -1, None, type(exc).__name__.encode()
             finally:
                 up.in_flight -= 1
-            self.metrics.prefill_leg.observe(sw.elapsed())
-            if r.status_code == 503:
-                self._error(up, "status_503")
-                up.mark_unhealthy("prefill leg answered 503")
+            if status in (-1, 503):  # unreachable or not serving: the next prefill server
+                why = raw.decode() if status == -1 else "status_503"
+                self._error(up, why)
+                up.mark_unhealthy(f"prefill leg: {why}")
                 tried.add(up.url)
                 choice = self.prefill.choose(text, frozenset(tried))
                 continue
-            if 400 <= r.status_code < 500:  # the request's own fault: the server's words, as it said them
-                return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-            if r.status_code != 200:
-                self._error(up, f"status_{r.status_code}")
-                return error_response(502, f"the prefill leg to {up.url} failed with HTTP {r.status_code}: "
-                                      f"{r.text[:300]}")
+            self.metrics.prefill_leg.observe(sw.elapsed())
+            if 400 <= status < 500:  # the request's own fault: the server's words, as it said them
+                return Response(raw, status_code=status, media_type=media_type)
+            if status != 200:
+                self._error(up, f"status_{status}")
+                return error_response(502, f"the prefill leg to {up.url} failed with HTTP {status}: "
+                                      f"{raw[:300].decode(errors='replace')}")
             try:
-                params = r.json().get("kv_transfer_params")
+                params = json.loads(raw).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 params = None
             if not isinstance(params, dict):
@@ -178,7 +178,7 @@ class Router:
                     self.metrics.e2e.labels(route).observe(sw.elapsed())
 
             try:
-                resp = await send(self.client, up, path, content, headers, stream, sw.first_byte, done)
+                resp = await send(self.session, up, path, content, headers, stream, sw.first_byte, done)
             except UpstreamUnavailable as exc:
                 up.mark_unhealthy(str(exc))
                 last = f"{up.url}: {exc}"
@@ -193,15 +193,17 @@ class Router:
     # --- the rest of the surface ------------------------------------------------------------
 
     async def models(self) -> Response:
-        assert self.client is not None
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)
         for up in self.pool.healthy():
             try:
-                r = await self.client.get(up.url + "/v1/models", timeout=self.cfg.connect_timeout_s)
-            except httpx.HTTPError as exc:
+                async with self.session.get(up.url + "/v1/models", timeout=timeout) as r:
+                    status, media_type, raw = r.status, r.headers.get("content-type"), await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._error(up, type(exc).__name__)
                 up.mark_unhealthy(f"/v1/models: {type(exc).__name__}")
                 continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            return Response(raw, status_code=status, media_type=media_type)
         return error_response(503, "no healthy server to list the models", "ServiceUnavailable")
 
     def render_metrics(self) -> bytes:
@@ -220,11 +222,13 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if cfg.tokenizer:
             router.tokenizer = await asyncio.to_thread(LocalTokenizer, cfg.tokenizer)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            router.client = client
-            poller = asyncio.create_task(poll_forever(router.upstreams, client, cfg.metrics_interval_s,
+        # No cap on connections (the servers have their own admission limits), and no total
+        # deadline on a leg to the answering server: a long generation must not be cut.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            router.session = session
+            poller = asyncio.create_task(poll_forever(router.upstreams, session, cfg.metrics_interval_s,
                                                       cfg.health_check_interval_s))
             try:
                 yield
@@ -236,13 +240,16 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="stoker router", lifespan=lifespan)
     app.state.router = router
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await router.generate(request, "/v1/completions", chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.generate(request, "/v1/chat/completions", chat=True)
+
+    # Plain Starlette routes for the two hot paths: FastAPI's parameter machinery costs CPU per
+    # request and the router reads the body itself (docs/benchmarks.md, Router).
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -7,11 +7,12 @@ cost per request stays a fraction of a millisecond (docs/benchmarks.md, Router).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 
-import httpx
+import aiohttp
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -21,8 +22,8 @@ from stoker.router.upstream import Upstream
 # vLLM's proxy sets identically on both legs so both servers log the same id.
 _FORWARDED = ("authorization", "x-request-id")
 # Errors before any answer byte: the request may be retried on another replica.
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-             httpx.WriteError, httpx.PoolTimeout)
+# (aiohttp: refused, reset, disconnected, connect timeout; a read timeout is not retried.)
+RETRYABLE = (aiohttp.ClientConnectionError,)
 
 
 def forward_headers(incoming: dict[str, str] | None) -> dict[str, str]:
@@ -43,13 +44,13 @@ class UpstreamUnavailable(Exception):
     """The upstream answered 503 or could not be reached before answering: try another."""
 
 
-async def send(client: httpx.AsyncClient, up: Upstream, path: str, content: bytes, headers: dict[str, str],
+async def send(session: aiohttp.ClientSession, up: Upstream, path: str, content: bytes, headers: dict[str, str],
                stream: bool, on_first_byte: Callable[[], None], on_done: Callable[[str | None], None]) -> Response:
     """POST `content` to `up` and return the response to give the client. Raises
     UpstreamUnavailable (nothing was sent to the client yet). `on_done` runs once, when the
-    answer has been passed on or abandoned (the client went away: closing the upstream stream
-    makes the server abort the request and free its KV blocks), with the error that cut it
-    short if one did."""
+    answer has been passed on or abandoned (the client went away: closing the upstream
+    connection makes the server abort the request and free its KV blocks), with the error that
+    cut it short if one did."""
     up.in_flight += 1
     done = False
 
@@ -61,52 +62,56 @@ async def send(client: httpx.AsyncClient, up: Upstream, path: str, content: byte
             on_done(error)
 
     try:
-        resp = await client.send(client.build_request("POST", up.url + path, content=content, headers=headers),
-                                 stream=True)
+        resp = await session.post(up.url + path, data=content, headers=headers)
     except RETRYABLE as exc:
         finish(type(exc).__name__)
         raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from exc
     except BaseException:
         finish()
         raise
-    if resp.status_code == 503:
-        await resp.aclose()
+    if resp.status == 503:
+        resp.release()
         finish("status_503")
         raise UpstreamUnavailable("answered 503 (loading, engine stopped or shutting down)")
     media_type = resp.headers.get("content-type")
-    if not stream or resp.status_code != 200 or not (media_type or "").startswith("text/event-stream"):
+    if not stream or resp.status != 200 or not (media_type or "").startswith("text/event-stream"):
         try:
-            data = await resp.aread()
-        except httpx.HTTPError as exc:
+            data = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            resp.close()
             finish(type(exc).__name__)
             raise UpstreamUnavailable(f"answer cut: {type(exc).__name__}: {exc}") from exc
-        finally:
-            await resp.aclose()
+        resp.release()
         on_first_byte()
-        finish("status_5xx" if resp.status_code >= 500 else None)
-        return Response(data, status_code=resp.status_code, media_type=media_type)
+        finish("status_5xx" if resp.status >= 500 else None)
+        return Response(data, status_code=resp.status, media_type=media_type)
 
     async def relay() -> AsyncIterator[bytes]:
         first = True
         error = None
+        whole = False
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 if first:
                     on_first_byte()
                     first = False
                 yield chunk
-        except httpx.HTTPError as exc:
+            whole = True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # The server went away mid-answer: end the stream with an error event (vLLM's shape
             # for errors inside a stream) rather than a silently truncated one.
             error = type(exc).__name__
             msg = f"upstream {up.url} cut the stream: {error}"
             yield f"data: {json.dumps({'error': {'message': msg, 'type': 'BadGateway', 'code': 502}})}\n\n".encode()
         finally:
-            await resp.aclose()
+            if whole:
+                resp.release()  # the connection goes back to the pool
+            else:
+                resp.close()  # the client left (or the stream broke): the server sees the disconnect
             finish(error)
 
-    async def cleanup() -> None:  # runs if the body iterator never started
-        await resp.aclose()
+    async def cleanup() -> None:  # a no-op after relay() ran; closes the upstream if it never started
+        resp.close()
         finish()
 
     return StreamingResponse(relay(), status_code=200, media_type=media_type, background=BackgroundTask(cleanup))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
+import aiohttp
 
 from stoker.router.requests import token_ids_of
 
@@ -34,7 +34,7 @@ class LocalTokenizer:
         return len(self.tok(str(text or ""))["input_ids"])
 
 
-async def count_tokens(body: dict[str, Any], chat: bool, text: str, client: httpx.AsyncClient, decode_url: str,
+async def count_tokens(body: dict[str, Any], chat: bool, text: str, session: aiohttp.ClientSession, decode_url: str,
                        local: LocalTokenizer | None, timeout_s: float) -> tuple[int, bool]:
     """(tokens, exact): exact is False when the estimate stood in for a failed count."""
     if not chat:
@@ -52,11 +52,12 @@ async def count_tokens(body: dict[str, Any], chat: bool, text: str, client: http
         prompt = body.get("prompt")
         payload["prompt"] = prompt[0] if isinstance(prompt, list) and prompt else prompt
     try:
-        r = await client.post(decode_url + "/tokenize", json=payload, timeout=timeout_s)
-        if r.status_code == 200:
-            count = r.json().get("count")
-            if isinstance(count, int):
-                return count, True
-    except (httpx.HTTPError, ValueError):
+        async with session.post(decode_url + "/tokenize", json=payload,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status == 200:
+                count = (await r.json()).get("count")
+                if isinstance(count, int):
+                    return count, True
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
         pass
     return len(text.encode()) // 4, False

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 log = logging.getLogger("stoker.router")
 
@@ -63,30 +63,32 @@ class Upstream:
             log.warning("upstream %s (%s) marked unhealthy: %s", self.url, self.role, why)
         self.healthy = False
 
-    async def refresh(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+    async def refresh(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         """One check: an unhealthy upstream must answer /health with 200 to come back; then (or
         if healthy) /metrics is scraped for its load. A server without /metrics stays usable
         with in-flight counts only."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             if not self.healthy:
-                r = await client.get(self.url + "/health", timeout=timeout_s)
-                if r.status_code != 200:
-                    return
+                async with session.get(self.url + "/health", timeout=timeout) as r:
+                    if r.status != 200:
+                        return
                 log.warning("upstream %s (%s) healthy again", self.url, self.role)
                 self.healthy = True
-            r = await client.get(self.url + "/metrics", timeout=timeout_s)
-        except httpx.HTTPError as exc:
+            async with session.get(self.url + "/metrics", timeout=timeout) as r:
+                status, text = r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.mark_unhealthy(f"{type(exc).__name__}: {exc}")
             return
-        if r.status_code == 503:  # stoker/vLLM: loading, engine dead or shutting down
+        if status == 503:  # stoker/vLLM: loading, engine dead or shutting down
             self.mark_unhealthy("/metrics answered 503")
-        elif r.status_code == 200:
-            load = parse_load(r.text)
+        elif status == 200:
+            load = parse_load(text)
             self.waiting, self.running, self.kv_usage = load[WAITING], load[RUNNING], load[KV_USAGE]
             self.scraped_at = time.monotonic()
 
 
-async def poll_forever(upstreams: list[Upstream], client: httpx.AsyncClient, interval_s: float,
+async def poll_forever(upstreams: list[Upstream], session: aiohttp.ClientSession, interval_s: float,
                        health_interval_s: float) -> None:
     """Refresh every upstream each `interval_s`; an unhealthy one is re-checked each
     `health_interval_s`. Runs until cancelled (the router's shutdown)."""
@@ -98,7 +100,7 @@ async def poll_forever(upstreams: list[Upstream], client: httpx.AsyncClient, int
             prev = last_check[(u.url, u.role)]
             if prev is None or now - prev >= (interval_s if u.healthy else health_interval_s):
                 last_check[(u.url, u.role)] = now
-                due.append(u.refresh(client, timeout_s=max(1.0, interval_s)))
+                due.append(u.refresh(session, timeout_s=max(1.0, interval_s)))
         if due:
             await asyncio.gather(*due)
         await asyncio.sleep(min(interval_s, health_interval_s) / 2)
