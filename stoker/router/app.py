@@ -20,11 +20,13 @@ import aiohttp
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from stoker.router.config import RouterConfig
 from stoker.router.metrics import RouterMetrics
 from stoker.router.policy import Choice, Pool
-from stoker.router.proxy import RETRYABLE, Stopwatch, UpstreamUnavailable, error_response, forward_headers, send
+from stoker.router.proxy import (RETRYABLE, RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
+                                 forward_headers, send)
 from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_leg, prompt_text,
                                     single_sequence)
 from stoker.router.tokens import LocalTokenizer, count_tokens
@@ -53,7 +55,7 @@ class Router:
 
     # --- one request ------------------------------------------------------------------------
 
-    async def generate(self, request: Request, path: str, chat: bool) -> Response:
+    async def generate(self, request: Request, path: str, chat: bool) -> Response | RelayResponse:
         sw = Stopwatch()
         try:
             body = parse_body(await request.body())
@@ -161,7 +163,8 @@ class Router:
         return None
 
     async def _to_pool(self, pool: Pool, path: str, content: bytes, headers: dict[str, str], stream: bool, text: str,
-                       route: str, endpoint: str, sw: Stopwatch, first: Choice | None = None) -> Response:
+                       route: str, endpoint: str, sw: Stopwatch,
+                       first: Choice | None = None) -> Response | RelayResponse:
         """Send to the chosen replica; one that cannot be reached (or answers 503) is marked
         unhealthy and the next choice is tried, until none is left."""
         tried: set[str] = set()
@@ -215,7 +218,7 @@ class Router:
         return generate_latest(m.registry)
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
+def create_app(cfg: RouterConfig) -> "HotPaths":
     router = Router(cfg)
 
     @contextlib.asynccontextmanager
@@ -240,17 +243,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="stoker router", lifespan=lifespan)
     app.state.router = router
 
-    async def completions(request: Request) -> Response:
-        return await router.generate(request, "/v1/completions", chat=False)
-
-    async def chat(request: Request) -> Response:
-        return await router.generate(request, "/v1/chat/completions", chat=True)
-
-    # Plain Starlette routes for the two hot paths: FastAPI's parameter machinery costs CPU per
-    # request and the router reads the body itself (docs/benchmarks.md, Router).
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-
+    # POST /v1/completions and /v1/chat/completions: HotPaths, below.
     @app.get("/v1/models")
     async def models() -> Response:
         return await router.models()
@@ -266,4 +259,24 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(router.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return HotPaths(app, router)
+
+
+class HotPaths:
+    """The ASGI app the server runs: POST /v1/completions and /v1/chat/completions go straight to
+    the router, past FastAPI's middleware and routing (a measurable share of the router's CPU
+    per request, docs/benchmarks.md, Router); everything else, lifespan included, to FastAPI."""
+
+    _PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+    def __init__(self, app: FastAPI, router: Router) -> None:
+        self.app, self.router = app, router
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = self._PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if chat is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        response = await self.router.generate(Request(scope, receive), scope["path"], chat)
+        await response(scope, receive, send)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
-from starlette.background import BackgroundTask
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from stoker.router.upstream import Upstream
 
@@ -45,7 +45,8 @@ class UpstreamUnavailable(Exception):
 
 
 async def send(session: aiohttp.ClientSession, up: Upstream, path: str, content: bytes, headers: dict[str, str],
-               stream: bool, on_first_byte: Callable[[], None], on_done: Callable[[str | None], None]) -> Response:
+               stream: bool, on_first_byte: Callable[[], None],
+               on_done: Callable[[str | None], None]) -> Response | RelayResponse:
     """POST `content` to `up` and return the response to give the client. Raises
     UpstreamUnavailable (nothing was sent to the client yet). `on_done` runs once, when the
     answer has been passed on or abandoned (the client went away: closing the upstream
@@ -86,35 +87,57 @@ async def send(session: aiohttp.ClientSession, up: Upstream, path: str, content:
         finish("status_5xx" if resp.status >= 500 else None)
         return Response(data, status_code=resp.status, media_type=media_type)
 
-    async def relay() -> AsyncIterator[bytes]:
-        first = True
-        error = None
-        whole = False
+    return RelayResponse(resp, up.url, media_type or "text/event-stream", on_first_byte, finish)
+
+
+class RelayResponse:
+    """An ASGI response that relays an upstream SSE stream chunk by chunk. Lighter than
+    Starlette's StreamingResponse (an anyio task group per request): one plain task waits for
+    the client's disconnect and closes the upstream connection, which ends the relay; the
+    server sees the disconnect and aborts the request."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, url: str, media_type: str, on_first_byte: Callable[[], None],
+                 finish: Callable[[str | None], None]) -> None:
+        self.resp, self.url, self.media_type = resp, url, media_type
+        self.on_first_byte, self.finish = on_first_byte, finish
+        self.client_gone = False
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.client_gone = True
+        self.resp.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp, error, whole = self.resp, None, False
+        watcher = asyncio.create_task(self._watch(receive))
         try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", self.media_type.encode())]})
+            first = True
             async for chunk in resp.content.iter_any():
                 if first:
-                    on_first_byte()
+                    self.on_first_byte()
                     first = False
-                yield chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             whole = True
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            # The server went away mid-answer: end the stream with an error event (vLLM's shape
-            # for errors inside a stream) rather than a silently truncated one.
-            error = type(exc).__name__
-            msg = f"upstream {up.url} cut the stream: {error}"
-            yield f"data: {json.dumps({'error': {'message': msg, 'type': 'BadGateway', 'code': 502}})}\n\n".encode()
+            if not self.client_gone:
+                # The server went away mid-answer: end the stream with an error event (vLLM's
+                # shape for errors inside a stream) rather than a silently truncated one.
+                error = type(exc).__name__
+                msg = f"upstream {self.url} cut the stream: {error}"
+                event = {"error": {"message": msg, "type": "BadGateway", "code": 502}}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                            "more_body": True})
         finally:
+            watcher.cancel()
             if whole:
                 resp.release()  # the connection goes back to the pool
             else:
-                resp.close()  # the client left (or the stream broke): the server sees the disconnect
-            finish(error)
-
-    async def cleanup() -> None:  # a no-op after relay() ran; closes the upstream if it never started
-        resp.close()
-        finish()
-
-    return StreamingResponse(relay(), status_code=200, media_type=media_type, background=BackgroundTask(cleanup))
+                resp.close()  # the client left or the stream broke: the server sees the disconnect
+            self.finish(error)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Stopwatch:

@@ -51,12 +51,19 @@ class Upstream:
     kv_usage: float = 0.0  # 0-1
     assigned: int = 0  # requests ever sent: the last tie-breaker, so idle replicas take turns
     scraped_at: float = field(default=0.0)
+    in_flight_at_scrape: int = 0  # this router's requests there when the scrape was taken
+
+    @property
+    def others(self) -> float:
+        """Requests other clients (other routers, direct users) had there at the last scrape."""
+        return max(0.0, self.waiting + self.running - self.in_flight_at_scrape)
 
     @property
     def load(self) -> float:
-        """Requests queued or running there. The scrape sees every client's requests but is up to
-        one interval old; the in-flight count is exact for this router's: take the larger."""
-        return max(float(self.in_flight), self.waiting + self.running)
+        """Requests queued or running there: this router's own, counted exactly, plus the other
+        clients' as last scraped. (Taking the scrape alone would keep counting requests of ours
+        that have finished since, for up to one interval, and steer traffic away for nothing.)"""
+        return self.in_flight + self.others
 
     def mark_unhealthy(self, why: str) -> None:
         if self.healthy:
@@ -75,8 +82,10 @@ class Upstream:
                         return
                 log.warning("upstream %s (%s) healthy again", self.url, self.role)
                 self.healthy = True
+            in_flight = self.in_flight
             async with session.get(self.url + "/metrics", timeout=timeout) as r:
                 status, text = r.status, await r.text()
+            in_flight = min(in_flight, self.in_flight)  # requests that ended meanwhile may be missing
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.mark_unhealthy(f"{type(exc).__name__}: {exc}")
             return
@@ -85,6 +94,7 @@ class Upstream:
         elif status == 200:
             load = parse_load(text)
             self.waiting, self.running, self.kv_usage = load[WAITING], load[RUNNING], load[KV_USAGE]
+            self.in_flight_at_scrape = in_flight
             self.scraped_at = time.monotonic()
 
 

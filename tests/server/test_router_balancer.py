@@ -140,3 +140,21 @@ def test_dead_replica_is_skipped(tiny_llama, replicas):
         assert httpx.get(live.url + "/health").status_code == 200
     finally:
         live.stop()
+
+
+def test_client_leaving_mid_stream_aborts_the_request_upstream(router, replicas):
+    """The router closes its upstream stream when the client goes: the server aborts the
+    request (finish reason "abort") and frees its KV blocks (the fixture checks them)."""
+    def aborted() -> float:
+        return sum(v for s in replicas for k, v in s.metrics().items()
+                   if k.startswith("vllm:request_success_total") and 'finished_reason="abort"' in k)
+
+    before = aborted()
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", router.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the first chunk, then hang up
+    deadline = time.monotonic() + 20
+    while aborted() == before:
+        assert time.monotonic() < deadline, "the server never saw the client leave"
+        time.sleep(0.05)
