@@ -113,3 +113,11 @@ def test_router_never_imports_torch():
 def test_bad_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         _pool("fastest")
+
+
+def test_load_counts_own_requests_exactly_and_others_as_scraped():
+    u = Upstream(A, "worker")
+    u.in_flight, u.running, u.waiting, u.in_flight_at_scrape = 2, 3.0, 1.0, 2  # scrape: 2 ours + 2 others
+    assert u.load == 4
+    u.in_flight = 0  # ours finished since the scrape: not counted again
+    assert u.load == 2
