@@ -26,7 +26,7 @@ class LocalTokenizer:
     def count(self, body: dict[str, Any], chat: bool) -> int:
         if chat:
             ids = self.tok.apply_chat_template(body.get("messages") or [], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            if not isinstance(ids, list):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]
             return len(ids)
         prompt = body.get("prompt")
@@ -42,9 +42,12 @@ async def count_tokens(body: dict[str, Any], chat: bool, text: str, session: aio
         if ids is not None:
             return len(ids), True
     if local is not None:
-        if len(text) < 4096:
-            return local.count(body, chat), True
-        return await asyncio.to_thread(local.count, body, chat), True
+        try:
+            if len(text) < 4096:
+                return local.count(body, chat), True
+            return await asyncio.to_thread(local.count, body, chat), True
+        except Exception:  # a body the template cannot render: the server will say what is wrong
+            return len(text.encode()) // 4, False
     payload: dict[str, Any] = {"model": body.get("model")}
     if chat:
         payload["messages"] = body.get("messages")

@@ -283,3 +283,27 @@ def test_unhealthy_replica_skipped_until_health_recovers(fakes):
     finally:
         prefill.mode = decode.mode = "ok"
         router.stop()
+
+
+def test_local_tokenizer_counts_without_a_round_trip(fakes, tiny_llama):
+    from stoker.router.tokens import LocalTokenizer
+
+    prefill, decode, lp, ld = fakes
+    for f in (prefill, decode):
+        f.bodies.clear(), f.tokenized.clear()
+    tok = LocalTokenizer(str(tiny_llama))
+    n_long = tok.count({"prompt": LONG}, chat=False)
+    n_chat = tok.count({"messages": [{"role": "user", "content": LONG}]}, chat=True)
+    assert n_chat > n_long > 8  # the template adds its framing
+    cfg = RouterConfig(prefill=(lp.url,), decode=(ld.url,), tokenizer=str(tiny_llama),
+                       max_local_prefill_length=n_long - 1)
+    router = serve_app(create_app(cfg), ready_path="/health")
+    try:
+        r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 3})
+        assert r.status_code == 200 and len(prefill.bodies) == 1
+        r = httpx.post(router.url + "/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": LONG}], "max_tokens": 3})
+        assert r.status_code == 200 and len(prefill.bodies) == 2
+        assert decode.tokenized == []  # counted in the router
+    finally:
+        router.stop()
