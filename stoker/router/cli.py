@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Without --prefill: a balancer over --worker-urls. With --prefill and --decode: disaggregated "
                     "serving over vLLM's kv_transfer_params protocol. docs/router.md.",
     )
-    p.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
+    p.add_argument("--worker-urls", nargs="+", default=[], action="extend", metavar="URL",
                    help="servers of the balancer's pool (http://host:port)")
     p.add_argument("--prefill", nargs="+", default=[], action="extend", metavar="URL",
                    help="prefill servers (started with --kv-transfer-config); turns on disaggregated mode")

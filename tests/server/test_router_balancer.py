@@ -61,6 +61,13 @@ def test_completions_and_chat_equal_a_direct_server(router, replicas):
     assert a.choices[0].message.content == b.choices[0].message.content
     assert [m.id for m in via.models.list().data] == [MODEL]
     assert httpx.get(router.url + "/health").status_code == 200
+    # the servers' own /metrics are scraped: their KV usage gauge is read (0 <= x <= 1)
+    for up in router.app.state.router.pool.upstreams:
+        deadline = time.monotonic() + 5
+        while up.scraped_at == 0:
+            assert time.monotonic() < deadline, f"{up.url} never scraped"
+            time.sleep(0.05)
+        assert 0 <= up.kv_usage <= 1 and up.healthy
 
 
 def test_streaming_completions_and_chat(router, replicas):

@@ -307,3 +307,24 @@ def test_local_tokenizer_counts_without_a_round_trip(fakes, tiny_llama):
         assert decode.tokenized == []  # counted in the router
     finally:
         router.stop()
+
+
+def test_scraped_queue_steers_the_balancer(fakes):
+    """Load the router did not send (another client's, seen on the server's /metrics) counts."""
+    prefill, decode, lp, ld = fakes
+    prefill.mode = decode.mode = "ok"
+    prefill.bodies.clear(), decode.bodies.clear()
+    decode.waiting = 6  # the "decode" fake reports a queue; the "prefill" fake none
+    cfg = RouterConfig(workers=(lp.url, ld.url), policy="least_load", metrics_interval_s=0.1)
+    router = serve_app(create_app(cfg), ready_path="/health")
+    try:
+        deadline = time.monotonic() + 5
+        while metric(router.url, "stoker_router:upstream_load", upstream=ld.url) < 6:
+            assert time.monotonic() < deadline, "the queue was never scraped"
+            time.sleep(0.05)
+        for i in range(4):
+            assert httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": f"q{i}"}).status_code == 200
+        assert len(prefill.bodies) == 4 and decode.bodies == []
+    finally:
+        decode.waiting = 0
+        router.stop()

@@ -54,6 +54,7 @@ def test_one_leaderworkerset_per_role_and_the_router(docs):
         (resource,) = c["resources"]["limits"]  # a whole GPU or a MIG slice, as the plan placed it
         assert resource.startswith("nvidia.com/") and c["resources"]["requests"] == c["resources"]["limits"]
         assert tmpl["leaderTemplate"]["metadata"]["labels"]["app.kubernetes.io/name"] == f"chat-{role}"
+        _k8s_parse(tmpl["leaderTemplate"], "V1PodTemplateSpec")  # the pod template is a valid one
     # The client-facing Service selects only the router's pods.
     svc, router = objs["Service", "chat"], objs["Deployment", "chat-router"]
     assert svc["spec"]["selector"] == router["spec"]["template"]["metadata"]["labels"]
