@@ -27,7 +27,7 @@ from stoker.router.metrics import RouterMetrics
 from stoker.router.policy import Choice, Pool
 from stoker.router.proxy import (RETRYABLE, RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
                                  forward_headers, send)
-from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_leg, prompt_text,
+from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_leg, prompt_text, read_body,
                                     single_sequence)
 from stoker.router.tokens import LocalTokenizer, count_tokens
 from stoker.router.upstream import Upstream, poll_forever
@@ -58,16 +58,17 @@ class Router:
     async def generate(self, request: Request, path: str, chat: bool) -> Response | RelayResponse:
         sw = Stopwatch()
         try:
-            body = parse_body(await request.body())
+            raw = await read_body(request.stream(), request.headers.get("content-length"),
+                                  self.cfg.max_request_body_bytes)
+            body = parse_body(raw)
         except BadRequest as exc:
-            return error_response(400, str(exc), "BadRequestError")
+            return error_response(exc.status, str(exc), "BadRequestError")
         stream = body.get("stream") is True
         text = prompt_text(body, chat)
         headers = forward_headers({k: request.headers[k] for k in ("authorization", "x-request-id")
                                    if k in request.headers})
         endpoint = "chat" if chat else "completions"
-        if self.prefill is None:
-            raw = await request.body()  # cached by Starlette: forwarded byte for byte
+        if self.prefill is None:  # the body goes on byte for byte
             return await self._to_pool(self.pool, path, raw, headers, stream, text, "aggregated", endpoint, sw)
         decode = self.pool.choose(text)
         if decode is None:
@@ -76,7 +77,7 @@ class Router:
         reason = await self._local_reason(body, chat, text, decode)
         if reason is not None:
             self.metrics.local_reasons.labels(reason).inc()
-            return await self._to_pool(self.pool, path, await request.body(), headers, stream, text, "local_prefill",
+            return await self._to_pool(self.pool, path, raw, headers, stream, text, "local_prefill",
                                        endpoint, sw, first=decode)
         headers.setdefault("x-request-id", uuid.uuid4().hex)  # one id on both legs, as vLLM's proxy does
         outcome = await self._prefill_leg(path, body, headers, text)
@@ -84,7 +85,7 @@ class Router:
             return outcome
         if outcome is None:  # no prefill server could be reached: prefill on the decode server
             self.metrics.local_reasons.labels("prefill_unreachable").inc()
-            return await self._to_pool(self.pool, path, await request.body(), headers, stream, text, "local_prefill",
+            return await self._to_pool(self.pool, path, raw, headers, stream, text, "local_prefill",
                                        endpoint, sw, first=decode)
         content = json.dumps(decode_leg(body, outcome)).encode()
         return await self._to_pool(self.pool, path, content, headers, stream, text, "remote_prefill", endpoint, sw,

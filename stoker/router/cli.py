@@ -54,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how often an unhealthy server's /health is checked (default 2)")
     p.add_argument("--prefill-timeout-secs", type=float, default=600.0,
                    help="the prefill leg's deadline; past it the client gets 504 (default 600)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+                   help="larger bodies get 413 (default 16 MiB, as stoker serve)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run)
@@ -68,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> "RouterConfig":  # noqa: F821 
         balance_rel_threshold=args.balance_rel_threshold, prefix_chunk_chars=args.prefix_chunk_chars,
         max_local_prefill_length=args.max_local_prefill_length, max_prefill_queue_size=args.max_prefill_queue_size,
         tokenizer=args.tokenizer, metrics_interval_s=args.metrics_interval_secs,
-        health_check_interval_s=args.health_check_interval_secs, prefill_timeout_s=args.prefill_timeout_secs)
+        health_check_interval_s=args.health_check_interval_secs, prefill_timeout_s=args.prefill_timeout_secs,
+        max_request_body_bytes=args.max_request_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0
     request_timeout_s: float | None = None  # None: a long generation is not cut
+    max_request_body_bytes: int = 16 * 2**20  # stoker serve's default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(normalize_url(u) for u in self.workers))
@@ -59,6 +60,8 @@ class RouterConfig:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
             raise ValueError("--max-local-prefill-length and --max-prefill-queue-size must be >= 0")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be positive")
         for name, v in (("--metrics-interval-secs", self.metrics_interval_s),
                         ("--health-check-interval-secs", self.health_check_interval_s),
                         ("--prefill-timeout-secs", self.prefill_timeout_s)):

@@ -8,6 +8,7 @@ prefill decision) and, in disaggregated mode, rewrites the body for each leg.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 # vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) and vLLM's
@@ -25,6 +26,29 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 
 class BadRequest(ValueError):
     """The body is not a JSON object: answered 400 by the router itself."""
+
+    status = 400
+
+
+class BodyTooLarge(BadRequest):
+    status = 413
+
+
+async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
+    """The request body, refused past `limit` bytes before it is all buffered (as `stoker serve`
+    refuses bodies over --max-request-body-bytes)."""
+    too_large = BodyTooLarge(f"the request body is larger than {limit} bytes (the router's "
+                             "--max-request-body-bytes); send a smaller request")
+    if content_length is not None and content_length.isdigit() and int(content_length) > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in chunks:
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

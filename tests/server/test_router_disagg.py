@@ -247,6 +247,15 @@ def test_router_rejects_non_json_and_bad_flags(pd):
     _, _, router = pd
     r = httpx.post(router.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    big = b'{"prompt": "' + b"x" * (16 * 2**20) + b'"}'
+    r = httpx.post(router.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"]
+
+    def chunked():  # no content-length: counted as it arrives
+        for _ in range(17):
+            yield b"x" * 2**20
+    r = httpx.post(router.url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
     with pytest.raises(ValueError, match="--decode"):
         RouterConfig(prefill=("http://a:1",))
     with pytest.raises(ValueError, match="listed twice"):
