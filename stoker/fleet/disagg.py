@@ -68,8 +68,8 @@ def router_objects(dep: DeploymentSpec, urls: dict[str, list[str]]) -> list[dict
         "command": ["stoker", "router"],
         "args": args,
         "ports": [{"name": "http", "containerPort": dep.port}],
-        # No GPU: the router relays bytes (about a millisecond of CPU per request on a loaded
-        # core, docs/benchmarks.md, Router).
+        # No GPU: the router relays bytes (one to two and a half milliseconds of CPU per request
+        # on a loaded core, docs/benchmarks.md, Router).
         "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
         "readinessProbe": probe,
         "livenessProbe": {**probe, "periodSeconds": 10},

@@ -2,7 +2,7 @@
 
 The body goes on as bytes and the answer comes back as bytes: SSE chunks are relayed as they
 arrive (no re-encoding), so the client sees exactly what the server sent, and the router's
-cost per request stays a fraction of a millisecond (docs/benchmarks.md, Router).
+CPU per request stays near a minimal HTTP endpoint's (docs/benchmarks.md, Router).
 """
 
 from __future__ import annotations
