@@ -165,3 +165,22 @@ def test_client_leaving_mid_stream_aborts_the_request_upstream(router, replicas)
     while aborted() == before:
         assert time.monotonic() < deadline, "the server never saw the client leave"
         time.sleep(0.05)
+
+
+def test_disaggregated_short_prompts_prefill_on_a_real_decode_server(replicas):
+    """Prompt tokens are counted by the decode server's own /tokenize (prompt and chat forms):
+    short prompts are served whole by the decode server, the prefill server untouched."""
+    prefill, decode = replicas
+    cfg = RouterConfig(prefill=(prefill.url,), decode=(decode.url,), max_local_prefill_length=1000)
+    live = serve_app(create_app(cfg), ready_path="/health")
+    try:
+        before = [_served(s) for s in replicas]
+        via = _client(live.url)
+        assert via.completions.create(model=MODEL, prompt="Short prompt", max_tokens=3).usage.completion_tokens == 3
+        msgs = [{"role": "user", "content": "Short chat"}]
+        assert via.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3).choices[0].message.content
+        assert [_served(s) - b for s, b in zip(replicas, before)] == [0, 2]
+        assert metric(live.url, "stoker_router:local_prefill_reasons_total", reason="short_prompt") == 2
+        assert metric(live.url, "stoker_router:upstream_errors_total") == 0  # /tokenize answered both forms
+    finally:
+        live.stop()
