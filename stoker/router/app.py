@@ -50,6 +50,13 @@ class Router:
     def upstreams(self) -> list[Upstream]:
         return self.pool.upstreams + (self.prefill.upstreams if self.prefill else [])
 
+    def recovered(self, up: Upstream) -> None:
+        """An upstream is healthy again after an outage (a restart, most likely): its prefix
+        cache is empty, so the prefix index forgets what it had sent there."""
+        for pool in (self.pool, self.prefill):
+            if pool is not None and up in pool.upstreams:
+                pool.index.forget(up.url)
+
     def _error(self, up: Upstream, kind: str) -> None:
         self.metrics.upstream_errors.labels(up.url, up.role, kind).inc()
 
@@ -233,7 +240,7 @@ def create_app(cfg: RouterConfig) -> "HotPaths":
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             router.session = session
             poller = asyncio.create_task(poll_forever(router.upstreams, session, cfg.metrics_interval_s,
-                                                      cfg.health_check_interval_s))
+                                                      cfg.health_check_interval_s, router.recovered))
             try:
                 yield
             finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -70,25 +71,27 @@ class Upstream:
             log.warning("upstream %s (%s) marked unhealthy: %s", self.url, self.role, why)
         self.healthy = False
 
-    async def refresh(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    async def refresh(self, session: aiohttp.ClientSession, timeout_s: float) -> bool:
         """One check: an unhealthy upstream must answer /health with 200 to come back; then (or
         if healthy) /metrics is scraped for its load. A server without /metrics stays usable
-        with in-flight counts only."""
+        with in-flight counts only. True when the upstream has just come back."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             if not self.healthy:
                 async with session.get(self.url + "/health", timeout=timeout) as r:
                     if r.status != 200:
-                        return
+                        return False
                 log.warning("upstream %s (%s) healthy again", self.url, self.role)
-                self.healthy = True
+                self.healthy = came_back = True
+            else:
+                came_back = False
             in_flight = self.in_flight
             async with session.get(self.url + "/metrics", timeout=timeout) as r:
                 status, text = r.status, await r.text()
             in_flight = min(in_flight, self.in_flight)  # requests that ended meanwhile may be missing
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
             self.mark_unhealthy(f"{type(exc).__name__}: {exc}")
-            return
+            return False
         if status == 503:  # stoker/vLLM: loading, engine dead or shutting down
             self.mark_unhealthy("/metrics answered 503")
         elif status == 200:
@@ -96,21 +99,26 @@ class Upstream:
             self.waiting, self.running, self.kv_usage = load[WAITING], load[RUNNING], load[KV_USAGE]
             self.in_flight_at_scrape = in_flight
             self.scraped_at = time.monotonic()
+        return came_back
 
 
 async def poll_forever(upstreams: list[Upstream], session: aiohttp.ClientSession, interval_s: float,
-                       health_interval_s: float) -> None:
+                       health_interval_s: float, on_recover: Callable[[Upstream], None]) -> None:
     """Refresh every upstream each `interval_s`; an unhealthy one is re-checked each
-    `health_interval_s`. Runs until cancelled (the router's shutdown)."""
+    `health_interval_s`; `on_recover` is told of each that comes back. Runs until cancelled
+    (the router's shutdown); a check that fails in an unforeseen way is logged, not fatal."""
     last_check = dict.fromkeys((u.url, u.role) for u in upstreams)
     while True:
         now = time.monotonic()
-        due = []
-        for u in upstreams:
-            prev = last_check[(u.url, u.role)]
-            if prev is None or now - prev >= (interval_s if u.healthy else health_interval_s):
-                last_check[(u.url, u.role)] = now
-                due.append(u.refresh(session, timeout_s=max(1.0, interval_s)))
-        if due:
-            await asyncio.gather(*due)
+        due = [u for u in upstreams if last_check[(u.url, u.role)] is None
+               or now - last_check[(u.url, u.role)] >= (interval_s if u.healthy else health_interval_s)]
+        for u in due:
+            last_check[(u.url, u.role)] = now
+        results = await asyncio.gather(*(u.refresh(session, timeout_s=max(1.0, interval_s)) for u in due),
+                                       return_exceptions=True)
+        for u, result in zip(due, results):
+            if isinstance(result, Exception):
+                log.error("checking upstream %s failed: %r", u.url, result)
+            elif result:
+                on_recover(u)
         await asyncio.sleep(min(interval_s, health_interval_s) / 2)

@@ -127,3 +127,15 @@ def test_load_counts_own_requests_exactly_and_others_as_scraped():
     assert u.load == 4
     u.in_flight = 0  # ours finished since the scrape: not counted again
     assert u.load == 2
+
+
+def test_a_recovered_replica_starts_with_an_empty_prefix_record():
+    from stoker.router.app import Router
+    from stoker.router.config import RouterConfig
+
+    router = Router(RouterConfig(workers=(A, B), prefix_chunk_chars=8))
+    text = "shared system prompt, then a question"
+    first = router.pool.choose(text).upstream
+    assert router.pool.index.match(text, [first.url])[first.url] > 0
+    router.recovered(first)  # it restarted: its prefix cache is gone
+    assert router.pool.index.match(text, [first.url])[first.url] == 0
