@@ -281,8 +281,8 @@ def test_unhealthy_replica_skipped_until_health_recovers(fakes):
         while metric(router.url, "stoker_router:upstream_healthy", upstream=lp.url) == 0:
             assert time.monotonic() < deadline, "never taken back"
             time.sleep(0.05)
-        texts = {httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"}).json()["choices"][0]["text"]
-                 for _ in range(4)}
+        answers = [httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"}) for _ in range(4)]
+        texts = {a.json()["choices"][0]["text"] for a in answers}
         assert texts == {"prefill-answer", "decode-answer"}
         decode.mode = "unavailable"  # every replica down: a clear 503, no hang
         prefill.mode = "unavailable"
