@@ -24,6 +24,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "stoker.telemetry.cli",  # top, telemetry
     "stoker.doctor.cli",  # doctor
     "stoker.finetune.cli",  # finetune
+    "stoker.router.cli",  # router
 )
 
 

@@ -156,7 +156,12 @@ def render_files(plan: FleetPlan, report_md: str) -> dict[str, str]:
     for dep in plan.deployments:
         placed = [r for r in plan.replicas if r.deployment == dep.name]
         if placed:
-            docs = deployment_objects(dep, placed)
+            if dep.prefill_replicas:
+                from stoker.fleet.disagg import disaggregated_objects
+
+                docs = disaggregated_objects(dep, placed)
+            else:
+                docs = deployment_objects(dep, placed)
             files[f"k8s/{dep.name}.yaml"] = GENERATED + dump_yaml_all(docs)
     return files
 

@@ -126,7 +126,8 @@ def build_replicas(fleet: FleetSpec, deployments: tuple[DeploymentSpec, ...]) ->
             "no GPU model in the fleet can host it (" + "; ".join(needs) + "); "
             "lower max_model_len/max_num_seqs or the throughput target, use a smaller dtype, "
             "or add bigger nodes")
-        out.extend(Replica(dep.name, i, tuple(options), reason) for i in range(dep.replicas))
+        # Disaggregated: indices from dep.replicas on are the prefill servers (disagg.role_of).
+        out.extend(Replica(dep.name, i, tuple(options), reason) for i in range(dep.replicas + dep.prefill_replicas))
     return out
 
 

@@ -55,6 +55,9 @@ class DeploymentSpec:
     image: str = "ghcr.io/stoker-project/stoker:latest"
     port: int = 8000
     extra_args: tuple[str, ...] = ()
+    # > 0: disaggregated serving (stoker/fleet/disagg.py): `replicas` decode servers, this many
+    # prefill servers, and a `stoker router` in front of both.
+    prefill_replicas: int = 0
 
 
 def _load_yaml(path: str | Path) -> dict[str, Any]:
@@ -141,6 +144,8 @@ def parse_deployments(data: dict[str, Any], source: str = "deployments") -> tupl
             raise ValueError(f"{where}: {exc}") from None
         if not isinstance(spec.replicas, int) or spec.replicas < 1:
             raise ValueError(f"{where}: replicas must be a positive integer")
+        if not isinstance(spec.prefill_replicas, int) or spec.prefill_replicas < 0:
+            raise ValueError(f"{where}: prefill_replicas must be an integer >= 0 (0: not disaggregated)")
         if spec.compute_share is not None and not 0 < spec.compute_share <= 64:
             raise ValueError(f"{where}: compute_share must be in (0, 64] (GPUs' worth of compute)")
         if not 0 < spec.gpu_memory_utilization <= 1:
