@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stoker.kv_transfer.config import KVTransferConfig
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization (vLLM's flag): weights quantized at load; pre-quantized checkpoints say so themselves.
 QUANTIZATION_METHODS = ("fp8", "int8", "int4")
@@ -236,6 +238,7 @@ class EngineConfig:
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector (stoker/kv_transfer/)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):

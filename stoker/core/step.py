@@ -163,6 +163,8 @@ class StepResult:
     # (their blocks may go) and receiving (their prompt's K/V arrived). Empty without a connector.
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
+    # The connector's failed reads and each read's (seconds, bytes): stoker/kv_transfer/metadata.py
+    kv_connector_output: Any = None
 
 
 def _needs_history(p: SamplingParams) -> bool:
