@@ -15,13 +15,13 @@ import base64
 import hashlib
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stoker import __version__
 from stoker.core.step import StepMessage, StepResult
 from stoker.kv_transfer import compat
 from stoker.kv_transfer.base import KVConnectorWorker
@@ -197,7 +197,8 @@ def compat_fields(runner: ModelRunner) -> dict[str, Any]:
     spec = runner.kv_spec
     layers = runner.model.attention_layers()
     scales = [(float(a.k_scale), float(a.v_scale)) for a in layers]
-    return {"stoker_version": __version__, "model": f"{arch}:{model}", "dtype": str(runner.dtype).removeprefix("torch."),
+    version = sys.modules["stoker"].__version__  # the package is loaded (this module is in it); no import upward
+    return {"stoker_version": version, "model": f"{arch}:{model}", "dtype": str(runner.dtype).removeprefix("torch."),
             "kv_dtype": spec.dtype, "kv_scales": compat.scales_digest(scales), "block_size": runner.block_size,
             "num_layers": len(layers), "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "kv_tensors": spec.kv_tensors, "tp_size": runner.tp.world_size}
