@@ -10,6 +10,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +59,16 @@ def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     logs = tmp_path_factory.mktemp("disagg")
     common = [str(tiny_llama), "--max-model-len", "256", "--served-model-name", MODEL,
               "--kv-cache-memory-bytes", str(8 * 2**20)]
-    procs = []
+    # both start at once (each loads torch and the model: most of this file's time)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_serve_process, [*common, "--kv-transfer-config", kv_config(free_port())],
+                               logs / f"{role}.log") for role in ("prefill", "decode")]
+    started = [f.result() for f in futures if f.exception() is None]
     try:
-        urls = []
-        for role in ("prefill", "decode"):
-            proc, url = start_serve_process([*common, "--kv-transfer-config", kv_config(free_port())], logs / f"{role}.log")
-            procs.append(proc)
-            urls.append(url)
-        yield urls[0], urls[1]
+        assert len(started) == 2, [str(f.exception()) for f in futures]
+        yield started[0][1], started[1][1]
     finally:
-        for proc in procs:
+        for proc, _ in started:
             stop_process(proc)
 
 
