@@ -68,7 +68,8 @@ class NixlSchedulerConnector(KVConnectorScheduler):
 
     # ------------------------------------------------------------------ admission (decode engine)
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
-        if seq.seq_id in self._local or seq.num_output_tokens or seq.wants_prompt_logprobs:
+        if (seq.seq_id in self._local or seq.num_output_tokens or seq.wants_prompt_logprobs
+                or not self.config.is_consumer):  # a kv_producer reads nothing: it computes the prompt
             return 0, False
         spec = kv_params.remote_prefill(seq.sampling_params.kv_transfer_params)
         if spec is None:
