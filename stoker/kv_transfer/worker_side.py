@@ -111,9 +111,9 @@ class NixlWorkerConnector(KVConnectorWorker):
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
-        now = time.monotonic()
         for request_id, read in list(self.reads.items()):
             state = self.transport.state(read.handle)
+            now = time.monotonic()
             if state == "PROC" and now - read.started < self.config.load_timeout_s:
                 continue
             del self.reads[request_id]
@@ -185,8 +185,9 @@ class NixlWorkerConnector(KVConnectorWorker):
                 local.append((lbase + lb * size, n * size))
                 remote.append((rbase + rb * rsize, n * size))
         num_bytes = sum(n for _, n in local)
+        started = time.monotonic()  # before the post: a small read may complete inside it
         handle = self.transport.read(peer.name, local, remote, self.mem_type, load.remote_request_id.encode())
-        self.reads[load.request_id] = _Read(handle, time.monotonic(), num_bytes)
+        self.reads[load.request_id] = _Read(handle, started, num_bytes)
 
 
 def compat_fields(runner: ModelRunner) -> dict[str, Any]:
