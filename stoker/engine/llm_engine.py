@@ -355,6 +355,8 @@ class LLMEngine:
         # a request with any sequence running is running.
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running
+        if self.kv_connector is not None:  # waiting for their prompt's K/V count as waiting (as vLLM's)
+            waiting |= {w.seq.request_id for w in self.kv_connector.waiting_for_remote.values() if not w.aborted}
         return EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),

@@ -154,8 +154,11 @@ class NixlSchedulerConnector(KVConnectorScheduler):
                 self.stats.bytes_transferred.observe(num_bytes)
         for request_id in result.finished_sending:
             lease = self.leases.pop(request_id, None)
-            if lease is not None:  # else: expired before the reader's notification came
+            if lease is not None:
                 self._release(lease)
+            else:  # its lease had expired: the blocks may have held another prompt by the time they were read
+                logger.warning("request %s: a reader finished reading its KV blocks after their lease expired "
+                               "(raise kv_lease_duration / VLLM_NIXL_ABORT_REQUEST_TIMEOUT)", request_id)
         failed = report.failed_recving if report is not None else {}
         if result.finished_recving or failed:
             for w in list(self.waiting_for_remote.values()):
