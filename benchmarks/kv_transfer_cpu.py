@@ -109,7 +109,9 @@ def per_request(repeats: int, lengths: list[int]) -> list[dict]:
     def kv() -> dict:
         return {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"side_channel_port": free_port()}}
 
-    prefill, decode, local = LLM(str(path), kv_transfer_config=kv(), **kw), LLM(str(path), kv_transfer_config=kv(), **kw), LLM(str(path), **kw)
+    prefill = LLM(str(path), kv_transfer_config=kv(), **kw)
+    decode = LLM(str(path), kv_transfer_config=kv(), **kw)
+    local = LLM(str(path), **kw)
 
     def run(llm: LLM, rid: str, ids: list[int], params: SamplingParams) -> tuple[float, object]:
         e = llm.engine

@@ -108,6 +108,7 @@ class NixlWorkerConnector(KVConnectorWorker):
                 logger.warning("request %s: KV read from %s:%d failed to start: %s", load.request_id,
                                load.remote_host, load.remote_port, exc)
                 self.report.failed_recving[load.request_id] = str(exc)
+                self.peers.pop(load.remote_engine_id, None)  # handshake again next time (a restarted engine)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         recving: set[str] = set()

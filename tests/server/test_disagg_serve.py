@@ -21,12 +21,13 @@ from tests.server.conftest import MODEL, LiveServer, free_port, start_serve_proc
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL's UCX on loopback only (the serve processes inherit it)
 
+PROCESSES: list = []  # (prefill, decode) serve processes of the module's pair
 LONG = "the quick brown fox jumps over the lazy dog and then " * 6
 
 
 def kv_config(port: int, **extra: Any) -> str:
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"side_channel_port": port, **extra}})
+                       "kv_connector_extra_config": {"side_channel_port": port, "load_timeout_s": 5, **extra}})
 
 
 def two_legs(prefill: str, decode: str, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], httpx.Response]:
@@ -66,6 +67,7 @@ def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     started = [f.result() for f in futures if f.exception() is None]
     try:
         assert len(started) == 2, [str(f.exception()) for f in futures]
+        PROCESSES[:] = [proc for proc, _ in started]
         yield started[0][1], started[1][1]
     finally:
         for proc, _ in started:
@@ -148,3 +150,20 @@ def test_bad_params_are_a_400_naming_the_field(pair: tuple[str, str]) -> None:
     r = httpx.post(decode + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     assert "remote_block_ids" in r.json()["error"]["message"]
+
+
+def test_the_prefill_process_killed_mid_lease_is_recomputed(pair: tuple[str, str], live_server: LiveServer) -> None:
+    """Last in this file: it kills the pair's prefill process while its blocks are leased; the decode
+    server (which handshook with it earlier) fails the read and, under policy recompute, answers."""
+    prefill, decode = pair
+    body = {"model": MODEL, "prompt": LONG + "killed", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(prefill + "/v1/completions", json=first, timeout=60).json()["kv_transfer_params"]
+    failed = metric(decode, "vllm:nixl_num_failed_transfers_total")
+    PROCESSES[0].kill()
+    PROCESSES[0].wait(30)
+    r = httpx.post(decode + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference(live_server, "/v1/completions", body)["choices"][0]["text"]
+    assert metric(decode, "vllm:nixl_num_failed_transfers_total") == failed + 1
+    wait_all_free(decode)
