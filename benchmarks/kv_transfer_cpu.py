@@ -102,8 +102,8 @@ def per_request(repeats: int, lengths: list[int]) -> list[dict]:
     from stoker.testing.tiny_checkpoint import make_tiny_checkpoint
     from tests.server.conftest import free_port
 
-    tmp = Path(tempfile.mkdtemp(prefix="kv-transfer-bench-"))
-    path = make_tiny_checkpoint(tmp / "m512", "llama", **ISSUE2_SHAPE)
+    tmp = tempfile.TemporaryDirectory(prefix="kv-transfer-bench-")  # removed when the engines are done
+    path = make_tiny_checkpoint(Path(tmp.name) / "m512", "llama", **ISSUE2_SHAPE)
     kw = {"kv_cache_memory_bytes": 1 << 28, "max_model_len": 2048, "seed": 0}
 
     def kv() -> dict:
@@ -146,6 +146,7 @@ def per_request(repeats: int, lengths: list[int]) -> list[dict]:
                      "prefill_ms": statistics.median(recompute) * 1e3})
     for llm in (prefill, decode, local):
         llm.shutdown()
+    tmp.cleanup()
     return rows
 
 
