@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stoker.kv_transfer.config import KVTransferConfig
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization (vLLM's flag): weights quantized at load; pre-quantized checkpoints say so themselves.
 QUANTIZATION_METHODS = ("fp8", "int8", "int4")
@@ -276,9 +278,14 @@ class EngineConfig:
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector (stoker/kv_transfer/)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
         if self.speculative_config is not None:
             self.speculative_config.check_tensor_parallel(self.parallel_config.tensor_parallel_size)
+            if self.kv_transfer_config is not None and self.speculative_config.drafts_in_runner:
+                # The draft model's own cache is not transferred: the decode side would draft from nothing.
+                raise ValueError(f"speculative_config method {self.speculative_config.method!r} cannot run with "
+                                 f"kv_transfer_config (the draft's KV cache is not transferred); use method 'ngram'")

@@ -48,3 +48,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None, repr=False)
+    # vLLM's: what a KV connector returns for the next leg (a prefill's do_remote_prefill params)
+    kv_transfer_params: dict | None = None

@@ -45,6 +45,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM: words never completed (their last token banned after the rest)
     # vLLM's structured_outputs: the output follows a JSON schema, JSON, a regex, a choice or a grammar
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's kv_transfer_params: disaggregated prefill/decode (stoker/kv_transfer/params.py)
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

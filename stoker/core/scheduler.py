@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stoker.core.block_manager import BlockManager
 from stoker.core.sequence import Sequence, SequenceStatus
@@ -104,6 +104,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the newest is last
         self.num_preemptions = 0
+        # A KV connector's scheduler side (stoker/kv_transfer/scheduler_side.py), set by the engine
+        self.kv_connector: Any = None
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -131,6 +133,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.kv_connector is not None and self.kv_connector.request_finished(seq):
+            return  # its blocks outlive it: a remote reader's lease, or a read still writing into them
         self.block_manager.free(seq)
 
     # ------------------------------------------------------------------ planning
@@ -179,6 +183,12 @@ class Scheduler:
             cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq)
             num_computed = seq.num_computed_tokens + len(cached) * bm.block_size
             remaining = seq.num_tokens - num_computed
+            if self.kv_connector is not None:  # the rest of its prompt may come from a remote engine
+                admitted = self._admit_remote(seq, cached, num_computed)
+                if admitted is not None:
+                    if admitted:
+                        continue
+                    break  # no blocks for its read yet: it stays first in line
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
@@ -209,7 +219,9 @@ class Scheduler:
         last, which is new); a rejected draft's position is not computed, so the sequence rolls
         back to before it, the blocks holding only rejected drafts are freed, and only blocks
         full of computed tokens are hashed into the prefix cache."""
-        if result.finished_sending or result.finished_recving:
+        if self.kv_connector is not None:  # reads arrived or failed, leases ended (stoker/kv_transfer/)
+            self.kv_connector.update_after_step(self, result)
+        elif result.finished_sending or result.finished_recving:
             raise RuntimeError("a KV connector reported finished transfers, but this scheduler runs none")
         bm = self.block_manager
         # Every scheduled sequence is still live: nothing finishes one between its plan and its result.
@@ -231,6 +243,37 @@ class Scheduler:
             if s.num_draft_tokens:
                 bm.free_tail(seq)
             bm.cache_full_blocks(seq)
+
+    # ------------------------------------------------------------------ KV connector
+    def _admit_remote(self, seq: Sequence, cached: list[int], num_computed: int) -> bool | None:
+        """Admit seq to wait for its prompt's remote K/V (blocks for the whole prompt, no
+        budget: no step computes them). None when it computes locally; False when its
+        blocks do not fit yet."""
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
+        if not load_async:
+            return None
+        bm = self.block_manager
+        if not bm.can_allocate(seq, num_external, cached):
+            return False
+        self.waiting.popleft()
+        bm.record_prefix_query(seq.num_tokens, len(cached) * bm.block_size)
+        bm.allocate(seq, num_external, cached)
+        self.kv_connector.update_state_after_alloc(seq, bm.get_block_table(seq), len(cached))
+        return True
+
+    def resume(self, seq: Sequence) -> None:
+        """seq's remote K/V arrived: it runs from the next step."""
+        if self.by_priority:
+            self._insert_sorted(self.running, seq)
+        else:
+            self.running.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """seq computes its prompt here after all (its remote read failed): first in line."""
+        if self.by_priority:
+            self._insert_sorted(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ internals
     def _preempt(self, seq: Sequence) -> None:

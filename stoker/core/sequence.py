@@ -16,6 +16,9 @@ from stoker.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Holds its blocks while a KV connector reads its prompt's K/V from a remote engine; never
+    # scheduled until the read arrives (stoker/kv_transfer/scheduler_side.py)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

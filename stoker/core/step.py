@@ -166,6 +166,8 @@ class StepResult:
     # seq_id -> tokens a draft model proposed after this step's accepted ones (draft_model, eagle3:
     # spec_decode/drafter.py); the engine puts them on the sequence for the next step to verify
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # The connector's failed reads and each read's (seconds, bytes): stoker/kv_transfer/metadata.py
+    kv_connector_output: Any = None
 
 
 def _needs_history(p: SamplingParams) -> bool:

@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or \'{"method": "draft_model" (or "eagle3"), '
                         '"model": PATH, "num_speculative_tokens": 3}\' (docs/spec_decode.md)')
+    g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   help='disaggregated prefill/decode as JSON, vLLM\'s keys: \'{"kv_connector": "NixlConnector", '
+                        '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}\' (docs/disaggregation.md)')
     lo = parser.add_argument_group("LoRA (vLLM's flags)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on top of the model (docs/lora.md)")
     lo.add_argument("--max-loras", type=int, default=1, help="adapters in the compute slots at once (one step mixes at most these)")
@@ -65,6 +68,20 @@ def _speculative_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     try:
         SpeculativeConfig.from_dict(values)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return values
+
+
+def _kv_transfer_config(text: str) -> dict[str, Any]:
+    """--kv-transfer-config's JSON object, checked now (a bad flag fails before the model loads)."""
+    from stoker.kv_transfer.config import KVTransferConfig
+
+    try:
+        values = json.loads(text)
+        KVTransferConfig.from_dict(values)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return values
@@ -99,4 +116,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         speculative_config=args.speculative_config,
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
     )

@@ -451,7 +451,7 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_commands()
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() and not engine.has_pending_kv_transfers():
                     self._snapshot = self._take_snapshot()
                     self._wake.wait(1.0)
                     self._wake.clear()
@@ -467,7 +467,7 @@ class AsyncEngine:
                 except StepFailed as failed:
                     # Those requests fail alone; the engine is whole. A fault that fails every
                     # step is the engine's, not a request's: then the loop dies as before.
-                    consecutive_failures += 1
+                    consecutive_failures += 1 if failed.engine_fault else 0
                     if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     outputs = failed.outputs

@@ -57,6 +57,7 @@ class InputLimits:
     enable_chunked_prefill: bool
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may ask for a priority
     speculative_decoding: bool = False  # --speculative-config: drafts verified per step
+    kv_transfer: bool = False  # --kv-transfer-config: requests may carry kv_transfer_params
 
 
 class InputProcessor:
@@ -92,6 +93,8 @@ class InputProcessor:
                              "--scheduling-policy priority, or send priority 0", "priority")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InputError("cache_salt must be a non-empty string", "cache_salt")
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(params)
         if lora_name is not None:
             if self.has_lora is None:
                 raise InputError("LoRA is off: build the engine with enable_lora=True (stoker serve --enable-lora)",
@@ -122,6 +125,21 @@ class InputProcessor:
         return EngineRequest(request_id, prompt, ids, params, arrival, lora_name, bad_words, priority, cache_salt)
 
     # ------------------------------------------------------------------ checks
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """kv_transfer_params only with a KV connector, with vLLM's keys, one completion."""
+        from stoker.kv_transfer.params import check
+
+        if not self.limits.kv_transfer:
+            raise InputError("kv_transfer_params: this server runs no KV connector; start it with --kv-transfer-config "
+                             "(docs/disaggregation.md), or omit kv_transfer_params", "kv_transfer_params")
+        try:
+            check(params.kv_transfer_params)
+        except ValueError as exc:
+            raise InputError(str(exc), "kv_transfer_params") from None
+        if params.n != 1:
+            raise InputError("kv_transfer_params: disaggregated prefill/decode serves one completion per request; "
+                             "send n 1", "n")
+
     def _check_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.limits.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]

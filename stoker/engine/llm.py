@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from stoker.lora.request import LoRARequest
+from stoker.kv_transfer.config import KVTransferConfig
 from stoker.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                            SpeculativeConfig)
 from stoker.engine.llm_engine import LLMEngine
@@ -50,6 +51,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        kv_transfer_config: dict[str, Any] | str | KVTransferConfig | None = None,
     ) -> None:
         """speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 4, "prompt_lookup_min": 1} (docs/spec_decode.md)."""
@@ -57,6 +59,8 @@ class LLM:
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         elif speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(speculative_config).__name__}")
+        if kv_transfer_config is not None and not isinstance(kv_transfer_config, KVTransferConfig):
+            kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)  # vLLM's keys (docs/disaggregation.md)
         config = EngineConfig(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
             cache_config=CacheConfig(
@@ -86,6 +90,7 @@ class LLM:
             enforce_eager=enforce_eager,
             lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else None,
             speculative_config=speculative_config,
+            kv_transfer_config=kv_transfer_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -10,6 +10,7 @@ executor contract (stoker/executor/contract.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,17 +24,22 @@ from stoker.core.ngram_proposer import NgramProposer
 from stoker.core.spec_decode_stats import SpecDecodingStats
 from stoker.core.scheduler import Scheduler, SchedulerOutput
 from stoker.core.sequence import Sequence, SequenceStatus
-from stoker.core.step import StepResult, StepShape, build_step
+from stoker.core.step import StepMessage, StepResult, StepShape, build_step
 from stoker.engine.input_processor import EngineRequest, InputLimits, InputProcessor
 from stoker.engine.lora_manager import LoRAManager
 from stoker.engine.output_processor import OutputProcessor, RequestState
 from stoker.engine.tokenizer import eos_token_ids, load_tokenizer
 from stoker.executor.contract import WorkerFailedError
 from stoker.executor.factory import make_executor
+from stoker.kv_transfer.scheduler_side import check_kv_transfer, make_scheduler_connector
 from stoker.models.loader import read_hf_config
 from stoker.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+class KVLoadError(RuntimeError):
+    """A request's prompt K/V could not be read from the remote engine (policy "fail")."""
 
 
 class StepFailed(RuntimeError):
@@ -41,11 +47,14 @@ class StepFailed(RuntimeError):
     theirs cached) and the engine is whole; `outputs` are the other requests' outputs of the
     step. Raised by `LLMEngine.step`; the server fails just those requests and goes on."""
 
-    def __init__(self, cause: BaseException, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+    def __init__(self, cause: BaseException, request_ids: list[str], outputs: list[RequestOutput],
+                 engine_fault: bool = True) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause = cause
         self.request_ids = request_ids
         self.outputs = outputs
+        # False: the requests' own failure (a KV read from a remote engine), never the engine's
+        self.engine_fault = engine_fault
 
 
 @dataclass
@@ -61,6 +70,7 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()  # LoRA adapters of running / waiting sequences (vllm:lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters (None: off)
+    kv_transfer: Any = None  # a KV connector's counters (stoker/kv_transfer/stats.py; None: none)
 
 
 class LLMEngine:
@@ -72,6 +82,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.hf_config, config.model_config.max_model_len)
         sched_cfg = config.scheduler_config
         self.max_num_batched_tokens = sched_cfg.token_budget(self.max_model_len)
+        check_kv_transfer(config)
         self.executor = make_executor(config, self.hf_config, self.max_model_len)
         try:
             self.runner_info = self.executor.describe()  # rank 0's device, dtype, KV spec, weights
@@ -87,6 +98,9 @@ class LLMEngine:
                                    self.max_model_len, sched_cfg.enable_chunked_prefill,
                                    config.lora_config.max_loras if config.lora_config is not None else None,
                                    sched_cfg.policy)
+        # A KV connector's scheduler side (disaggregated prefill/decode: stoker/kv_transfer/), or None
+        self.kv_connector = make_scheduler_connector(config, self.block_manager)
+        self.scheduler.kv_connector = self.kv_connector
         # Multi-LoRA: the adapters known (host) and those in the compute slots
         self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor,
                                  self.runner_info.lora_targets, self.runner_info.moe_layers)
@@ -104,7 +118,8 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
                                         self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill,
-                                        sched_cfg.policy == "priority", spec is not None)
+                                        sched_cfg.policy == "priority", spec is not None,
+                                        kv_transfer=config.kv_transfer_config is not None)
         self.input_processor = self.make_input_processor(self.tokenizer)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self._finish_seq)
@@ -221,6 +236,8 @@ class LLMEngine:
             self._propose_drafts()
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.kv_connector is not None and self.kv_connector.has_pending():
+                return self._transfer_step()
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any sequence: the KV cache is smaller than one "
                                    "request needs; raise kv_cache_memory_bytes or lower max_model_len")
@@ -237,6 +254,8 @@ class LLMEngine:
             names = {s.seq.lora_name for s in plan.scheduled if s.seq.lora_name is not None}
             lora_slots = self.lora.slots_for(names) if names else {}
         step = build_step(plan, self.eos_token_ids, lora_slots)
+        if self.kv_connector is not None:
+            step = dataclasses.replace(step, kv_connector_meta=self.kv_connector.build_connector_meta())
         self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
         self.last_step_request_ids = sorted({s.seq.request_id for s in plan.scheduled})
         try:
@@ -259,6 +278,10 @@ class LLMEngine:
         failures: dict[str, BaseException] = {}
         touched = self.output_processor.process(result, self._seq_to_request, failures)
         outputs = [self.output_processor.make_output(s) for s in touched if s.request_id not in failures]
+        if self.kv_connector is not None:  # the prefill leg's params; reads failed under policy "fail"
+            for out in outputs:
+                out.kv_transfer_params = self.kv_connector.take_kv_transfer_params(out.request_id)
+            failures.update(self._kv_load_failures())
         for state in touched:
             if state.finished and state.request_id not in failures:
                 self._finish_request(state)
@@ -266,8 +289,34 @@ class LLMEngine:
         if failures:
             for request_id in failures:
                 self.abort_request(request_id)
-            raise StepFailed(next(iter(failures.values())), sorted(failures), outputs)
+            raise StepFailed(next(iter(failures.values())), sorted(failures), outputs,
+                             engine_fault=not all(isinstance(e, KVLoadError) for e in failures.values()))
         return outputs
+
+    # ------------------------------------------------------------------ KV connector
+    def has_pending_kv_transfers(self) -> bool:
+        """Reads in flight or blocks leased to remote readers: the loop steps to hear of them."""
+        return self.kv_connector is not None and self.kv_connector.has_pending()
+
+    def _transfer_step(self) -> list[RequestOutput]:
+        """Nothing to compute but KV transfers to hear of: a step of no sequences starts the
+        reads and polls for their end (and sleeps a little when nothing ended, not to spin)."""
+        assert self.kv_connector is not None
+        result = self.executor.execute(StepMessage([], kv_connector_meta=self.kv_connector.build_connector_meta()))
+        self.scheduler.update_after_step(SchedulerOutput(), result)
+        failures = self._kv_load_failures()
+        if failures:
+            for request_id in failures:
+                self.abort_request(request_id)
+            raise StepFailed(next(iter(failures.values())), sorted(failures), [], engine_fault=False)
+        if not (result.finished_recving or result.finished_sending):
+            # a read in flight is polled every 2 ms; leases alone (a notification frees them) every 10 ms
+            time.sleep(0.002 if self.kv_connector.waiting_for_remote else 0.01)
+        return []
+
+    def _kv_load_failures(self) -> dict[str, BaseException]:
+        assert self.kv_connector is not None
+        return {rid: KVLoadError(why) for rid, why in self.kv_connector.take_failed().items() if rid in self.requests}
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence whose next step is a decode (only its last sampled
@@ -315,6 +364,8 @@ class LLMEngine:
         # a request with any sequence running is running.
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running
+        if self.kv_connector is not None:  # waiting for their prompt's K/V count as waiting (as vLLM's)
+            waiting |= {w.seq.request_id for w in self.kv_connector.waiting_for_remote.values() if not w.aborted}
         return EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
@@ -327,6 +378,7 @@ class LLMEngine:
             running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
             waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
+            kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
         )
 
     def expert_load(self) -> ExpertLoad | None:

@@ -26,6 +26,10 @@ class InProcessExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.driver_runner.allocate_kv_cache(num_blocks)
         self.driver_runner.capture_cuda_graphs()  # CUDA and not enforce_eager only
+        self.driver_runner.start_kv_connector()  # with a kv_transfer_config only
+
+    def shutdown(self) -> None:
+        self.driver_runner.close_kv_connector()
 
     def execute(self, step: StepMessage) -> StepResult:
         result = self.driver_runner.execute(step)

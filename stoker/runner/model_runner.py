@@ -97,6 +97,7 @@ class ModelRunner:
         spec = config.speculative_config  # draft_model / eagle3: a model drafts after each sampling
         self.drafter: Drafter | None = (make_drafter(config, self.model, hf_config, max_model_len, self.device, self.dtype)
                                         if spec is not None and spec.drafts_in_runner else None)
+        self.kv_connector: Any = None  # a KV connector's worker side (start_kv_connector)
 
     # ------------------------------------------------------------------ KV cache
     def _apply_kv_scales(self, fp8: bool) -> None:
@@ -219,6 +220,18 @@ class ModelRunner:
         self.release(-1)
         self.expert_load_reader.reset()  # the dummy tokens are no traffic
 
+    def start_kv_connector(self) -> None:
+        """Register the KV cache with the configured KV connector (after allocate_kv_cache)."""
+        if self.config.kv_transfer_config is not None and self.kv_connector is None:
+            from stoker.kv_transfer.worker_side import start_worker_connector
+
+            self.kv_connector = start_worker_connector(self)
+
+    def close_kv_connector(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy block src to block dst in every layer's K and V cache (StepMessage.kv_copies):
         one indexed copy per cache, (num_pairs, block_size, Hkv, D) each."""
@@ -280,6 +293,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     def execute(self, step: StepMessage) -> StepResult | None:
         """Run one step; the sampled tokens on rank 0, None on the other ranks."""
+        if self.kv_connector is not None:  # reads start before the forward (stoker/kv_transfer/worker_side.py)
+            return self.kv_connector.around_step(self, step)  # the config refuses a runner drafter beside it
         inputs, logits = self.forward(step)
         result = self.sample(step, inputs, logits)
         if self.drafter is not None and result is not None:  # TP 1 (the config refuses more)

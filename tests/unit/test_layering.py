@@ -20,7 +20,7 @@ ROOT = Path(stoker.__file__).parent
 # sampling; the runner; the process machinery that runs runners; the engines; the tools and the
 # server that drive them; the CLI. `stoker/__init__` exports `LLM` lazily from the top.
 FLOORS = {
-    "config": 0, "sampling_params": 0, "outputs": 0, "paths": 0, "core": 0, "roofline": 0, "fleet": 0, "structured": 0,
+    "config": 0, "sampling_params": 0, "outputs": 0, "paths": 0, "core": 0, "roofline": 0, "fleet": 0, "structured": 0, "kv_transfer": 0,
     "kernels": 1, "cpu_runtime": 1,
     "distributed": 2, "quantization": 2, "lora": 2,
     "layers": 3,

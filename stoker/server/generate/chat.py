@@ -101,6 +101,7 @@ class OpenAIServingChat(Serving):
             "usage": self.usage([len(ids)], [out]),
             **({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}),
             **_timing_field(self.timing(out)),
+            **({"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params else {}),
         })
 
     async def _stream(

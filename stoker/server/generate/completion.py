@@ -108,6 +108,7 @@ class OpenAIServingCompletion(Serving):
             "choices": choices,
             "usage": self.usage(prompt_lens, outputs),
             **self._timings(outputs),
+            **({"kv_transfer_params": outputs[0].kv_transfer_params} if outputs[0].kv_transfer_params else {}),
         })
 
     def _timings(self, outputs: list[RequestOutput]) -> dict[str, Any]:

@@ -148,8 +148,8 @@ RULES: tuple[FieldRule, ...] = (
         ["my_module.Processor"]),
     _ok("return_tokens_as_token_ids", BOTH, "logprob tokens written as 'token_id:{id}'", True),
     _ok("cache_salt", BOTH, "the prefix cache is shared only between requests with the same salt", "tenant-a"),
-    _no("kv_transfer_params", BOTH, "there is no KV connector (disaggregated prefill) in this server yet; omit "
-        "kv_transfer_params", {"do_remote_decode": True}),
+    _ok("kv_transfer_params", BOTH, "disaggregated prefill/decode legs (vLLM's keys) with --kv-transfer-config; "
+        "a 400 naming it without (docs/disaggregation.md)", None),
     _no("vllm_xargs", BOTH, "no custom extension reads vllm_xargs here; omit it", {"k": 1}),
     _no("mm_processor_kwargs", ("chat",), "the engine is text-only: no multimodal processor runs", {"num_crops": 4}),
     _no("prompt_embeds", ("completions",), "prompt embeddings are not accepted; send text or token ids", "AAAA"),

@@ -78,6 +78,7 @@ class _SamplingFields(_Request):
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: disaggregated prefill/decode legs
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +124,7 @@ class _SamplingFields(_Request):
             bad_words=self.bad_words,
             structured_outputs=self.structured_spec(),
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def structured_spec(self) -> StructuredOutputs | None:

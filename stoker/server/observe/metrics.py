@@ -100,6 +100,10 @@ class _EngineCollector:
             yield g
         if s.spec_decoding is not None:
             yield from self._spec_decoding(s.spec_decoding, labels, value)
+        if s.kv_transfer is not None:  # a KV connector's (stoker/kv_transfer/metrics.py)
+            from stoker.kv_transfer.metrics import kv_transfer_metrics
+
+            yield from kv_transfer_metrics(s.kv_transfer, labels, value)
         yield from self._expert_load(engine)
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
