@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     import json
 
-    from stoker.fleet.manifests import render_files, write_files
+    from stoker.fleet.manifests import write_files
+    from stoker.fleet.render import render_files
     from stoker.fleet.plan import plan_fleet
     from stoker.fleet.report import plan_to_dict, render_report
     from stoker.fleet.spec import load_deployments, load_fleet

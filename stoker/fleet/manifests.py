@@ -149,23 +149,6 @@ def deployment_objects(dep: DeploymentSpec, replicas: list[ReplicaPlan]) -> list
     return objects
 
 
-def render_files(plan: FleetPlan, report_md: str) -> dict[str, str]:
-    """Every output file, relative path -> text, built in memory before anything is written."""
-    files = {"mig-parted.yaml": GENERATED + dump_yaml(mig_parted_config(plan)),
-             "report.md": report_md}
-    for dep in plan.deployments:
-        placed = [r for r in plan.replicas if r.deployment == dep.name]
-        if placed:
-            if dep.prefill_replicas:
-                from stoker.fleet.disagg import disaggregated_objects
-
-                docs = disaggregated_objects(dep, placed)
-            else:
-                docs = deployment_objects(dep, placed)
-            files[f"k8s/{dep.name}.yaml"] = GENERATED + dump_yaml_all(docs)
-    return files
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same directory and rename, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

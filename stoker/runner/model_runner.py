@@ -34,7 +34,8 @@ from stoker.sampling.prompt_logprobs import score_prompt
 from stoker.sampling.rejection import VerifyGroup, verify
 from stoker.sampling.sampler import Sampler, SamplingRow
 from stoker.sampling_params import SamplingParams
-from stoker.spec_decode.drafter import Drafter, make_drafter
+from stoker.spec_decode.drafter import Drafter
+from stoker.spec_decode.factory import make_drafter
 
 logger = logging.getLogger(__name__)
 

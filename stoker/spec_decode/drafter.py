@@ -14,9 +14,7 @@ rows into tokens: `DraftModelDrafter` (a smaller checkpoint of the same vocabula
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,8 +24,6 @@ from stoker.core.step import SampledTokens, SeqStep, StepMessage
 from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.spec_decode.draft_cache import DraftKVCache
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,36 +148,3 @@ class DraftModelDrafter(Drafter):
             return torch.empty(0, dtype=torch.int64), None
         logits = self.model.compute_logits(out[inputs.logits_indices])  # (S, vocab)
         return logits.argmax(dim=-1), None
-
-
-def make_drafter(config: EngineConfig, target: nn.Module, target_cfg: dict[str, Any], max_model_len: int,
-                 device: torch.device, dtype: torch.dtype) -> Drafter:
-    """The drafter `config.speculative_config` names, its weights loaded (TP 1: the config refuses more)."""
-    from stoker.models.loader import build_model, load_weights, read_hf_config
-    from stoker.quantization import config as quant_config
-    from stoker.quantization import gguf as gguf_quant
-
-    spec = config.speculative_config
-    assert spec is not None and spec.model is not None
-    if spec.method == "eagle3":
-        from stoker.spec_decode.eagle3 import make_eagle3_drafter
-
-        return make_eagle3_drafter(config, target, target_cfg, max_model_len, device, dtype)
-    draft_cfg = read_hf_config(spec.model)
-    if int(draft_cfg["vocab_size"]) != int(target_cfg["vocab_size"]):
-        raise ValueError(f"speculative_config model {spec.model} has vocab_size {draft_cfg['vocab_size']}, the target "
-                         f"{target_cfg['vocab_size']}: a draft model must share the target's tokenizer and vocabulary")
-    limit = draft_cfg.get("max_position_embeddings")
-    if limit is not None and int(limit) < max_model_len:  # still lossless: its drafts just get worse there
-        logger.warning("draft model %s was made for %d positions, the target serves %d", spec.model, limit, max_model_len)
-    # its own representation, decided as the target's is (a GGUF file: a scheme per tensor type)
-    quant = (gguf_quant.resolve(draft_cfg, None) if draft_cfg.get("gguf_architecture")
-             else quant_config.resolve(draft_cfg, None))
-    model = build_model(draft_cfg, max_model_len, dtype, device, quant)
-    load_weights(model, spec.model)
-    cache = DraftKVCache(model.attention_layers(), model.kv_cache_spec(str(dtype).removeprefix("torch.")),
-                         config.cache_config.block_size, spec.num_speculative_tokens,
-                         config.scheduler_config.max_num_seqs, dtype, device)
-    logger.info("draft model %s: %d layers, %s per KV block", spec.model, draft_cfg["num_hidden_layers"],
-                f"{cache.bytes_per_block / 2**10:.1f} KiB")
-    return DraftModelDrafter(config, model, cache, max_model_len, device)

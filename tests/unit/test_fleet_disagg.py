@@ -10,7 +10,7 @@ import yaml
 from kubernetes.client import ApiClient
 
 from stoker.cli import build_parser
-from stoker.fleet.manifests import render_files
+from stoker.fleet.render import render_files
 from stoker.fleet.plan import plan_fleet
 from stoker.fleet.report import render_report
 from stoker.fleet.spec import parse_deployments, parse_fleet

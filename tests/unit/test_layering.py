@@ -25,11 +25,11 @@ FLOORS = {
     "distributed": 2, "quantization": 2, "lora": 2,
     "layers": 3,
     "models": 4, "sampling": 4,
-    "runner": 5,
+    "runner": 5, "spec_decode": 5,
     "executor": 6,
     "engine": 7, "pooling": 7,
     "testing": 8,
-    "server": 9, "bench": 9, "doctor": 9, "telemetry": 9, "finetune": 9,
+    "server": 9, "router": 9, "bench": 9, "doctor": 9, "telemetry": 9, "finetune": 9,
     "cli": 10, "__main__": 10, "__init__": 10,
 }
 

@@ -9,7 +9,8 @@ import yaml
 from kubernetes.client import ApiClient
 
 from stoker.fleet import mig
-from stoker.fleet.manifests import render_files, write_atomic, write_files
+from stoker.fleet.manifests import write_atomic, write_files
+from stoker.fleet.render import render_files
 from stoker.fleet.plan import plan_fleet
 from stoker.fleet.report import render_report
 from stoker.fleet.spec import load_deployments, load_fleet
