@@ -152,6 +152,46 @@ def test_bad_params_are_a_400_naming_the_field(pair: tuple[str, str]) -> None:
     assert "remote_block_ids" in r.json()["error"]["message"]
 
 
+def test_stoker_router_drives_the_pair(pair: tuple[str, str], live_server: LiveServer) -> None:
+    """The whole path users set up: `stoker router --prefill URL --decode URL` in front of the pair
+    (every prompt sent to the prefill server: max_local_prefill_length 0), driven by the openai
+    client; answers, plain and streamed, equal the aggregated server's, and the KV came over NIXL."""
+    from openai import OpenAI
+
+    from stoker.router.app import create_app
+    from stoker.router.config import RouterConfig
+    from tests.server.conftest import serve_app
+    from tests.server.test_router_disagg import metric as router_metric
+
+    prefill, decode = pair
+    router = serve_app(create_app(RouterConfig(prefill=(prefill,), decode=(decode,), max_local_prefill_length=0,
+                                               metrics_interval_s=0.2, health_check_interval_s=0.2)),
+                       ready_path="/health")
+    try:
+        client = OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        def ask(prompt: str, stream: bool) -> tuple[str, str]:
+            """(the answer through the router, the aggregated server's)"""
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            want = reference(live_server, "/v1/completions", {**body, "ignore_eos": True})["choices"][0]["text"]
+            got = client.completions.create(**body, stream=stream, extra_body={"ignore_eos": True})
+            return ("".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text), want
+
+        reads = metric(decode, "vllm:nixl_xfer_time_seconds_count")
+        computed = metric(decode, "vllm:prompt_tokens_total")
+        got, want = ask(LONG + "through the router", stream=False)
+        assert got == want
+        got, want = ask("a different prompt, streamed " + LONG, stream=True)  # no prefix shared with the first
+        assert got == want
+        assert metric(decode, "vllm:nixl_xfer_time_seconds_count") - reads == 2
+        # the decode server computed the last prompt token only, once per request; the rest was read
+        assert metric(decode, "vllm:prompt_tokens_total") - computed == 2
+        assert router_metric(router.url, "stoker_router:requests_total", route="remote_prefill") == 2
+        assert router_metric(router.url, "stoker_router:upstream_errors_total") == 0
+    finally:
+        router.stop()
+    wait_all_free(prefill, decode)
+
+
 def test_the_prefill_process_killed_mid_lease_is_recomputed(pair: tuple[str, str], live_server: LiveServer) -> None:
     """Last in this file: it kills the pair's prefill process while its blocks are leased; the decode
     server (which handshook with it earlier) fails the read and, under policy recompute, answers."""
