@@ -46,8 +46,10 @@ def num_groups(in_features: int, group_size: int, where: str = "weight") -> int:
 def quantize(weight: torch.Tensor, group_size: int, symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest: (N, K) float -> (q (N, K) uint8, scale (N, G), offset (N, G) float32).
 
-    symmetric: scale = max |w| of the group / 7, q = round(w / scale) + 8 (so +-max |w| are
-    exact codes 15 and 1; offset = -8 * scale). asymmetric: scale = (max - min) / 15,
+    symmetric: scale = max |w| of the group / 7, rounded to the nearest float16 when it is a
+    normal float16 (then every scale of the layer may be held in 16 bits, Q4_0's 4.5 bits a
+    weight: kernels/cpu/linear_q4.pack_q4_scales), q = round(w / scale) + 8 in
+    [0, 15], offset = -8 * scale. asymmetric: scale = (max - min) / 15,
     offset = min, q = round((w - min) / scale). An all-zero group gets scale 1 (and stays 0).
     """
     n, k = weight.shape
@@ -56,6 +58,8 @@ def quantize(weight: torch.Tensor, group_size: int, symmetric: bool = True) -> t
     if symmetric:
         amax = w.abs().amax(dim=2)
         scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        normal16 = (scale >= 2.0**-14) & (scale <= 65504.0)
+        scale = torch.where(normal16, scale.half().float(), scale)
         q = (w / scale.unsqueeze(2)).round().clamp(-SYMMETRIC_ZERO, QMAX - SYMMETRIC_ZERO) + SYMMETRIC_ZERO
         offset = -SYMMETRIC_ZERO * scale
     else:
