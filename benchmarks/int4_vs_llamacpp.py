@@ -121,6 +121,8 @@ def main() -> None:
                     stoker.setdefault((name, t), []).append(1 / decode_steps(llm, 1, input_len=64, steps=32))
                 for g in GGUF_TYPES:
                     llama.setdefault((g, t), []).append(llama_bench(args.llama_cpp, files[g], t))
+                done = {n: round(v[(n, t)][-1], 1) for v in (stoker, llama) for n, tt in v if tt == t}
+                print(f"# repeat {len(llama[(GGUF_TYPES[0], t)])}, {t} thread(s): {done}", flush=True)
         del llms
         gc.collect()
         sizes = {g: files[g].stat().st_size for g in GGUF_TYPES}
