@@ -40,9 +40,9 @@ SHAPES = [(17, 128, 32), (200, 384, 128), (130, 192, 64), (64, 64, 32), (333, 25
 @pytest.mark.parametrize("n, k, group", SHAPES)
 def test_matches_twin_and_dequantized_linear_for_every_batch_size(n, k, group, symmetric, half_scales) -> None:
     q, s, o = quantized(n, k, group, symmetric)
-    if half_scales:  # as GGUF Q4_0 (fp16 d, offset -8 d) and most checkpoints: scales exact in float16
-        s = s.half().float()
-        o = -8 * s if symmetric else o
+    # exact in float16 (GGUF Q4_0's d, most checkpoints', online int4's), or not (held as float32)
+    s = s.half().float() if half_scales else s * (1 + 2**-20)
+    o = -8 * s if symmetric else o
     p, ps, po = packed(q, s, o)
     assert ps.dtype == (torch.float16 if half_scales else torch.float32)
     assert (po is None) == symmetric  # symmetric: o + 8 s is 0, no offsets held
