@@ -7,8 +7,9 @@ multiple of the group: a short last group is refused, naming the sizes). Symmetr
 the case offset = -8 * scale (q - 8 in [-8, 7]); an asymmetric format with zero point z has
 offset = -z * scale, and one with a minimum m (GGUF Q4_K) has offset = -m. `dequantize`
 computes q * scale, rounded, then + offset, rounded (two float32 roundings, never fused):
-the definition the C kernel (kernels/cpu/linear.c, stoker_linear_q4) and every twin follow,
-so every build computes the same weight bit for bit.
+the definition the dequantizing twins follow. The CPU kernel (kernels/cpu/linear_q4.h) never
+forms w: it sums x * (q - 8) per group and applies scale and o + 8 * scale once per group, the
+same product to float32 rounding, the same bits on every FMA build.
 
 Entry point for loaders whose format decodes to this form (GGUF Q4_0 / Q4_K, AWQ, GPTQ):
 build an `AffineInt4` of one checkpoint tensor (one shard of a merged layer, whole: the rows
