@@ -46,6 +46,7 @@ from benchmarks.machine import cpu_model  # noqa: E402
 from stoker import LLM, SamplingParams  # noqa: E402
 from stoker.kernels import reference  # noqa: E402
 from stoker.kernels.cpu import linear as cpu_linear  # noqa: E402
+from stoker.kernels.cpu import linear_q4 as cpu_q4  # noqa: E402
 from stoker.quantization import formats, int4  # noqa: E402
 from stoker.testing.quantized_checkpoint import quantize_checkpoint  # noqa: E402
 from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
@@ -71,14 +72,14 @@ def bench_kernels(repeats: int) -> list[dict]:
     q4 = []
     for w in weights:  # groups of 32, symmetric: (panels, scales, offsets)
         q, sc, off = int4.quantize(w, 32, symmetric=True)
-        q4.append((cpu_linear.pack_q4_weight(q), cpu_linear.pack_scales(sc, torch.float32), cpu_linear.pack_scales(off, torch.float32)))
+        q4.append((cpu_q4.pack_q4_weight(q), *cpu_q4.pack_q4_scales(sc, off)))
     del weights
     gc.collect()
     impls = {
         "float32 C": (lambda i, x: cpu_linear.linear(x, f32[i], n), 4),
         "int8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["int8"][i][0], q8["int8"][i][1], k, n), 1),
         "fp8 C": (lambda i, x: cpu_linear.linear_q8(x, q8["fp8"][i][0], q8["fp8"][i][1], k, n), 1),
-        "int4 C, groups of 32": (lambda i, x: cpu_linear.linear_q4(x, q4[i][0], q4[i][1], q4[i][2], 32, n), 0.5),
+        "int4 C, groups of 32": (lambda i, x: cpu_q4.linear_q4(x, q4[i][0], q4[i][1], q4[i][2], 32, n), 0.5),
         "int8 torch _weight_int8pack_mm": (lambda i, x: torch.ops.aten._weight_int8pack_mm(x, q8["int8"][i][2], q8["int8"][i][3].view(-1)), 1),
         "int8 twin (dequantize per call)": (lambda i, x: reference.w8_linear(x, q8["int8"][i][2], q8["int8"][i][3], k), 1),
     }

@@ -481,32 +481,35 @@ def fused_moe_grouped(
     return out.to(x.dtype)
 
 
-def dequantize_panels_q4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_k: int) -> torch.Tensor:
-    """(P, K, NR / 2) uint8 nibble panels (kernels/cpu/linear.pack_q4_weight) and (G, P * NR)
-    scales and offsets -> the (P, K, NR) float32 panels: w = q * s, rounded, + o, rounded, as
-    linear.c computes it (byte j: column j in the low nibble, column j + NR / 2 in the high)."""
-    num_panels, k, half = packed.shape
-    nr = 2 * half
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()  # (P, K, NR)
-
-    def per_column(t: torch.Tensor) -> torch.Tensor:
-        return t.view(t.shape[0], num_panels, nr).permute(1, 0, 2).repeat_interleave(group_k, dim=1)[:, :k]
-
-    return q * per_column(scales) + per_column(offsets)
-
-
 def linear_packed_q4(
     x: torch.Tensor,  # (..., K)
-    packed: torch.Tensor,  # (P, K, NR / 2) uint8
-    scales: torch.Tensor,  # (G, P * NR) float32
-    offsets: torch.Tensor,  # (G, P * NR) float32
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 (kernels/cpu/linear_q4.pack_q4_weight)
+    scales: torch.Tensor,  # (G, P * NR) float16 or float32
+    offsets: torch.Tensor | None,  # (G, P * NR) float32 o' = o + 8 s, or None (all zero)
     group_k: int,
     out_features: int,
     bias: torch.Tensor | None = None,
     silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """Twin of kernels/cpu/linear.linear_q4: dequantize the nibble panels, then linear_packed."""
-    return linear_packed(x, dequantize_panels_q4(packed, scales, offsets, group_k), out_features, bias, silu_and_mul)
+    """Twin of kernels/cpu/linear_q4.linear_q4, the same regrouping (linear_q4.h): per group g,
+    s_g * (x_g @ (q_g - 8)) + o'_g * sum(x_g), summed over the groups, + bias (panel order)."""
+    from stoker.kernels.cpu.linear_q4 import unpack_q4_panels
+
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    codes = unpack_q4_panels(packed).float().permute(1, 0, 2).reshape(k, num_panels * nr)  # (K, P * NR)
+    rows = x.reshape(-1, k).float()
+    groups = k // group_k
+    per_group = torch.einsum("mgk,gkn->mgn", rows.view(-1, groups, group_k), codes.view(groups, group_k, -1))
+    out = (per_group * scales.float()).sum(dim=1)  # (M, P * NR)
+    if offsets is not None:
+        out = out + rows.view(-1, groups, group_k).sum(dim=2) @ offsets
+    if bias is not None:
+        out = out + bias
+    if silu_and_mul:
+        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
+        return (F.silu(gate) * up).reshape(*x.shape[:-1], num_panels * nr // 2)[..., : out_features // 2]
+    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
 def int4_linear(

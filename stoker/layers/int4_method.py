@@ -9,8 +9,10 @@ Representation (quantization/int4.py): w = q * scale + offset per output row and
                                        process_after_loading turns them into -z * scale)
 
 Backends, chosen once at build (models/method_chooser.py):
-  cpu_q4   CPU float32 with the C kernels: nibble panels (linear.c, stoker_linear_q4), codes
-           widened and dequantized in registers: an eighth of float32's bytes per weight.
+  cpu_q4   CPU float32 with the C kernels: nibble panels (kernels/cpu/linear_q4.h), codes
+           converted in registers, scales and offsets applied once per group; scales held in
+           float16 where exact, offsets dropped where zero (symmetric): 4.5 bits a weight for
+           GGUF Q4_0 and symmetric checkpoints with 16-bit scales, as Q4_0 itself.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -240,15 +242,18 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             self.offset_is_zero_point = False
         if self.backend == "cpu_q4":
             from stoker.kernels.cpu import linear as cpu_linear
+            from stoker.kernels.cpu import linear_q4
 
             gate_up = self.fuse_silu_and_mul
             codes = int4.unpack(layer.weight.data)
-            layer.weight = nn.Parameter(cpu_linear.pack_q4_weight(codes, gate_up), requires_grad=False)
-            layer.weight_scale = nn.Parameter(cpu_linear.pack_scales(layer.weight_scale.data, torch.float32, gate_up), requires_grad=False)
-            layer.weight_offset = nn.Parameter(cpu_linear.pack_scales(layer.weight_offset.data, torch.float32, gate_up), requires_grad=False)
+            scales, offsets = linear_q4.pack_q4_scales(layer.weight_scale.data, layer.weight_offset.data, gate_up)
+            layer.weight = nn.Parameter(linear_q4.pack_q4_weight(codes, gate_up), requires_grad=False)
+            layer.weight_scale = nn.Parameter(scales, requires_grad=False)
+            # None when every o + 8 s is 0 (symmetric): not held, not read
+            layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
             if layer.bias is not None:
                 layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
-            self.kernel = cpu_linear.linear_q4
+            self.kernel = linear_q4.linear_q4
             self._forward = self._cpu_q4
         else:
             self.kernel = reference.int4_linear

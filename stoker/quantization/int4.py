@@ -7,8 +7,9 @@ multiple of the group: a short last group is refused, naming the sizes). Symmetr
 the case offset = -8 * scale (q - 8 in [-8, 7]); an asymmetric format with zero point z has
 offset = -z * scale, and one with a minimum m (GGUF Q4_K) has offset = -m. `dequantize`
 computes q * scale, rounded, then + offset, rounded (two float32 roundings, never fused):
-the definition the C kernel (kernels/cpu/linear.c, stoker_linear_q4) and every twin follow,
-so every build computes the same weight bit for bit.
+the definition the dequantizing twins follow. The CPU kernel (kernels/cpu/linear_q4.h) never
+forms w: it sums x * (q - 8) per group and applies scale and o + 8 * scale once per group, the
+same product to float32 rounding, the same bits on every FMA build.
 
 Entry point for loaders whose format decodes to this form (GGUF Q4_0 / Q4_K, AWQ, GPTQ):
 build an `AffineInt4` of one checkpoint tensor (one shard of a merged layer, whole: the rows
@@ -46,8 +47,10 @@ def num_groups(in_features: int, group_size: int, where: str = "weight") -> int:
 def quantize(weight: torch.Tensor, group_size: int, symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest: (N, K) float -> (q (N, K) uint8, scale (N, G), offset (N, G) float32).
 
-    symmetric: scale = max |w| of the group / 7, q = round(w / scale) + 8 (so +-max |w| are
-    exact codes 15 and 1; offset = -8 * scale). asymmetric: scale = (max - min) / 15,
+    symmetric: scale = max |w| of the group / 7, rounded to the nearest float16 when it is a
+    normal float16 (then every scale of the layer may be held in 16 bits, Q4_0's 4.5 bits a
+    weight: kernels/cpu/linear_q4.pack_q4_scales), q = round(w / scale) + 8 in
+    [0, 15], offset = -8 * scale. asymmetric: scale = (max - min) / 15,
     offset = min, q = round((w - min) / scale). An all-zero group gets scale 1 (and stays 0).
     """
     n, k = weight.shape
@@ -56,6 +59,8 @@ def quantize(weight: torch.Tensor, group_size: int, symmetric: bool = True) -> t
     if symmetric:
         amax = w.abs().amax(dim=2)
         scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        normal16 = (scale >= 2.0**-14) & (scale <= 65504.0)
+        scale = torch.where(normal16, scale.half().float(), scale)
         q = (w / scale.unsqueeze(2)).round().clamp(-SYMMETRIC_ZERO, QMAX - SYMMETRIC_ZERO) + SYMMETRIC_ZERO
         offset = -SYMMETRIC_ZERO * scale
     else:

@@ -24,8 +24,11 @@ from stoker.roofline.presets import ALIASES, PRESETS
 from stoker.roofline.text_config import is_multimodal, text_model_config
 
 INT4_GROUP_SIZE = 128
-# Stoker's int4 method holds a float32 scale and a float32 offset per group (w = q s + o).
-ENGINE_INT4_GROUP_BYTES = 8.0
+# Stoker's int4 method on CPU (kernels/cpu/linear_q4.py, pack_q4_scales) holds, per output row
+# and group, a float16 scale (float32 where a scale is not exact in float16) and, for
+# asymmetric weights only, a float32 offset: 2 bytes symmetric (online int4, GGUF Q4_0), 6 not.
+ENGINE_INT4_GROUP_BYTES = 2.0
+ENGINE_INT4_ASYMMETRIC_GROUP_BYTES = 6.0
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
 NVFP4_BLOCK_SIZE = 16  # NVIDIA NVFP4: E2M1 values, one FP8 E4M3 scale per 16 (plus one FP32 per tensor)
 DTYPE_BYTES: dict[str, float] = {
@@ -315,17 +318,18 @@ class ModelSpec:
             experts = (c["experts"] - biases) * self.expert_bytes_per_param(dtype) + biases * dtype_bytes(rest_dtype)
         return quantized * dtype_bytes(dtype) + scales + experts + rest * dtype_bytes(rest_dtype)
 
-    def engine_int4_weight_bytes(self, group_size: int | None, rest_dtype: str = "bf16") -> float:
+    def engine_int4_weight_bytes(self, group_size: int | None, rest_dtype: str = "bf16", symmetric: bool = True) -> float:
         """Bytes of all weights as Stoker's int4 method holds them (layers/int4_method.py):
-        transformer-block matmuls at half a byte per weight plus a float32 scale and a float32
-        offset per output row and group of `group_size` columns (None: per channel, one group
-        of K); embeddings, LM head, routers and norms in `rest_dtype`. (`weight_bytes("int4")`
+        transformer-block matmuls at half a byte per weight plus a float16 scale (and, not
+        symmetric, a float32 offset) per output row and group of `group_size` columns (None:
+        per channel, one group of K); embeddings, LM head, routers and norms in `rest_dtype`. (`weight_bytes("int4")`
         prices GPTQ/AWQ's 16-bit scales instead.) A dense model's projections only."""
         c = self.param_counts()
         quantized = c["attention"] + c["mlp"] + c["experts"]
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
         groups = self.projection_rows if group_size is None else quantized / group_size
-        return quantized * 0.5 + groups * ENGINE_INT4_GROUP_BYTES + rest * dtype_bytes(rest_dtype)
+        per_group = ENGINE_INT4_GROUP_BYTES if symmetric else ENGINE_INT4_ASYMMETRIC_GROUP_BYTES
+        return quantized * 0.5 + groups * per_group + rest * dtype_bytes(rest_dtype)
 
     def decode_weight_bytes(self, batch: int, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
         """Weight bytes one decode step of `batch` sequences reads (no scales): attention, the

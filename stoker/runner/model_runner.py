@@ -132,9 +132,9 @@ class ModelRunner:
         quantized = self.quant is not None and not self.quant.experts_only
         projections = self.quant.method if quantized else rest
         spec = spec_from_config(self.hf_config)
-        if quantized and self.quant.weights.dtype == "int4":  # float32 scale and offset per group
+        if quantized and self.quant.weights.dtype == "int4":  # 16-bit scale (+ offset if asymmetric) per group
             group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
-            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest)
+            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=self.quant.weights.symmetric)
         else:
             predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()

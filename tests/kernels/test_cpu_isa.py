@@ -100,13 +100,17 @@ for dtype in (torch.int8, torch.float8_e4m3fn):
     for rows in (1, 37):  # widened in registers, and the dequantized-panel path
         q8[str(dtype), rows] = cpu_linear.linear_q8(x[:rows], cpu_linear.pack_linear_weight(q), cpu_linear.pack_scales(s, dtype), 128, 300)
 from stoker.quantization import int4
+from stoker.kernels.cpu import linear_q4 as cpu_q4
 q4 = {}
-for group in (32, 100):  # whole panels in registers and the partial last panel (300 = 4 x 64 + 44)
-    w4 = w if group == 100 else w[:, :192]
+for group in (32, 40):  # whole panels and the partial last one (300 = 4 x 64 + 44 = 9 x 32 + 12)
+    w4 = w if group == 40 else w[:, :192]
     q, s4, o4 = int4.quantize(w4, group, symmetric=group == 32)
-    args = (cpu_linear.pack_q4_weight(q), cpu_linear.pack_scales(s4, torch.float32), cpu_linear.pack_scales(o4, torch.float32))
-    for rows in (1, 37):
-        q4[group, rows] = cpu_linear.linear_q4(x[:rows, : w4.shape[1]].contiguous(), *args, group, 300)
+    if group == 32:  # float16 scales, no offsets (GGUF Q4_0's form)
+        s4 = s4.half().float()
+        o4 = -8 * s4
+    args = (cpu_q4.pack_q4_weight(q), *cpu_q4.pack_q4_scales(s4, o4))
+    for rows in (1, 37):  # codes converted in registers, and once per panel into a buffer
+        q4[group, rows] = cpu_q4.linear_q4(x[:rows, : w4.shape[1]].contiguous(), *args, group, 300)
 from stoker.kernels.cpu import moe as cpu_moe
 moe = {}
 for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and unfused with odd I
@@ -138,7 +142,7 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(outs[isa]["linear"], outs[fma[0]]["linear"]), f"{isa} and {fma[0]} builds differ"
         for key, y in outs[isa]["q8"].items():  # int8 / FP8 panels: exact widening in every build
             assert torch.equal(y, outs[fma[0]]["q8"][key]), f"{isa} and {fma[0]} builds differ on {key}"
-        for key, y in outs[isa]["q4"].items():  # 4-bit: w = q * s + o made with the same two roundings
+        for key, y in outs[isa]["q4"].items():  # 4-bit: exact codes, the same FMA order per group (linear_q4.h)
             assert torch.equal(y, outs[fma[0]]["q4"][key]), f"{isa} and {fma[0]} builds differ on int4 {key}"
         # SiLU's exp comes from glibc's vector math library, whose AVX2 and AVX-512 variants
         # may round differently: close, not necessarily equal.
@@ -151,7 +155,7 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
     for out in outs.values():
         torch.testing.assert_close(out["linear"], outs["native"]["linear"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["silu"], outs["native"]["silu"], rtol=1e-5, atol=1e-5)
-        for key, y in out["q4"].items():  # SSE2: mul + add in the sum (the weights are the same bits)
+        for key, y in out["q4"].items():  # SSE2: mul + add in the sums (the codes are the same values)
             torch.testing.assert_close(y, outs["native"]["q4"][key], rtol=1e-5, atol=1e-5)
         for inter, y in out["moe"].items():
             torch.testing.assert_close(y, outs["native"]["moe"][inter], rtol=1e-5, atol=1e-5)

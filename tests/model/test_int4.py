@@ -88,9 +88,10 @@ def test_a_scale_off_by_2x_in_one_group_exceeds_the_bounds(arch, tiny_checkpoint
     ref = engine_logits(_llm(path), positions)
     llm = _llm(path, quantization="int4")
     layer = llm.engine.executor.driver_runner.model.model.layers[0].mlp.down_proj
-    # (G, P * NR) in panel order: group 0 of every output row; w = q s + o, so both double
+    # (G, P * NR) in panel order: group 0 of every output row; w = (q - 8) s + (o + 8 s), and
+    # symmetric weights hold no offset (o + 8 s = 0): doubling s doubles w
+    assert layer.weight_offset is None
     layer.weight_scale.data[0] *= 2
-    layer.weight_offset.data[0] *= 2
     kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
     assert kl > MAX_KL and top1 < MIN_TOP1, f"KL {kl:.3f}, top-1 {top1:.3f}"
 
@@ -113,8 +114,10 @@ def test_weight_bytes_are_the_packed_codes_plus_scales_and_offsets(tiny_checkpoi
     for m in _int4_layers(llm):
         rows = -(-m.out_features // nr) * nr  # panels pad N to whole panels of NR columns
         groups = m.in_features // 128
-        held = sum(p.numel() * p.element_size() for p in (m.weight, m.weight_scale, m.weight_offset))
-        assert held == rows * m.in_features // 2 + 2 * 4 * rows * groups
+        # symmetric: float16 scales (exact: online int4 rounds them so), no offsets
+        assert m.weight_offset is None and m.weight_scale.dtype == torch.float16
+        held = sum(p.numel() * p.element_size() for p in (m.weight, m.weight_scale))
+        assert held == rows * m.in_features // 2 + 2 * rows * groups
     # The start-up log's prediction (roofline's formula for Stoker's int4) is what is held:
     # these shapes fill whole panels, so there is no padding to tell them apart.
     from stoker.roofline.modelspec import spec_from_config

@@ -97,13 +97,14 @@ def test_int4_is_searched_only_when_asked() -> None:
     assert "--quantization int4" in command and "no W4A16 GPU kernel" in command
 
 
-def test_engine_int4_bytes_count_float32_scale_and_offset_per_group() -> None:
+def test_engine_int4_bytes_count_a_16_bit_scale_and_an_offset_only_when_asymmetric() -> None:
     spec = get_model_spec("llama-3-8b")
     c = spec.param_counts()
     quantized = c["attention"] + c["mlp"]
     rest = c["embedding"] + c["lm_head"] + c["norms"]
-    assert spec.engine_int4_weight_bytes(128) == pytest.approx(quantized * (0.5 + 8 / 128) + rest * 2)
-    assert spec.engine_int4_weight_bytes(32) > spec.engine_int4_weight_bytes(128) > spec.weight_bytes("int4")
+    assert spec.engine_int4_weight_bytes(128) == pytest.approx(quantized * (0.5 + 2 / 128) + rest * 2)
+    assert spec.engine_int4_weight_bytes(128, symmetric=False) == pytest.approx(quantized * (0.5 + 6 / 128) + rest * 2)
+    assert spec.engine_int4_weight_bytes(32) > spec.engine_int4_weight_bytes(128) == pytest.approx(spec.weight_bytes("int4"))
 
 
 

@@ -37,14 +37,7 @@
  * At larger M the panel is dequantized once into a per-thread float buffer and the float tiles
  * run on it: the same w values, so the same results, without widening once per row tile.
  *
- * 4-bit weights (stoker_linear_q4): affine groups, w = q * s + o with q in [0, 15] and a scale
- * s and offset o per column and group (quantization/int4.py). A panel row is NR / 2 bytes:
- * byte j holds column j in its low nibble and column j + NR / 2 in its high nibble, so one load
- * of VL bytes gives a vector of columns from either half (mask, or shift). The product q * s is
- * rounded, then + o is rounded: two roundings, never fused (this file is built with
- * -ffp-contract=off), so every build, SSE2 included, makes the same w bit for bit, and the
- * rest is the float path above: every FMA build gives the same bits. An eighth of float32's
- * bytes (plus 8 bytes of scale and offset per group of a column).
+ * 4-bit weights (stoker_linear_q4): linear_q4.h, included at the end of this file.
  *
  * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
@@ -83,7 +76,7 @@ static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
 
 /* Weight formats: 0 float32, 1 int8, 2 FP8 E4M3 read as value / 256 (see the header). */
-enum { W_F32 = 0, W_I8 = 1, W_FP8 = 2, W_I4 = 3 };
+enum { W_F32 = 0, W_I8 = 1, W_FP8 = 2 };
 
 /* VL weights at p, widened to floats (not yet scaled). The plain-C versions (builds without
  * AVX2) stay out of line: inlined into every tile specialization they made that build 4x slower
@@ -117,45 +110,6 @@ static WIDEN_INLINE vf load_fp8(const uint8_t *p) {
 #endif
 }
 
-/* VL 4-bit codes of a panel row (NR / 2 bytes at p), widened to floats: vector j < NV / 2 is
- * the low nibbles of bytes [j VL, (j + 1) VL), vector j >= NV / 2 the high nibbles of bytes
- * [(j - NV / 2) VL, ...). */
-static WIDEN_INLINE vf load_q4(const uint8_t *p, int j) {
-    const int high = j >= NV / 2;
-    const uint8_t *b = p + (high ? j - NV / 2 : j) * VL;
-#if defined(__AVX512F__)
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    v = high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
-    return (vf)_mm512_cvtepi32_ps(v);
-#elif defined(__AVX2__)
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
-    return (vf)_mm256_cvtepi32_ps(v);
-#else
-    float f[VL];
-    for (int l = 0; l < VL; l++) f[l] = (float)(high ? b[l] >> 4 : b[l] & 0x0F);
-    return load(f);
-#endif
-}
-
-/* Vectors j and j + NV / 2 of a 4-bit panel row (j < NV / 2): bytes [j VL, (j + 1) VL) widened
- * once, then their low and their high nibbles (half the widening shuffles of two load_q4). */
-static WIDEN_INLINE void load_q4_pair(const uint8_t *p, int j, vf *lo, vf *hi) {
-    const uint8_t *b = p + j * VL;
-#if defined(__AVX512F__)
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
-    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-#elif defined(__AVX2__)
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    *lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
-    *hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-#else
-    *lo = load_q4(p, j);
-    *hi = load_q4(p, j + NV / 2);
-#endif
-}
-
 /* Weight vector at element index i of a panel of format fmt (a constant at every call site). */
 static inline vf load_w(const int fmt, const void *w, int64_t i) {
     if (fmt == W_I8) return load_i8((const int8_t *)w + i);
@@ -183,54 +137,10 @@ static inline float madd_scalar(float acc, float b, float a) {
 #endif
 }
 
-/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv, silu and fmt are
- * constants at each call site, so gcc unrolls the loops and keeps acc in registers.
- * fmt != W_F32: wt holds bytes, and weight (k, n) is q * sc[(k / group_k) * ldsc + n]; the
- * K loop runs group by group with that group's NV scale vectors in hand (float: one group).
- * ldw and the prefetch pointer `ahead` (num_ahead cache lines) count elements of the format.
- * silu: the panel's columns are [gate | up] halves, and y[0:mr, 0:nv*VL/2] gets
- * silu(gate) * up (SiLU-and-mul fused into the gate/up projection: the 2x wider
- * pre-activation never goes to memory). */
-static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int silu, const int fmt,
-                                                       const float *restrict x, int64_t ldx,
-                                                       const void *restrict wt, int64_t ldw,
-                                                       const float *restrict sc, const float *restrict off,
-                                                       int64_t ldsc, int64_t group_k,
-                                                       const float *restrict bias, float *restrict y, int64_t ldy,
-                                                       int64_t K, const char *ahead, int64_t num_ahead) {
-    const int esize = fmt == W_F32 ? 4 : 1;
-    const int64_t row_bytes = fmt == W_I4 ? (int64_t)nv * VL / 2 : (int64_t)nv * VL * esize;
-    vf acc[MR][NV];
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
-    const int64_t G = fmt == W_F32 ? K : group_k;
-    for (int64_t k0 = 0; k0 < K; k0 += G) {
-        const int64_t k1 = k0 + G < K ? k0 + G : K;
-        vf s[NV], o[NV];
-        if (fmt != W_F32)
-            for (int j = 0; j < nv; j++) s[j] = load(sc + (k0 / G) * ldsc + j * VL);
-        if (fmt == W_I4)
-            for (int j = 0; j < nv; j++) o[j] = load(off + (k0 / G) * ldsc + j * VL);
-        for (int64_t k = k0; k < k1; k++) {
-            const char *w = (const char *)wt + k * ldw * esize;
-            for (int64_t ofs = 0; ofs < row_bytes; ofs += 64) __builtin_prefetch(w + PREFETCH_ROWS * ldw * esize + ofs, 0, 3);
-            if (k < num_ahead) __builtin_prefetch(ahead + 64 * k, 0, 3);
-            vf b[NV];
-            if (fmt == W_I4) /* whole panels only: nv == NV */
-                for (int j = 0; j < NV / 2; j++) {
-                    vf lo, hi;
-                    load_q4_pair((const uint8_t *)w, j, &lo, &hi);
-                    b[j] = lo * s[j] + o[j];
-                    b[j + NV / 2] = hi * s[j + NV / 2] + o[j + NV / 2];
-                }
-            else
-                for (int j = 0; j < nv; j++) b[j] = fmt == W_F32 ? load_w(fmt, w, j * VL) : load_w(fmt, w, j * VL) * s[j];
-            for (int m = 0; m < mr; m++) {
-                const float a = x[m * ldx + k];
-                for (int j = 0; j < nv; j++) acc[m][j] = madd(acc[m][j], b[j], a);
-            }
-        }
-    }
+/* y[0:mr, 0:nv*VL] = acc + bias, or with silu (the columns are [gate | up] halves)
+ * y[0:mr, 0:nv*VL/2] = silu(gate) * up: the end of every tile. */
+static inline __attribute__((always_inline)) void store_tile(const int mr, const int nv, const int silu, vf acc[MR][NV],
+                                                             const float *restrict bias, float *restrict y, int64_t ldy) {
     if (bias != NULL)
         for (int m = 0; m < mr; m++)
             for (int j = 0; j < nv; j++) acc[m][j] += load(bias + j * VL);
@@ -251,7 +161,49 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         }
 }
 
-#define TILE_ARGS x, ldx, wt, ldw, sc, off, ldsc, group_k, bias, y, ldy, K, ahead, num_ahead
+
+/* y[0:mr, 0:nv*VL] = x[0:mr, :] @ wt[:, 0:nv*VL] (+ bias); mr, nv, silu and fmt are
+ * constants at each call site, so gcc unrolls the loops and keeps acc in registers.
+ * fmt != W_F32: wt holds bytes, and weight (k, n) is q * sc[(k / group_k) * ldsc + n]; the
+ * K loop runs group by group with that group's NV scale vectors in hand (float: one group).
+ * ldw and the prefetch pointer `ahead` (num_ahead cache lines) count elements of the format.
+ * silu: the panel's columns are [gate | up] halves, and y[0:mr, 0:nv*VL/2] gets
+ * silu(gate) * up (SiLU-and-mul fused into the gate/up projection: the 2x wider
+ * pre-activation never goes to memory; store_tile). */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int silu, const int fmt,
+                                                       const float *restrict x, int64_t ldx,
+                                                       const void *restrict wt, int64_t ldw,
+                                                       const float *restrict sc,
+                                                       int64_t ldsc, int64_t group_k,
+                                                       const float *restrict bias, float *restrict y, int64_t ldy,
+                                                       int64_t K, const char *ahead, int64_t num_ahead) {
+    const int esize = fmt == W_F32 ? 4 : 1;
+    const int64_t row_bytes = (int64_t)nv * VL * esize;
+    vf acc[MR][NV];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = (vf){0};
+    const int64_t G = fmt == W_F32 ? K : group_k;
+    for (int64_t k0 = 0; k0 < K; k0 += G) {
+        const int64_t k1 = k0 + G < K ? k0 + G : K;
+        vf s[NV];
+        if (fmt != W_F32)
+            for (int j = 0; j < nv; j++) s[j] = load(sc + (k0 / G) * ldsc + j * VL);
+        for (int64_t k = k0; k < k1; k++) {
+            const char *w = (const char *)wt + k * ldw * esize;
+            for (int64_t ofs = 0; ofs < row_bytes; ofs += 64) __builtin_prefetch(w + PREFETCH_ROWS * ldw * esize + ofs, 0, 3);
+            if (k < num_ahead) __builtin_prefetch(ahead + 64 * k, 0, 3);
+            vf b[NV];
+            for (int j = 0; j < nv; j++) b[j] = fmt == W_F32 ? load_w(fmt, w, j * VL) : load_w(fmt, w, j * VL) * s[j];
+            for (int m = 0; m < mr; m++) {
+                const float a = x[m * ldx + k];
+                for (int j = 0; j < nv; j++) acc[m][j] = madd(acc[m][j], b[j], a);
+            }
+        }
+    }
+    store_tile(mr, nv, silu, acc, bias, y, ldy);
+}
+
+#define TILE_ARGS x, ldx, wt, ldw, sc, ldsc, group_k, bias, y, ldy, K, ahead, num_ahead
 #define TILE_CASES(NVC, SILU, FMT)                                                 \
     switch (mr) {                                                                  \
     case 1: tile(1, NVC, SILU, FMT, TILE_ARGS); break;                             \
@@ -275,7 +227,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
 
 /* One tile of mr <= MR rows and nv <= NV vectors of columns (silu: always NV). */
 static void tile_dispatch(int mr, int nv, int silu, int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw,
-                          const float *sc, const float *off, int64_t ldsc, int64_t group_k, const float *bias, float *y,
+                          const float *sc, int64_t ldsc, int64_t group_k, const float *bias, float *y,
                           int64_t ldy,
                           int64_t K, const char *ahead, int64_t num_ahead) {
     if (fmt == W_F32) {
@@ -285,8 +237,6 @@ static void tile_dispatch(int mr, int nv, int silu, int fmt, const float *x, int
     /* quantized tiles: whole panels only (linear() dequantizes a partial one first) */
     if (fmt == W_I8) {
         if (silu) TILE_CASES(NV, 1, W_I8) else TILE_CASES(NV, 0, W_I8)
-    } else if (fmt == W_I4) {
-        if (silu) TILE_CASES(NV, 1, W_I4) else TILE_CASES(NV, 0, W_I4)
     } else {
         if (silu) TILE_CASES(NV, 1, W_FP8) else TILE_CASES(NV, 0, W_FP8)
     }
@@ -328,7 +278,7 @@ static float *thread_buffer(size_t n) {
  * moe.c's grouped GEMMs): the panel's tiles, prefetching panel p + 1 meanwhile. Returns 1 when
  * a quantized panel's dequantization buffer could not be allocated, else 0. */
 static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
-                      int64_t num_panels, int64_t p, const float *scale, const float *offset, int64_t ldsc,
+                      int64_t num_panels, int64_t p, const float *scale, int64_t ldsc,
                       int64_t group_k,
                       const float *bias, float *y, int64_t ldy, int64_t m_begin, int64_t m_end, int64_t N, int64_t K,
                       int silu_and_mul) {
@@ -338,7 +288,6 @@ static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int6
     const int64_t vec_cols = (int64_t)nv * VL;
     const void *w = (const char *)wt + p * panel_stride * esize;
     const float *sc = scale != NULL ? scale + n0 : NULL;
-    const float *off = offset != NULL ? offset + n0 : NULL;
     /* While this panel's tiles run (from L2 after the first), the next panel is
      * prefetched, a share per tile, one cache line per k step: without it each panel's
      * first tile waits on memory (the weights do not stay in L3 between decode steps,
@@ -355,18 +304,7 @@ static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int6
         if (buf == NULL) return 1;
         for (int64_t k = 0; k < K; k++) {
             const float *s_row = sc + (k / group_k) * ldsc;
-            if (fmt == W_I4) {
-                const float *o_row = off + (k / group_k) * ldsc;
-                for (int j = 0; j < NV / 2; j++) {
-                    vf lo, hi;
-                    const int h = j + NV / 2;
-                    load_q4_pair((const uint8_t *)w + k * ldw, j, &lo, &hi);
-                    store(buf + k * NR + j * VL, lo * load(s_row + j * VL) + load(o_row + j * VL));
-                    store(buf + k * NR + h * VL, hi * load(s_row + h * VL) + load(o_row + h * VL));
-                }
-            } else {
-                for (int j = 0; j < NV; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
-            }
+            for (int j = 0; j < NV; j++) store(buf + k * NR + j * VL, load_w(fmt, w, k * ldw + j * VL) * load(s_row + j * VL));
         }
         tile_fmt = W_F32;
         tile_w = buf;
@@ -378,7 +316,7 @@ static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int6
         const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
         const int64_t num_ahead = last - first < K ? last - first : K;
         if (nv > 0)
-            tile_dispatch(mr, nv, silu_and_mul, tile_fmt, x + m0 * ldx, ldx, tile_w, tile_ldw, sc, off, ldsc, group_k,
+            tile_dispatch(mr, nv, silu_and_mul, tile_fmt, x + m0 * ldx, ldx, tile_w, tile_ldw, sc, ldsc, group_k,
                           bias != NULL ? bias + n0 : NULL, y + m0 * ldy + (silu_and_mul ? n0 / 2 : n0), ldy, K,
                           next + 64 * first, num_ahead);
         if (vec_cols < cols) /* tile_w is float here (see above) */
@@ -395,27 +333,34 @@ static int64_t chunk_max_rows(int64_t K) {
     return rows > MR ? rows : MR;
 }
 
-/* The shared body of stoker_linear_f32 and stoker_linear_q8 (see those). */
-static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
-                  const float *scale, const float *offset, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy, int64_t M,
-                  int64_t N, int64_t K, int silu_and_mul, int num_threads) {
-    const int64_t num_panels = (N + NR - 1) / NR;
-    /* Row chunks of at most chunk_max rows, so a chunk of x stays in L2 while every panel
-     * streams past it; below that, threads split the panels (each weight read once), and the
-     * rows only when there are fewer panels than threads. */
+/* Row chunks of at most chunk_max_rows, so a chunk of x stays in L2 while every panel streams
+ * past it; below that, threads split the panels (each weight read once), and the rows only
+ * when there are fewer panels than threads. */
+static void plan_chunks(int64_t M, int64_t K, int64_t num_panels, int num_threads, int64_t *chunk_rows_out,
+                        int64_t *num_chunks_out) {
     const int64_t chunk_max = chunk_max_rows(K);
     int64_t num_chunks = (M + chunk_max - 1) / chunk_max;
     if (num_chunks * num_panels < num_threads) num_chunks = (num_threads + num_panels - 1) / num_panels;
     int64_t chunk_rows = (M + num_chunks - 1) / num_chunks;
     chunk_rows = (chunk_rows + MR - 1) / MR * MR;
-    num_chunks = (M + chunk_rows - 1) / chunk_rows;
+    *chunk_rows_out = chunk_rows;
+    *num_chunks_out = (M + chunk_rows - 1) / chunk_rows;
+}
+
+/* The shared body of stoker_linear_f32 and stoker_linear_q8 (see those). */
+static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
+                  const float *scale, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy, int64_t M,
+                  int64_t N, int64_t K, int silu_and_mul, int num_threads) {
+    const int64_t num_panels = (N + NR - 1) / NR;
+    int64_t chunk_rows, num_chunks;
+    plan_chunks(M, K, num_panels, num_threads, &chunk_rows, &num_chunks);
     int failed = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) reduction(| : failed)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++)
         for (int64_t p = 0; p < num_panels; p++) {
             const int64_t m_begin = chunk * chunk_rows;
             const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
-            failed |= panel_rows(fmt, x, ldx, wt, ldw, panel_stride, num_panels, p, scale, offset, ldsc, group_k, bias, y, ldy,
+            failed |= panel_rows(fmt, x, ldx, wt, ldw, panel_stride, num_panels, p, scale, ldsc, group_k, bias, y, ldy,
                                  m_begin, m_end, N, K, silu_and_mul);
         }
     return failed;
@@ -428,7 +373,7 @@ static int linear(int fmt, const float *x, int64_t ldx, const void *wt, int64_t 
 void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
                        const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
                        int num_threads) {
-    linear(W_F32, x, ldx, wt, ldw, panel_stride, NULL, NULL, 0, K, bias, y, ldy, M, N, K, silu_and_mul, num_threads);
+    linear(W_F32, x, ldx, wt, ldw, panel_stride, NULL, 0, K, bias, y, ldy, M, N, K, silu_and_mul, num_threads);
 }
 
 /* As stoker_linear_f32, with one-byte weights: fmt 1 int8, 2 FP8 E4M3 (bits); ldw and
@@ -440,19 +385,11 @@ int stoker_linear_q8(const float *x, int64_t ldx, const void *wt, int64_t ldw, i
                      const float *scale, int64_t ldsc, int64_t group_k, const float *bias, float *y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int silu_and_mul, int num_threads) {
     if (fmt != W_I8 && fmt != W_FP8) return 2;
-    return linear(fmt, x, ldx, wt, ldw, panel_stride, scale, NULL, ldsc, group_k, bias, y, ldy, M, N, K, silu_and_mul,
+    return linear(fmt, x, ldx, wt, ldw, panel_stride, scale, ldsc, group_k, bias, y, ldy, M, N, K, silu_and_mul,
                   num_threads);
 }
 
-/* As stoker_linear_q8, with 4-bit affine weights: panels of NR / 2 bytes per row (ldw and
- * panel_stride in bytes: NR / 2 and K * NR / 2; the nibble order is in the header), and an
- * offset (ceil(K / group_k), ldsc) beside the scale, w = q * scale + offset. */
-int stoker_linear_q4(const float *x, int64_t ldx, const void *wt, int64_t ldw, int64_t panel_stride,
-                     const float *scale, const float *offset, int64_t ldsc, int64_t group_k, const float *bias, float *y,
-                     int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul, int num_threads) {
-    return linear(W_I4, x, ldx, wt, ldw, panel_stride, scale, offset, ldsc, group_k, bias, y, ldy, M, N, K,
-                  silu_and_mul, num_threads);
-}
+#include "linear_q4.h"
 
 int stoker_linear_nr(void) { return NR; }
 
@@ -463,7 +400,7 @@ int stoker_linear_nr(void) { return NR; }
 void stoker_linear_panel_rows_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
                                   int64_t num_panels, int64_t p, const float *bias, float *y, int64_t ldy,
                                   int64_t m_begin, int64_t m_end, int64_t N, int64_t K, int silu_and_mul) {
-    panel_rows(W_F32, x, ldx, wt, ldw, panel_stride, num_panels, p, NULL, NULL, 0, K, bias, y, ldy, m_begin, m_end, N, K,
+    panel_rows(W_F32, x, ldx, wt, ldw, panel_stride, num_panels, p, NULL, 0, K, bias, y, ldy, m_begin, m_end, N, K,
                silu_and_mul);
 }
 
@@ -476,7 +413,7 @@ int stoker_linear_mr(void) { return MR; }
 int stoker_linear_vl(void) { return VL; }
 void stoker_linear_tile_f32(int mr, int nv, const float *x, int64_t ldx, const float *wt, int64_t ldw, float *y,
                             int64_t ldy, int64_t K) {
-    tile_dispatch(mr, nv, 0, W_F32, x, ldx, wt, ldw, NULL, NULL, 0, K, NULL, y, ldy, K, NULL, 0);
+    tile_dispatch(mr, nv, 0, W_F32, x, ldx, wt, ldw, NULL, 0, K, NULL, y, ldy, K, NULL, 0);
 }
 
 /* What this build was compiled for (build.py's STOKER_CPU_ISA): "avx512", "avx2" (with FMA)

@@ -1,9 +1,9 @@
 """Python entry points of linear.c (float32 activations; float32, int8 or FP8 weights): the
-weight panels it reads (`pack_linear_weight`, `pack_scales`, `pack_q4_weight`), `linear`,
-`linear_q8`, `linear_q4` and the gate/up fusion helpers; argument checks, then one ctypes call.
+weight panels it reads (`pack_linear_weight`, `pack_scales`), `linear`, `linear_q8` and the
+gate/up fusion helpers; argument checks, then one ctypes call (4-bit weights: linear_q4.py).
 
-`linear`, `linear_q8` and `linear_q4` have the semantics of their twins reference.linear_packed,
-reference.linear_packed_q8 and reference.linear_packed_q4; the weight methods bind them when a model is built
+`linear` and `linear_q8` have the semantics of their twins reference.linear_packed and
+reference.linear_packed_q8; the weight methods bind them when a model is built
 (layers/weight_method.py, layers/quantized_method.py). The C code trusts its indices, so
 everything that could make it read or write outside a tensor is checked here first.
 """
@@ -100,57 +100,11 @@ def linear_q8(
     return _run_linear(x, packed, out_features, bias, silu_and_mul, call)
 
 
-def pack_q4_weight(q: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
-    """(N, K) uint8 4-bit codes -> (P, K, NR / 2) uint8 panels for `linear_q4`: row k of panel
-    p holds columns p*NR + j (low nibble) and p*NR + NR/2 + j (high nibble) in byte j, the
-    order linear.c's load_q4 reads (columns past N are code 0; their scale and offset are 0)."""
-    if q.dim() != 2 or q.dtype != torch.uint8:
-        raise ValueError(f"pack_q4_weight needs (N, K) uint8 codes, got {tuple(q.shape)} {q.dtype}")
-    panels = pack_linear_weight(q, gate_up=gate_up)  # (P, K, NR) one code per byte
-    half = panels.shape[2] // 2
-    return (panels[..., :half] | (panels[..., half:] << 4)).contiguous()
-
-
-def linear_q4(
-    x: torch.Tensor,  # (..., K) float32
-    packed: torch.Tensor,  # (P, K, NR / 2) uint8 nibble panels (pack_q4_weight)
-    scales: torch.Tensor,  # (G, P * NR) float32 (pack_scales)
-    offsets: torch.Tensor,  # (G, P * NR) float32 (pack_scales of the offsets)
-    group_k: int,  # columns of K per group
-    out_features: int,
-    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
-    silu_and_mul: bool = False,
-) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
-    """x @ W^T + bias with W = q * scale + offset per group (linear.c, stoker_linear_q4)."""
-    lib = _checked_library()
-    num_panels, k, half = packed.shape
-    nr = 2 * half
-    if packed.dtype != torch.uint8 or not packed.is_contiguous() or nr != panel_width():
-        raise ValueError(f"linear_q4 needs contiguous uint8 panels of {panel_width() // 2} bytes a row, got "
-                         f"{tuple(packed.shape)} {packed.dtype}")
-    if group_k <= 0 or k % group_k:
-        raise ValueError(f"linear_q4: group_k {group_k} must divide K = {k}")
-    for name, t in (("scales", scales), ("offsets", offsets)):
-        if t.shape != (k // group_k, num_panels * nr) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}, expected contiguous ({k // group_k}, {num_panels * nr}) float32")
-
-    def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
-        status = lib.stoker_linear_q4(
-            rows.data_ptr(), stride, packed.data_ptr(), half, k * half, scales.data_ptr(), offsets.data_ptr(),
-            num_panels * nr, group_k, None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0],
-            out_features, k, int(silu_and_mul), torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            raise MemoryError("linear_q4: could not allocate the dequantization buffer")
-
-    return _run_linear(x, packed, out_features, bias, silu_and_mul, call, nr)
-
-
 def _run_linear(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, silu_and_mul: bool, call,
     nr: int | None = None,
 ) -> torch.Tensor:
-    """What linear, linear_q8 and linear_q4 share: check x and bias against the panels (of nr
+    """What linear, linear_q8 and linear_q4 (linear_q4.py) share: check x and bias against the panels (of nr
     columns: packed's last dimension unless given), view x as rows, allocate the output,
     `call(rows, row_stride, out, width)` the kernel unless x is empty."""
     num_panels, k, last = packed.shape

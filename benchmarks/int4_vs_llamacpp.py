@@ -1,0 +1,149 @@
+"""Batch-1 decode, Stoker's 4-bit, 8-bit and float32 weights beside llama.cpp (issue 34).
+
+    python benchmarks/int4_vs_llamacpp.py --llama-cpp BUILD --llama-cpp-src SRC \
+        [--threads 1,2] [--repeats 5] [--workdir DIR] [--json out.json]
+
+BUILD: a cmake build of the llama-cpp-python sdist's vendored llama.cpp tree holding
+bin/llama-bench and bin/llama-quantize; SRC: that tree (convert_hf_to_gguf.py, gguf-py).
+
+The model is benchmarks/quantized_cpu.py's part-5 ~0.4B Llama (hidden 1024, 28 layers, GQA
+16/4, intermediate 2816, vocab 32000), random weights, written once as a float32 HF checkpoint,
+then: convert_hf_to_gguf.py --outtype f16, and llama-quantize to Q4_0, Q4_K_M and Q8_0. The demo
+tokenizer is a Llama-3-style byte-level BPE the converter has no hash for, so it is told
+"llama-bpe" (the token strings do not change decode speed); sentencepiece, which the converter
+imports before it looks for a tokenizer.model, is stubbed when not installed.
+
+Peers, all in this process or spawned from it, interleaved: per repeat and thread count, every
+Stoker configuration (the median engine step of 32 batch-1 decode steps after a 64-token
+prompt: quantized_cpu.decode_steps) and then `llama-bench -p 0 -n 64 -r 1` on every file
+(tokens/s of 64 generated tokens). Reported: the median over repeats. Stoker runs:
+float32 and --quantization int8 on the HF checkpoint, int4 W4A16 groups of 32 (a
+compressed-tensors checkpoint written from it: float32 scales), and the Q4_0 and Q8_0 GGUF
+files themselves (Stoker's GGUF loader: Q4_0 is int4 groups of 32 with float16 scales, the LM
+head is the file's Q6_K, int8 groups of 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quantized_cpu import INT4_DECODE_MODEL, decode_steps  # noqa: E402
+
+from benchmarks.machine import cpu_model  # noqa: E402
+from stoker import LLM  # noqa: E402
+from stoker.kernels.cpu import linear as cpu_linear  # noqa: E402
+from stoker.testing.quantized_checkpoint import quantize_checkpoint  # noqa: E402
+from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+GGUF_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
+# Run by the converter's interpreter: the BPE pre-tokenizer named, sentencepiece stubbed if absent.
+_CONVERT = textwrap.dedent("""
+    import importlib.util, runpy, sys, types
+    src = sys.argv.pop(1)
+    sys.path[:0] = [src, src + "/gguf-py"]
+    if importlib.util.find_spec("sentencepiece") is None:
+        stub = types.ModuleType("sentencepiece")
+        stub.SentencePieceProcessor = object
+        sys.modules["sentencepiece"] = stub
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
+    sys.argv[0] = src + "/convert_hf_to_gguf.py"
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+def make_files(work: Path, build: Path, src: Path) -> dict[str, Path]:
+    """The HF checkpoint, its W4A16 copy and the GGUF files (reused when already in `work`)."""
+    hf = work / "hf"
+    if not (hf / "config.json").exists():
+        make_tiny_checkpoint(hf, "llama", **INT4_DECODE_MODEL)
+    files = {"hf": hf}
+    files["w4a16"] = work / "w4a16-g32"
+    if not (files["w4a16"] / "config.json").exists():
+        quantize_checkpoint(hf, files["w4a16"], "ct-w4a16-group")  # groups of 32, symmetric
+    f16 = work / "f16.gguf"
+    if not f16.exists():
+        subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(hf), "--outtype", "f16", "--outfile", str(f16)],
+                       check=True, capture_output=True)
+    for t in GGUF_TYPES:
+        files[t] = work / f"{t}.gguf"
+        if not files[t].exists():
+            subprocess.run([str(build / "bin" / "llama-quantize"), str(f16), str(files[t]), t], check=True, capture_output=True)
+    return files
+
+
+def llama_bench(build: Path, model: Path, threads: int) -> float:
+    """tokens/s of one llama-bench run generating 64 tokens at batch 1."""
+    out = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-t", str(threads),
+                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp build dir (bin/llama-bench, bin/llama-quantize)")
+    ap.add_argument("--llama-cpp-src", required=True, type=Path, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    with tempfile.TemporaryDirectory() as d:
+        work = args.workdir or Path(d)
+        work.mkdir(parents=True, exist_ok=True)
+        files = make_files(work, args.llama_cpp, args.llama_cpp_src)
+        configs = {"float32": (files["hf"], None), "int8 (--quantization int8)": (files["hf"], "int8"),
+                   "int4 W4A16 g32 (compressed-tensors)": (files["w4a16"], None),
+                   "int4 GGUF Q4_0 file": (files["Q4_0"], None), "int8 GGUF Q8_0 file": (files["Q8_0"], None)}
+        llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q)
+                for name, (p, q) in configs.items()}
+        held = {name: llm.engine.executor.driver_runner.weight_bytes_held() for name, llm in llms.items()}
+        stoker: dict[tuple[str, int], list[float]] = {}
+        llama: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                for name, llm in llms.items():
+                    stoker.setdefault((name, t), []).append(1 / decode_steps(llm, 1, input_len=64, steps=32))
+                for g in GGUF_TYPES:
+                    llama.setdefault((g, t), []).append(llama_bench(args.llama_cpp, files[g], t))
+                done = {n: round(v[(n, t)][-1], 1) for v in (stoker, llama) for n, tt in v if tt == t}
+                print(f"# repeat {len(llama[(GGUF_TYPES[0], t)])}, {t} thread(s): {done}", flush=True)
+        del llms
+        gc.collect()
+        sizes = {g: files[g].stat().st_size for g in GGUF_TYPES}
+    rows = [{"engine": "Stoker", "weights": n, "threads": t, "tokens_per_s": statistics.median(v), "runs": [round(x, 1) for x in v],
+             "weight_MB": held[n] / 1e6} for (n, t), v in stoker.items()]
+    rows += [{"engine": "llama.cpp", "weights": g, "threads": t, "tokens_per_s": statistics.median(v), "runs": [round(x, 1) for x in v],
+              "weight_MB": sizes[g] / 1e6} for (g, t), v in llama.items()]
+    out = {"machine": f"{cpu_model()}, Stoker ISA build {cpu_linear.target()}", "torch": torch.__version__,
+           "repeats": args.repeats, "model": INT4_DECODE_MODEL, "rows": rows}
+    print(f"# {out['machine']}; medians of {args.repeats} interleaved repeats")
+    for t in threads:
+        base = next(r["tokens_per_s"] for r in rows if r["weights"] == "float32" and r["threads"] == t)
+        q4_0 = next(r["tokens_per_s"] for r in rows if r["weights"] == "Q4_0" and r["threads"] == t)
+        print(f"\n## {t} thread(s)\n\n| engine | weights | MB held / file | tokens/s | vs Stoker float32 | vs llama.cpp Q4_0 | runs |\n"
+              "|---|---|---|---|---|---|---|")
+        for r in (r for r in rows if r["threads"] == t):
+            print(f"| {r['engine']} | {r['weights']} | {r['weight_MB']:.0f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_s'] / base:.2f}x | {r['tokens_per_s'] / q4_0:.2f}x | {r['runs']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Python entry points of the 4-bit linear kernel (linear_q4.h, built into linear.c's library):
+the panels it reads (`pack_q4_weight`, `pack_q4_scales`, their inverse `unpack_q4_panels`)
+and `linear_q4`; argument checks, then one ctypes call.
+
+The kernel computes x @ W^T + bias for W = q * s + o (quantization/int4.py) regrouped per
+group g of K: y = sum_g s_g * (x_g . (q_g - 8)) + o'_g * sum(x_g) with o' = o + 8 s, which
+is 0 for symmetric weights (then no offsets are stored). linear_q4.h's header says why and in
+which order; reference.linear_packed_q4 is the twin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stoker.kernels.cpu.common import _checked_library
+from stoker.kernels.cpu.linear import _run_linear, pack_linear_weight, pack_scales, panel_width
+
+ROWS_PER_BLOCK = 8  # rows of K per int32 lane (one nibble each)
+
+
+def pack_q4_weight(q: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """(N, K) uint8 codes in [0, 15] -> (P, K, NR / 2) uint8 panels for `linear_q4`: each
+    panel's rows in blocks of 8, a block NR int32s, lane n holding rows 8b..8b+7 of column
+    p*NR + n in nibbles 0..7 as q ^ 8 (linear_q4.h's layout; columns past N hold code 8, i.e. 0)."""
+    if q.dim() != 2 or q.dtype != torch.uint8:
+        raise ValueError(f"pack_q4_weight needs (N, K) uint8 codes, got {tuple(q.shape)} {q.dtype}")
+    if q.shape[1] % ROWS_PER_BLOCK:
+        raise ValueError(f"pack_q4_weight: the 4-bit kernel reads K in blocks of {ROWS_PER_BLOCK}; K = {q.shape[1]} is not a multiple")
+    panels = pack_linear_weight(q ^ 8, gate_up=gate_up)  # (P, K, NR), padded columns 0 = code 8
+    num_panels, k, nr = panels.shape
+    blocks = panels.view(num_panels, k // ROWS_PER_BLOCK, ROWS_PER_BLOCK, nr).to(torch.int64)
+    shifts = (4 * torch.arange(ROWS_PER_BLOCK, dtype=torch.int64)).view(1, 1, ROWS_PER_BLOCK, 1)
+    lanes = (blocks << shifts).sum(dim=2)  # (P, K / 8, NR) in [0, 2^32)
+    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+    return lanes.contiguous().view(torch.uint8).view(num_panels, k, nr // 2)
+
+
+def unpack_q4_panels(packed: torch.Tensor) -> torch.Tensor:
+    """(P, K, NR / 2) panels of `pack_q4_weight` -> (P, K, NR) int64 codes q - 8 in [-8, 7]."""
+    num_panels, k, half = packed.shape
+    lanes = packed.contiguous().view(torch.int32).view(num_panels, k // ROWS_PER_BLOCK, 2 * half).to(torch.int64)
+    shifts = (4 * torch.arange(ROWS_PER_BLOCK, dtype=torch.int64)).view(1, 1, ROWS_PER_BLOCK, 1)
+    nibbles = (lanes.unsqueeze(2) >> shifts) & 0x0F  # (P, K / 8, 8, NR)
+    return ((nibbles ^ 8) - 8).view(num_panels, k, 2 * half)
+
+
+def pack_q4_scales(scale: torch.Tensor, offset: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, G) scales and offsets of w = q * s + o -> (G, P * NR) scales in panel order, float16
+    where every scale is exact in it (GGUF's are; 4.5 bits a weight in all) else float32, and
+    (G, P * NR) float32 offsets o' = o + 8 s, or None when all are 0 (symmetric weights)."""
+    s32 = pack_scales(scale.float(), torch.float32, gate_up)
+    o8 = pack_scales((offset.float() + 8.0 * scale.float()).contiguous(), torch.float32, gate_up)
+    s16 = s32.to(torch.float16)
+    scales = s16 if torch.equal(s16.float(), s32) else s32
+    return scales, (None if not torch.any(o8) else o8)
+
+
+def linear_q4(
+    x: torch.Tensor,  # (..., K) float32
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 panels (pack_q4_weight)
+    scales: torch.Tensor,  # (G, P * NR) float16 or float32 (pack_q4_scales)
+    offsets: torch.Tensor | None,  # (G, P * NR) float32 o' = o + 8 s, or None (pack_q4_scales)
+    group_k: int,  # columns of K per group, a multiple of 8
+    out_features: int,
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
+    """x @ W^T + bias with W = q * scale + offset per group (linear_q4.h, stoker_linear_q4)."""
+    lib = _checked_library()
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    if packed.dtype != torch.uint8 or not packed.is_contiguous() or nr != panel_width():
+        raise ValueError(f"linear_q4 needs contiguous uint8 panels of {panel_width() // 2} bytes a row, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    if group_k <= 0 or k % group_k or group_k % ROWS_PER_BLOCK:
+        raise ValueError(f"linear_q4: group_k {group_k} must divide K = {k} and be a multiple of {ROWS_PER_BLOCK}")
+    groups = (k // group_k, num_panels * nr)
+    if scales.shape != groups or scales.dtype not in (torch.float16, torch.float32) or not scales.is_contiguous():
+        raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype}, expected contiguous {groups} float16 or float32")
+    if offsets is not None and (offsets.shape != groups or offsets.dtype != torch.float32 or not offsets.is_contiguous()):
+        raise ValueError(f"offsets {tuple(offsets.shape)} {offsets.dtype}, expected contiguous {groups} float32 or None")
+
+    def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
+        status = lib.stoker_linear_q4(
+            rows.data_ptr(), stride, packed.data_ptr(), k * half, scales.data_ptr(), int(scales.dtype == torch.float16),
+            None if offsets is None else offsets.data_ptr(), num_panels * nr, group_k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], out_features, k,
+            int(silu_and_mul), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("linear_q4: could not allocate its buffers")
+
+    return _run_linear(x, packed, out_features, bias, silu_and_mul, call, nr)
