@@ -19,7 +19,8 @@ on load: this model does not run them.
 
 Tensor parallelism splits the heads (layers/mla_attention.MLAAttention) and every rank caches
 the whole latent; expert parallelism (--enable-expert-parallel) deals the routed experts out
-whole to the same ranks (DeepseekMoeBlock).
+whole to the same ranks (DeepseekMoeBlock). An FP8 KV cache (--kv-cache-dtype fp8) stores the
+latent as E4M3 under the layer's k_scale.
 """
 
 from __future__ import annotations
@@ -157,10 +158,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def kv_cache_spec(self, dtype: str) -> KVCacheSpec:
         """One latent of kv_lora_rank + qk_rope_head_dim per token and layer, no V: the same on
-        every rank (the latent is not split over heads)."""
-        if dtype.startswith("fp8"):
-            raise ValueError("--kv-cache-dtype fp8: an FP8 KV cache is not supported with multi-head latent "
-                             "attention (DeepSeek-V2/V3, Kimi-K2); use --kv-cache-dtype auto")
+        every rank (the latent is not split over heads). `fp8_e4m3`: one byte per value, the
+        latent stored under the layer's k_scale (layers/mla_kernels.py)."""
         layers = self.attention_layers()
         return KVCacheSpec(len(layers), 1, layers[0].head_dim, dtype, kv_tensors=1)
 
