@@ -309,3 +309,25 @@ def test_c_decode_kernel_equals_its_twin(block_size) -> None:
         bad = tables.clone()
         bad[4, 0] = num_blocks  # the first block of the 64-token sequence: read
         mla_decode_attention(q, cache, bad, ctx, r, 0.15)
+
+
+def test_the_decode_kernel_is_chosen_from_the_bound_set(tiny_checkpoints, monkeypatch) -> None:
+    """The builder binds each latent attention the device's kernel set (models/method_chooser.py),
+    and the layer's absorbed decode follows from it: Triton for `triton` (CUDA), the C kernel for
+    `cpu`, the twin otherwise (STOKER_DISABLE_CPU_KERNELS=1 here)."""
+    from stoker.kernels import reference
+    from stoker.kernels.cpu import build
+    from stoker.kernels.cpu.mla_decode_attention import mla_decode_attention as c_kernel
+    from stoker.kernels.mla_decode_attention import mla_decode_attention as triton_kernel
+    from stoker.layers.mla_kernels import decode_kernel
+
+    assert decode_kernel("triton") is triton_kernel and decode_kernel("cpu") is c_kernel
+    assert decode_kernel("torch") is reference.mla_decode_attention
+    arch, overrides = CONFIGS["deepseek_v2-lite"]
+    path = str(tiny_checkpoints(arch, **overrides))
+    if build.available():
+        llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+        assert {a.kernels.name for a in llm.engine.executor.driver_runner.model.attention_layers()} == {"cpu"}
+    monkeypatch.setenv("STOKER_DISABLE_CPU_KERNELS", "1")
+    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert {a.kernels.name for a in llm.engine.executor.driver_runner.model.attention_layers()} == {"torch"}
