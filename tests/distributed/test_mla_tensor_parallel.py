@@ -36,3 +36,20 @@ def test_mla_tp2_greedy_equals_tp1(tiny_checkpoints, name: str) -> None:
             assert (experts.num_experts, experts.global_num_experts, experts.expert_split.start) == (4, 8, 0)
             assert experts.w13.shape[0] == 4 and experts.intermediate_size == inter
             assert block.shared_experts.down_proj.in_features == overrides["n_shared_experts"] * inter // 2
+
+
+def test_block_fp8_v3_ep2_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    """DeepSeek's release format (every projection and expert e4m3 in 128 x 128 blocks with
+    weight_scale_inv) under expert parallelism: each rank reads its experts' blocks and scales.
+    The shapes keep every tensor-parallel cut on whole 128-blocks, as V3's do (the heads' q_b
+    and o_proj parts, the dense and shared MLPs' halves); a cut inside a block is refused."""
+    from stoker.testing.quantized_checkpoint import quantize_checkpoint
+
+    arch, overrides = CONFIGS["deepseek_v3"]
+    overrides = dict(overrides, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64, intermediate_size=256,
+                     moe_intermediate_size=128)  # 4 heads x 64 = 256 q_b rows, 2 shared x 128 = 256
+    path = quantize_checkpoint(tiny_checkpoints(arch, **overrides), tmp_path / "fp8", "fp8-block")
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        assert run(llm, GREEDY) == want
