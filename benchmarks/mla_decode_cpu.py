@@ -2,10 +2,11 @@
 decode through the C kernel (what the engine runs on CPU), through its torch twin, and expanded
 decode (the latent expanded to per-head K/V every step, as prefill does), and absorbed decode
 through the C kernel over an FP8 latent cache (`--kv-cache-dtype fp8`, a second engine), same
-process, in turn each round; and the KV capacity of the latent cache at the same memory against
-an MHA-sized cache of the same heads, float32 and FP8.
+process, in turn each round (the order reversed every round); and the KV capacity of the latent
+cache at the same memory against an MHA-sized cache of the same heads, float32 and FP8.
 
     nice -n 5 python benchmarks/mla_decode_cpu.py [--rounds 3] [--context 128] [--json out.json]
+        [--modes absorbed-c,absorbed-c-fp8]   (a subset of the peers; all four by default)
 
 Model: V2-Lite's attention exactly (hidden 2048, 16 heads, q_lora_rank null, kv_lora_rank 512,
 qk_nope 128 + qk_rope 64, v 128; config_16B.json of DeepSeek's inference code), with 2 layers
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--modes", default="absorbed-c,absorbed-torch,expanded,absorbed-c-fp8")
     args = ap.parse_args()
 
     from stoker import LLM, SamplingParams
@@ -70,8 +72,11 @@ def main() -> None:
         results: dict[str, list[float]] = {}
         # (label, engine, decode absorbed, the kernel set the layers run: C kernel or torch twin)
         modes = [("absorbed-c", "auto", True, ops.CPU), ("absorbed-torch", "auto", True, ops.TORCH),
-                 ("expanded", "auto", False, ops.CPU), ("absorbed-c fp8-cache", "fp8", True, ops.CPU)]
-        for _ in range(args.rounds):
+                 ("expanded", "auto", False, ops.CPU), ("absorbed-c-fp8", "fp8", True, ops.CPU)]
+        modes = [m for m in modes if m[0] in args.modes.split(",")]
+        for round_index in range(args.rounds):
+            if round_index:  # each round the other order: no peer always runs right after another
+                modes.reverse()
             for batch in (1, 32):
                 prompts = [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(args.context)]}
                            for _ in range(batch)]
@@ -89,6 +94,7 @@ def main() -> None:
         mha_bytes = spec.num_layers * 16 * (192 + 128) * 4  # K 192 + V 128 per head, float32
         report = {
             "decode_tokens_per_s": {k: statistics.median(v) for k, v in results.items()},
+            "decode_tokens_per_s_rounds": results,
             "context": args.context, "steps": args.steps, "rounds": args.rounds,
             "kv_bytes_per_token_latent": spec.bytes_per_token,
             "kv_bytes_per_token_latent_fp8": llms["fp8"].engine.executor.driver_runner.kv_spec.bytes_per_token,
