@@ -533,9 +533,11 @@ def mla_decode_attention(
     context_lens: torch.Tensor,  # (B,) int32
     kv_lora_rank: int,
     scale: float,
+    k_scale: float = 1.0,  # FP8 caches: a row element is e4m3 value x k_scale
 ) -> torch.Tensor:  # (B, H, kv_lora_rank) float32
-    """Absorbed MLA decode (twin of kernels/cpu/mla_decode_attention.c): each sequence's heads
-    attend over its latent rows as keys (all values) and values (the first kv_lora_rank)."""
+    """Absorbed MLA decode (twin of kernels/cpu/mla_decode_attention.c and the Triton
+    kernels/mla_decode_attention.py): each sequence's heads attend over its latent rows as keys
+    (all values) and values (the first kv_lora_rank)."""
     b, h, width = query.shape
     out = torch.zeros(b, h, kv_lora_rank, dtype=torch.float32, device=query.device)
     bs = latent_cache.shape[1]
@@ -543,7 +545,7 @@ def mla_decode_attention(
         if n == 0:
             continue
         blocks = block_tables[i, : -(-n // bs)].long()
-        rows = latent_cache[blocks].reshape(-1, width)[:n].float()  # (L, width)
+        rows = dequantize_kv(latent_cache[blocks].reshape(-1, width)[:n], k_scale, torch.float32)  # (L, width)
         probs = torch.softmax((query[i].float() @ rows.T) * scale, dim=-1)  # (H, L)
         out[i] = probs @ rows[:, :kv_lora_rank]
     return out

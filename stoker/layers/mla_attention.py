@@ -15,14 +15,15 @@ k_nope_h = W_UK_h c, v_h = W_UV_h c. Two ways to attend, equal in exact arithmet
     latent rows as one shared "head" of width kv_lora_rank + rope; the (H, kv_lora_rank)
     result is mapped to values by W_UV after the softmax. A decode step reads the latent once
     for all heads, never the expanded K/V.
-Both are torch code looping over sequences on the host (batch-invariant: a sequence's rows are
-computed alone). Scores and softmax run in float32.
+The expanded path is torch code looping over sequences on the host; the absorbed decode runs one
+paged kernel for all of a step's decodes (layers/mla_kernels.decode_kernel: Triton on CUDA, C on
+CPU float32, else the torch twin; each batch-invariant). Scores and softmax run in float32. The
+cache may be FP8 (`--kv-cache-dtype fp8`): rows stored as e4m3 / k_scale (layers/mla_kernels.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ from torch import nn
 
 from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.distributed.partition import WHOLE, Partition
+from stoker.kernels import ops
 from stoker.layers.forward_context import get_forward_context
 from stoker.layers.linear import Linear
+from stoker.layers.mla_kernels import decode_kernel, decode_query_dtype, gather_latents, store_latents
 from stoker.layers.norm import RMSNorm
 from stoker.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -109,14 +112,6 @@ class LatentUpProjection(nn.Module):
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's latent rows: cache (num_blocks, bs, 1, D), block_table (max_blocks,) ->
-    (context_len, D)."""
-    bs = cache.shape[1]
-    blocks = block_table[: -(-context_len // bs)].long()
-    return cache[blocks].reshape(-1, cache.shape[-1])[:context_len]
-
-
 def mla_expanded_attention(
     q_nope: torch.Tensor,  # (n, H, nope)
     q_pe: torch.Tensor,  # (n, H, R)
@@ -163,19 +158,6 @@ def mla_absorbed_decode(
     return torch.einsum("hr,hdr->hd", out_latent, w_uv.float())  # W_UV after attention: (H, v)
 
 
-def decode_kernel(cache: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The paged absorbed-decode attention for this cache: the C kernel for a CPU float32 cache
-    when the kernel library is built, else the torch twin (both batch-invariant)."""
-    from stoker.kernels import reference
-    from stoker.kernels.cpu import build
-
-    if cache.device.type == "cpu" and cache.dtype == torch.float32 and not build.disabled() and build.available():
-        from stoker.kernels.cpu.mla_decode_attention import mla_decode_attention
-
-        return mla_decode_attention
-    return reference.mla_decode_attention
-
-
 class LatentAttention(nn.Module):
     """The paged part of MLA: stores each step's latents, attends over them (decodes absorbed,
     the rest expanded). `k_cache` (num_blocks, block_size, 1, r + R) is bound by the runner;
@@ -195,12 +177,18 @@ class LatentAttention(nn.Module):
         self._up = [up]  # not a submodule: kv_b_proj is the attention's, under its checkpoint name
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.k_scale = self.v_scale = 1.0  # the runner's FP8 bookkeeping; MLA refuses an FP8 cache
+        # FP8 caches: the latent's dequantization scale (the checkpoint's k_scale, else 1.0; set
+        # by the runner). v_scale is kept for the runner's bookkeeping: the values are the
+        # latent's first kv_lora_rank columns, stored under k_scale.
+        self.k_scale = self.v_scale = 1.0
         self.checkpoint_kv_scales: dict[str, float] = {}
+        self.kernels: ops.Kernels = ops.TORCH  # the builder binds the device's set (models/method_chooser.py)
 
     def set_checkpoint_kv_scale(self, which: str, value: float) -> None:
-        raise ValueError(f"checkpoint KV-cache scale {which}: an FP8 KV cache is not supported with multi-head latent "
-                         "attention (MLA); remove the k_scale/v_scale tensors or use an unquantized checkpoint")
+        """Record the checkpoint's k_scale (the latent's); a v_scale is accepted and unused."""
+        if which not in ("k_scale", "v_scale") or not value > 0:
+            raise ValueError(f"{which} = {value}: a KV-cache scale must be k_scale or v_scale and positive")
+        self.checkpoint_kv_scales[which] = value
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q_nope (T, H, nope), q_pe (T, H, R) rotated, latent (T, r) normed, k_pe (T, R) rotated
@@ -209,29 +197,25 @@ class LatentAttention(nn.Module):
         if md is None:
             raise RuntimeError("latent attention ran in a forward without AttentionMetadata")
         cache = self.k_cache
-        flat = cache.view(-1, cache.shape[-1])  # (num_slots, r + R)
-        slots = md.slot_mapping
-        rows = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)  # (T, r + R)
-        valid = slots >= 0  # -1: a padding token, nothing stored
-        if not bool(valid.all()):
-            rows, slots = rows[valid], slots[valid]
-        flat.index_copy_(0, slots, rows)
+        store_latents(torch.cat([latent, k_pe], dim=-1), cache, md.slot_mapping, self.k_scale)  # (T, r + R) rows
         w_uk, w_uv = self._up[0].per_head()
         out = torch.empty(q_nope.shape[0], self.num_heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
         cu, lens = md.cu_seqlens_q, md.context_lens_list
         nd = md.num_decodes if self.absorbed_decode else 0
         if nd:  # decodes (one token each, rows 0..nd-1): absorbed, one paged call for all of them
             # per sequence, so a row's absorption does not depend on the batch
-            q = torch.stack([absorb_query(q_nope[i], q_pe[i], w_uk) for i in range(nd)])  # (nd, H, r + R)
+            q = torch.stack([absorb_query(q_nope[i], q_pe[i], w_uk) for i in range(nd)])  # (nd, H, r + R) float32
+            q = q.to(decode_query_dtype(self.kernels.name, q_nope.dtype))
             block_tables, context_lens = md.decode_views()
-            out_latent = decode_kernel(cache)(q, cache, block_tables, context_lens, self.kv_lora_rank, self.scale)
+            out_latent = decode_kernel(self.kernels.name)(q, cache, block_tables, context_lens, self.kv_lora_rank,
+                                                          self.scale, self.k_scale)  # (nd, H, r) float32
             for i in range(nd):  # W_UV after attention: (H, r) -> (H, v)
                 out[i] = torch.einsum("hr,hdr->hd", out_latent[i], w_uv.float())
         for i in range(nd, len(lens)):  # prefills, chunks, extends (and decodes when not absorbed): expanded
             start, stop = cu[i], cu[i + 1]
             if stop == start:
                 continue
-            latents = gather_latents(cache, md.block_tables[i], lens[i])
+            latents = gather_latents(cache, md.block_tables[i], lens[i], self.k_scale)
             out[start:stop] = mla_expanded_attention(q_nope[start:stop], q_pe[start:stop], latents, w_uk, w_uv,
                                                      self.scale)
         return out

@@ -18,7 +18,9 @@ Layers numbered from num_hidden_layers up (V3's multi-token-prediction module) a
 on load: this model does not run them.
 
 Tensor parallelism splits the heads (layers/mla_attention.MLAAttention) and every rank caches
-the whole latent. Not supported, refused at build: expert parallelism, an FP8 KV cache.
+the whole latent; expert parallelism (--enable-expert-parallel) deals the routed experts out
+whole to the same ranks (DeepseekMoeBlock). An FP8 KV cache (--kv-cache-dtype fp8) stores the
+latent as E4M3 under the layer's k_scale.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from stoker.layers.moe import FusedMoE
 from stoker.layers.moe_router import RouterLinear
 from stoker.layers.rotary import RotaryEmbedding
 from stoker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, LlamaMLP, split_evenly
-from stoker.models.moe_block import dense_mlp
+from stoker.models.moe_block import dense_mlp, moe_partitions
 from stoker.models.moe_loading import QWEN_EXPERT_PARAMS
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -84,14 +86,20 @@ class DeepseekV2Router(RouterLinear):
 class DeepseekMoeBlock(nn.Module):
     """`n_routed_experts` experts of `moe_intermediate_size` behind `gate` (the family's router),
     plus `n_shared_experts` shared experts every token takes, held as one dense MLP
-    `n_shared_experts` x `moe_intermediate_size` wide."""
+    `n_shared_experts` x `moe_intermediate_size` wide.
+
+    Tensor parallelism cuts every expert's I; expert parallelism (`tp.expert_parallel`) deals
+    the routed experts out whole to the ranks (models/moe_block.moe_partitions) while the
+    shared experts stay cut over the same ranks as a tensor-parallel MLP: both end in one
+    all-reduce of partial sums, as under tensor parallelism."""
 
     def __init__(self, cfg: dict[str, Any], gate: RouterLinear, tp: TensorParallelGroup) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
         self.gate = gate
-        part = split_evenly(inter, "moe_intermediate_size", tp)
-        self.experts = FusedMoE(gate.num_experts, hidden, inter, cfg.get("hidden_act", "silu"), split=part, tp=tp)
+        part, held = moe_partitions(gate.num_experts, inter, "moe_intermediate_size", tp)
+        self.experts = FusedMoE(gate.num_experts, hidden, inter, cfg.get("hidden_act", "silu"), split=part, tp=tp,
+                                experts=held)
         shared = int(cfg.get("n_shared_experts") or 0) * inter
         self.shared_experts: LlamaMLP | None = dense_mlp(cfg, shared, tp) if shared else None
 
@@ -104,9 +112,6 @@ class DeepseekMoeBlock(nn.Module):
 def check_mla_config(cfg: dict[str, Any], tp: TensorParallelGroup) -> None:
     """What the MLA families cannot honour, refused by name before any tensor exists."""
     arch = (cfg.get("architectures") or ["this model"])[0]
-    if tp.world_size > 1 and getattr(tp, "expert_parallel", False):
-        raise ValueError(f"{arch}: expert parallelism (--enable-expert-parallel) is not supported with multi-head "
-                         "latent attention yet; run tensor parallelism without it")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if not cfg.get(key):
             raise ValueError(f"{arch}: config.json has no {key!r}, which multi-head latent attention needs")
@@ -153,10 +158,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def kv_cache_spec(self, dtype: str) -> KVCacheSpec:
         """One latent of kv_lora_rank + qk_rope_head_dim per token and layer, no V: the same on
-        every rank (the latent is not split over heads)."""
-        if dtype.startswith("fp8"):
-            raise ValueError("--kv-cache-dtype fp8: an FP8 KV cache is not supported with multi-head latent "
-                             "attention (DeepSeek-V2/V3, Kimi-K2); use --kv-cache-dtype auto")
+        every rank (the latent is not split over heads). `fp8_e4m3`: one byte per value, the
+        latent stored under the layer's k_scale (layers/mla_kernels.py)."""
         layers = self.attention_layers()
         return KVCacheSpec(len(layers), 1, layers[0].head_dim, dtype, kv_tensors=1)
 

@@ -22,11 +22,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
-from stoker.kernels import fused_moe, store_kvcache, w8_linear  # noqa: E402
+from stoker.kernels import fused_moe, mla_decode_attention, store_kvcache, w8_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
-FP8_CACHE = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv"}
+FP8_CACHE = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "cache_ptr": "fp8e4nv"}
 TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -109,6 +109,16 @@ def variants():
     yield ("prefill bf16 D128 G4 fp8 cache", paged_prefill_attention._paged_prefill_kernel, {"*": "bf16", **idx, **FP8_CACHE},
            dict(GROUP=4, HEAD_DIM=128, BLOCK_B=256, USE_WINDOW=False, USE_SOFT_CAP=False, DOT_FP32=False,
                 PRECISION="tf32", **tiles), warps)
+    # absorbed MLA decode at DeepSeek-V3's latent (kv_lora_rank 512 + rope 64), and its reduce
+    for dtype, splits, fp8 in ((torch.bfloat16, 1, False), (torch.bfloat16, 16, True), (torch.float32, 4, False)):
+        tiles = mla_decode_attention.tile_config(512, 64, dtype)
+        warps = tiles.pop("num_warps")
+        yield (f"mla decode {TL[dtype]} r512 rope64 splits{splits}{' fp8 cache' if fp8 else ''}",
+               mla_decode_attention._mla_decode_split_kernel, {"*": TL[dtype], "out_ptr": "fp32", **idx, **part, **(FP8_CACHE if fp8 else {})},
+               dict(RANK=512, ROPE=64, NUM_SPLITS=splits, DOT_FP32=False,
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiles), warps)
+    yield ("mla decode reduce r512 splits16", paged_decode_attention._decode_reduce_kernel, {"*": "fp32", **idx, **part},
+           dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_N=32, NUM_SPLITS=16), 4)
     for wtype, rows, group_k in (("i8", 1, 4096), ("fp8e4nv", 64, 128), ("i8", 256, 4096)):
         tiles = w8_linear.tile_config(rows, group_k, 4096)
         warps = tiles.pop("num_warps")

@@ -1,12 +1,12 @@
-"""Python entry point of mla_decode_attention.c (float32 query and latent cache): argument
-checks, then one ctypes call. Same signature and semantics as reference.py's
+"""Python entry point of mla_decode_attention.c (float32 query; a float32 or FP8 E4M3 latent
+cache): argument checks, then one ctypes call. Same signature and semantics as reference.py's
 `mla_decode_attention` (its twin). The C code checks lengths and block ids before reading."""
 
 from __future__ import annotations
 
 import torch
 
-from stoker.kernels.cpu.common import _checked_library, _raise_for_status
+from stoker.kernels.cpu.common import _checked_library, _is_fp8, _raise_for_status
 
 
 def mla_decode_attention(
@@ -16,6 +16,7 @@ def mla_decode_attention(
     context_lens: torch.Tensor,  # (B,) int32
     kv_lora_rank: int,
     scale: float,
+    k_scale: float = 1.0,  # FP8 caches: a row element is e4m3 value x k_scale
 ) -> torch.Tensor:  # (B, H, kv_lora_rank) float32
     lib = _checked_library()
     num_seqs, num_heads, width = query.shape
@@ -23,8 +24,10 @@ def mla_decode_attention(
     if one != 1 or cache_width != width or not 0 < kv_lora_rank <= width:
         raise ValueError(f"latent cache {tuple(latent_cache.shape)} does not match queries {tuple(query.shape)} "
                          f"with kv_lora_rank {kv_lora_rank}")
-    if query.dtype != torch.float32 or latent_cache.dtype != torch.float32 or not latent_cache.is_contiguous():
-        raise ValueError("mla_decode_attention takes a float32 query and a contiguous float32 latent cache")
+    fp8 = _is_fp8(latent_cache)
+    if query.dtype != torch.float32 or not (fp8 or latent_cache.dtype == torch.float32) or not latent_cache.is_contiguous():
+        raise ValueError("mla_decode_attention takes a float32 query and a contiguous float32 or float8_e4m3fn latent "
+                         f"cache, got {query.dtype} and {latent_cache.dtype}")
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"{num_seqs} queries but block_tables {tuple(block_tables.shape)} and "
                          f"context_lens {tuple(context_lens.shape)}")
@@ -34,11 +37,12 @@ def mla_decode_attention(
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    status = lib.stoker_mla_decode_attention_f32(
-        query.data_ptr(), latent_cache.data_ptr(), num_blocks, block_tables.data_ptr(), block_tables.shape[1],
-        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, width, kv_lora_rank, block_size, scale,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    args = (query.data_ptr(), latent_cache.data_ptr(), num_blocks, block_tables.data_ptr(), block_tables.shape[1],
+            context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, width, kv_lora_rank, block_size, scale)
+    if fp8:
+        status = lib.stoker_mla_decode_attention_fp8(*args, k_scale, torch.get_num_threads())
+    else:
+        status = lib.stoker_mla_decode_attention_f32(*args, torch.get_num_threads())
     _raise_for_status(
         status, "mla_decode_attention",
         f"context_lens must be in [0, {block_tables.shape[1] * block_size}] (the block table's "
