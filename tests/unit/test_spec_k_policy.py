@@ -90,9 +90,9 @@ def test_acceptance_is_learned_per_position_and_forgets() -> None:
 def test_a_verify_chunk_is_priced_as_a_decode_plus_its_drafts() -> None:
     shape = SpecKPolicy.shape([PlannedSeq(10, 3), PlannedSeq(20, 0)], cap=2)
     # both read their context once (10 + 20 positions); seq 0 computes 2 more tokens attending
-    # 10 and 11 positions
+    # 11 and 12 positions (the known token at position 9 attends 10, priced with the decode)
     assert (shape.num_prefill_tokens, shape.prefill_attended, shape.num_decode_seqs, shape.decode_context,
-            shape.num_sampled) == (2, 21, 2, 30, 4)
+            shape.num_sampled) == (2, 23, 2, 30, 4)
     price = _price()
     decode = price(SpecKPolicy.shape(_batch(64), 0))
     assert price(SpecKPolicy.shape(_batch(64), 1)) > decode  # verifying more is never cheaper
