@@ -91,22 +91,27 @@ class SuffixProposer:
         self.global_tree = SuffixTree(max_tree_depth)
         self._cached: OrderedDict[int, list[int]] = OrderedDict()  # seq_id -> output tokens, oldest first
 
-    def propose_tokens(self, token_ids: list[int], max_tokens: int | None = None) -> Draft:
+    def propose_tokens(self, token_ids: list[int], max_tokens: int | None = None, shared: bool = True) -> Draft:
         """The draft to follow `token_ids` (prompt + output so far): its tokens and their estimated
-        probabilities; at most min(num_speculative_tokens, max_tokens) tokens."""
+        probabilities; at most min(num_speculative_tokens, max_tokens) tokens. `shared` False: from
+        the sequence alone."""
         k = self.num_speculative_tokens if max_tokens is None else min(self.num_speculative_tokens, max_tokens)
         if k <= 0 or not token_ids:
             return Draft([], [], 0)
         best = speculate_in_sequence(token_ids, self.max_tree_depth, k, self.max_spec_factor, self.min_token_prob)
-        if self._cached:
+        if shared and self._cached:
             context = token_ids[-self.max_tree_depth :]
-            shared = self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
-            if shared.score > best.score:
-                best = shared
+            other = self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
+            if other.score > best.score:
+                best = other
         return best
 
     def propose_for(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return self.propose_tokens(seq.token_ids, max_tokens).token_ids
+        # A seeded sampled request drafts from itself alone: the rejection sampler draws from the
+        # request's generator once per verified draft, so drafts that depended on what other
+        # requests produced earlier would make the same seed give a different output
+        seeded = seq.sampling_params.seed is not None and seq.sampling_params.temperature > 0
+        return self.propose_tokens(seq.token_ids, max_tokens, shared=not seeded).token_ids
 
     def on_finished(self, seq: Sequence) -> None:
         """The sequence is done: its output joins the shared tree."""
