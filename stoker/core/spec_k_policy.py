@@ -21,7 +21,6 @@ steps of the same batch size and proposal length (contexts and acceptance move s
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,8 +31,6 @@ HALF_LIFE = 500.0  # verifications
 PRIOR_ACCEPTANCE = 0.5  # before any verification: even odds for each position
 PRIOR_WEIGHT = 2.0  # ... worth two verifications
 REUSE_STEPS = 7  # a decision serves the next steps of the same batch size and proposal length
-STEP_EWMA = 0.05  # weight of one step's measured / predicted time in its running mean (log scale)
-MIN_TIMED = 4  # steps of each kind timed before their ratio corrects the prediction
 
 
 @dataclass(frozen=True)
@@ -56,10 +53,6 @@ class SpecKPolicy:
         self.last_k: int | None = None  # the cap of the last step that had proposals
         self.steps_at_k: Counter[int] = Counter()  # steps (with proposals) per chosen k
         self._memo: tuple[tuple[int, int, bool], int, int] | None = None  # (batch key, k, steps it may still serve)
-        # Measured over predicted seconds, log scale, of steps without drafts [0] and verify steps [1]
-        self._log_ratio = [0.0, 0.0]
-        self._timed = [0, 0]
-        self._planned: tuple[StepShape, bool] | None = None  # the shape of the step about to run
 
     # ------------------------------------------------------------------ learning
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
@@ -75,28 +68,6 @@ class SpecKPolicy:
             self._reached[i] += 1.0
             if i < num_accepted:
                 self._accepted[i] += 1.0
-
-    def observe_step(self, seconds: float) -> None:
-        """The step `choose` planned took `seconds`. The cost model misses what a verify step adds on
-        the host (sampling 1 + k rows, the rejection test per draft: a fifth of a batch-1 decode on
-        a CPU, benchmarks.md): the running measured/predicted ratio of verify steps over that of
-        plain steps corrects the price of drafting (load on the machine scales both alike)."""
-        planned, self._planned = self._planned, None
-        if planned is None or self.price is None or seconds <= 0:
-            return
-        predicted = self.price(planned[0])
-        if predicted <= 0:
-            return
-        i, r = int(planned[1]), math.log(seconds / predicted)
-        self._log_ratio[i] = r if self._timed[i] == 0 else self._log_ratio[i] + STEP_EWMA * (r - self._log_ratio[i])
-        self._timed[i] += 1
-
-    @property
-    def verify_correction(self) -> float:
-        """How much more a verify step takes than the cost model says, relative to a plain step."""
-        if min(self._timed) < MIN_TIMED:
-            return 1.0
-        return math.exp(self._log_ratio[1] - self._log_ratio[0])
 
     def acceptance(self) -> list[float]:
         """a_i, the conditional acceptance of draft position i."""
@@ -118,8 +89,6 @@ class SpecKPolicy:
         `prefill_attended` positions in all (the scheduler's chunks beside them)."""
         longest = min(max((s.num_drafts for s in seqs), default=0), self.max_k)
         if longest == 0:
-            if seqs and self.price is not None:
-                self._planned = (self.shape(seqs, 0, prefill_tokens, prefill_attended), False)
             return 0
         key = (len(seqs), longest, prefill_tokens > 0)
         if self.price is None:
@@ -132,17 +101,14 @@ class SpecKPolicy:
         else:
             acc = self.acceptance()
             expected = [self.expected_accepted(d, acc) for d in range(longest + 1)]
-            correction = self.verify_correction
             best_rate, k = -1.0, 0
             for cap in range(longest + 1):
                 tokens = sum(1.0 + expected[min(s.num_drafts, cap)] for s in seqs)
-                seconds = self.price(self.shape(seqs, cap, prefill_tokens, prefill_attended)) * (correction if cap else 1.0)
+                seconds = self.price(self.shape(seqs, cap, prefill_tokens, prefill_attended))
                 rate = tokens / seconds if seconds > 0 else 0.0
                 if rate > best_rate * (1 + 1e-9):  # strictly better: among equals the smaller k
                     best_rate, k = rate, cap
             self._memo = (key, k, REUSE_STEPS)
-        if self.price is not None:
-            self._planned = (self.shape(seqs, k, prefill_tokens, prefill_attended), k > 0)
         self.last_k = k
         self.steps_at_k[k] += 1
         return k

@@ -236,7 +236,6 @@ class LLMEngine:
         step = build_step(plan, self.eos_token_ids, lora_slots)
         self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
         self.last_step_request_ids = sorted({s.seq.request_id for s in plan.scheduled})
-        started = time.perf_counter()
         try:
             result = self.executor.execute(step)
         except WorkerFailedError:
@@ -249,8 +248,6 @@ class LLMEngine:
                 self.abort_request(request_id)
             logger.exception("a step failed; aborted its %d request(s): %s", len(failed), ", ".join(failed))
             raise StepFailed(exc, failed, []) from exc
-        if self.spec_k_policy is not None:
-            self.spec_k_policy.observe_step(time.perf_counter() - started)  # measured vs the cost model
         if self.spec_stats is not None:
             self._count_accepted(plan, result)
         self.scheduler.update_after_step(plan, result)

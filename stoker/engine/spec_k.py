@@ -51,7 +51,7 @@ def cut_drafts(engine: LLMEngine, policy: SpecKPolicy) -> None:
     """Ask the policy for this step's k and cut every proposal to it. The step also computes the
     running prompts' next chunks (their uncomputed tokens, within the token budget)."""
     decoding = [s for s in engine.scheduler.running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
-    if not decoding:
+    if not any(s.draft_token_ids for s in decoding):
         return
     planned = [PlannedSeq(s.num_tokens, len(s.draft_token_ids)) for s in decoding]
     budget = engine.max_num_batched_tokens - len(planned)

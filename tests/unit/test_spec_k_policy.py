@@ -96,22 +96,3 @@ def test_a_verify_chunk_is_priced_as_a_decode_plus_its_drafts() -> None:
     price = _price()
     decode = price(SpecKPolicy.shape(_batch(64), 0))
     assert price(SpecKPolicy.shape(_batch(64), 1)) > decode  # verifying more is never cheaper
-
-
-def test_measured_verify_steps_correct_the_price_of_drafting() -> None:
-    """Verify steps that take 1.5x their prediction while plain decodes take theirs: drafts that
-    paid on the cost model alone (low acceptance at batch 1) no longer do; accepted ones still do."""
-    high, low, price = _trained(0.9), _trained(0.15), _price()
-    one = _batch(1, context=16)
-    assert low.choose(one) > 0 and low.verify_correction == 1.0
-    for _ in range(12):
-        high.choose(_batch(1, drafts=0, context=16))  # a plain step: nothing proposed
-        high.observe_step(price(SpecKPolicy.shape(one, 0)))
-        k = high.choose(_batch(2, context=16))  # a verify step
-        assert k > 0
-        high.observe_step(1.5 * price(SpecKPolicy.shape(_batch(2, context=16), k)))
-    assert 1.3 < high.verify_correction <= 1.5
-    high._memo = None
-    assert high.choose(one) == 4
-    low._log_ratio, low._timed, low._memo = list(high._log_ratio), list(high._timed), None
-    assert low.choose(one) == 0
