@@ -206,6 +206,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--model", default=None, help="a checkpoint folder (instead of the two random variants)")
     ap.add_argument("--sweep", default=None, help="concurrencies, e.g. 1,4,16,64: the fixed-k / dynamic-k sweep")
+    ap.add_argument("--sweep-models", default="random,bigram", help="which of the variants the sweep runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp_dir = tempfile.TemporaryDirectory()  # removed at exit, also when a run fails
@@ -218,8 +219,9 @@ def main() -> None:
     if args.sweep:
         concurrencies = [int(c) for c in args.sweep.split(",")]
         where = ensure_device_file()
+        chosen = models if args.model else {n: models[n] for n in args.sweep_models.split(",")}
         sweep = {name: measure_sweep(path, args.k, concurrencies, args.max_tokens, args.rounds)
-                 for name, path in models.items()}
+                 for name, path in chosen.items()}
         print(f"# spec decode sweep: {cpu_model()} ({isa()}), {platform.machine()}, {args.max_tokens} tokens per "
               f"request, k={args.k} (ngram drafts), medians of {args.rounds} interleaved rounds; device file {where}")
         print("| model | concurrency | none tok/s | fixed k tok/s | dynamic tok/s | fixed / none | dynamic / none "
