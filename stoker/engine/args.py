@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                         "symmetric 4-bit with one scale per group of 128 columns (a pre-quantized checkpoint needs no flag)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (docs/spec_decode.md)')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or \'{"method": "suffix", ...}\'; k chosen per step '
+                        'by the cost model unless "dynamic": false (docs/spec_decode.md)')
     lo = parser.add_argument_group("LoRA (vLLM's flags)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on top of the model (docs/lora.md)")
     lo.add_argument("--max-loras", type=int, default=1, help="adapters in the compute slots at once (one step mixes at most these)")
