@@ -138,9 +138,9 @@ def sweep_prompts(num: int, seed: int = 1) -> list[dict]:
     return out
 
 
-def ensure_device_file() -> str:
+def ensure_device_file(tmp: Path) -> str:
     """This machine's roofs for the dynamic engines: $STOKER_DEVICE_FILE or the default path if
-    either exists, else measured now (what `stoker doctor --write-device-file` does) into a temp file."""
+    either exists, else measured now (what `stoker doctor --write-device-file` does) into `tmp`."""
     import os
 
     from stoker.roofline import device_file
@@ -155,7 +155,7 @@ def ensure_device_file() -> str:
     dev = dataclasses.replace(runs[0], fp32_tflops=max(r.fp32_tflops for r in runs),
                               bf16_tflops=max(r.bf16_tflops for r in runs),
                               read_gb_per_s=max(r.read_gb_per_s for r in runs))
-    out = device_file.write_device_file(dev, Path(tempfile.mkdtemp(prefix="spec-sweep-")) / "this-device.yaml")
+    out = device_file.write_device_file(dev, tmp / "this-device.yaml")  # removed with the run's temp folder
     os.environ[device_file.ENV_VAR] = str(out)
     return f"{out} (measured now: {dev.fp32_tflops * 1e3:.0f} GFLOP/s fp32, {dev.read_gb_per_s:.1f} GB/s)"
 
@@ -218,7 +218,7 @@ def main() -> None:
         zero_layer_outputs(models["bigram"])
     if args.sweep:
         concurrencies = [int(c) for c in args.sweep.split(",")]
-        where = ensure_device_file()
+        where = ensure_device_file(Path(tmp_dir.name))
         chosen = models if args.model else {n: models[n] for n in args.sweep_models.split(",")}
         sweep = {name: measure_sweep(path, args.k, concurrencies, args.max_tokens, args.rounds)
                  for name, path in chosen.items()}
