@@ -1,7 +1,17 @@
-"""Batch-1 decode with and without speculative decoding (n-gram, and a draft model), in the same
-process, interleaved per round: output tokens/s, the speedup, and the acceptance the counters report.
+"""Speculative decoding on CPU, every engine in the same process, interleaved per round.
+
+Batch 1 (default): decode with no speculation, n-gram and suffix drafts and a draft model (fixed k): output
+tokens/s, the speedups, and the acceptance the counters report.
 
     python benchmarks/spec_decode_cpu.py --rounds 3
+
+Concurrency sweep (--sweep 1,4,16,64): that many requests at once, with no speculation, a fixed
+k and k chosen per step by the cost model ("dynamic": true, docs/spec_decode.md). The dynamic
+engines price steps with this machine's device file (`stoker doctor --device cpu
+--write-device-file`, $STOKER_DEVICE_FILE); without one the script measures one first (a few
+seconds) into a temporary file.
+
+    python benchmarks/spec_decode_cpu.py --sweep 1,4,16,64 --rounds 3
 
 Workload: edit-like prompts, each a random 48-token "file" written out four times with a few
 tokens changed per copy (what a code-edit request looks like), one request at a time (batch 1),
@@ -28,6 +38,7 @@ all pass: what a well-matched small draft buys).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -103,12 +114,15 @@ def small_draft(target: Path, dest: Path, bigram: bool) -> Path:
 
 def measure(path: Path, k: int, prompts: list[dict], max_tokens: int, rounds: int, draft: Path | None = None) -> dict:
     """The engines on one checkpoint, rounds interleaved (the order alternates: drift hits all)."""
-    common = dict(kv_cache_memory_bytes=1 << 28, max_model_len=1024, device="cpu", max_num_seqs=8)
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    engines = {"none": LLM(str(path), **common), f"ngram k={k}": LLM(str(path), speculative_config=spec, **common)}
+    common = dict(kv_cache_memory_bytes=1 << 28, max_model_len=1024, device="cpu")
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+            "dynamic": False}
+    suffix = {"method": "suffix", "num_speculative_tokens": k, "dynamic": False}
+    engines = {"none": LLM(str(path), **common), f"ngram k={k}": LLM(str(path), speculative_config=spec, **common),
+               f"suffix k={k}": LLM(str(path), speculative_config=suffix, **common)}
     if draft is not None:
         engines[f"draft_model k={k}"] = LLM(str(path), **common, speculative_config={
-            "method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": k, "dynamic": False})
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up: kernels built, caches touched
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -119,20 +133,96 @@ def measure(path: Path, k: int, prompts: list[dict], max_tokens: int, rounds: in
         for name in names if r % 2 == 0 else names[::-1]:
             seconds, outputs[name] = run(engines[name], prompts, params)
             times[name].append(seconds)
-    stats = {n: engines[n].engine.stats().spec_decoding for n in names[1:]}
+    sds = {n: engines[n].engine.stats().spec_decoding for n in names[1:]}
     for llm in engines.values():
         llm.shutdown()
     med = {n: statistics.median(v) for n, v in times.items()}
     num_tokens = len(prompts) * max_tokens
-    none = names[0]
-    return {n: {"times": times[n], "tokens_per_s": num_tokens / med[n], "none_tokens_per_s": num_tokens / med[none],
-                "speedup": med[none] / med[n], "per_round": [a / b for a, b in zip(times[none], times[n])],
-                # the least disturbed run of each: on a shared machine a burst of load only ever adds time
-                "best_speedup": min(times[none]) / min(times[n]),
-                "acceptance_rate": sd.acceptance_rate, "mean_acceptance_length": sd.mean_acceptance_length,
-                "accepted_per_pos": sd.num_accepted_tokens_per_pos, "num_drafts": sd.num_drafts,
-                "lossless": outputs[none] == outputs[n]}
-            for n, sd in stats.items()}
+    return {"times": times, "tokens_per_s": {n: num_tokens / v for n, v in med.items()},
+            "speedup": {n: med[names[0]] / med[n] for n in names[1:]},
+            "per_round": {n: [a / b for a, b in zip(times[names[0]], times[n])] for n in names[1:]},
+            # the least disturbed run of each: on a shared machine a burst of load only ever adds time
+            "best_speedup": {n: min(times[names[0]]) / min(times[n]) for n in names[1:]},
+            "acceptance_rate": {n: sd.acceptance_rate for n, sd in sds.items()},
+            "mean_acceptance_length": {n: sd.mean_acceptance_length for n, sd in sds.items()},
+            "num_drafts": {n: sd.num_drafts for n, sd in sds.items()},
+            "lossless": all(outputs[n] == outputs[names[0]] for n in names[1:])}
+
+
+def sweep_prompts(num: int, seed: int = 1) -> list[dict]:
+    """Shorter edit-like prompts for the sweep (a 16-token "file" four times, 64 tokens), so that
+    64 prompts' prefill does not drown the decode being compared."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        file = [rng.randrange(5, 1000) for _ in range(16)]
+        copies = []
+        for _ in range(4):
+            edited = list(file)
+            edited[rng.randrange(len(edited))] = rng.randrange(5, 1000)
+            copies += edited
+        out.append({"prompt_token_ids": copies})
+    return out
+
+
+def ensure_device_file(tmp: Path) -> str:
+    """This machine's roofs for the dynamic engines: $STOKER_DEVICE_FILE or the default path if
+    either exists, else measured now (what `stoker doctor --write-device-file` does) into `tmp`."""
+    import os
+
+    from stoker.roofline import device_file
+
+    path = device_file.default_path()
+    if path.exists():
+        return str(path)
+    from stoker.doctor.device import measure_device
+
+    # Best of three: on a shared machine load only ever lowers a measured rate
+    runs = [measure_device(read_mib=256, gemm_sizes=(512, 1024), iters=10) for _ in range(3)]
+    dev = dataclasses.replace(runs[0], fp32_tflops=max(r.fp32_tflops for r in runs),
+                              bf16_tflops=max(r.bf16_tflops for r in runs),
+                              read_gb_per_s=max(r.read_gb_per_s for r in runs))
+    out = device_file.write_device_file(dev, tmp / "this-device.yaml")  # removed with the run's temp folder
+    os.environ[device_file.ENV_VAR] = str(out)
+    return f"{out} (measured now: {dev.fp32_tflops * 1e3:.0f} GFLOP/s fp32, {dev.read_gb_per_s:.1f} GB/s)"
+
+
+def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int, rounds: int) -> dict:
+    """none / fixed k / dynamic k (ngram drafts) at each concurrency: all requests at once."""
+    common = dict(kv_cache_memory_bytes=1 << 28, max_model_len=512, device="cpu", max_num_seqs=max(concurrencies))
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    engines = {"none": LLM(str(path), **common),
+               f"fixed k={k}": LLM(str(path), speculative_config={**ngram, "dynamic": False}, **common),
+               "dynamic": LLM(str(path), speculative_config=ngram, **common)}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = sweep_prompts(max(concurrencies))
+    for llm in engines.values():
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    names = list(engines)
+    policy = engines["dynamic"].engine.spec_k_policy
+    rows = {}
+    for c in concurrencies:
+        times: dict[str, list[float]] = {n: [] for n in names}
+        outputs: dict[str, list[list[int]]] = {}
+        ks_before = dict(policy.steps_at_k)
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                llm = engines[name]
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                outs = llm.generate(prompts[:c], params, use_tqdm=False)
+                times[name].append(time.perf_counter() - start)
+                outputs[name] = [o.outputs[0].token_ids for o in outs]
+        med = {n: statistics.median(v) for n, v in times.items()}
+        ks = {kk: n - ks_before.get(kk, 0) for kk, n in policy.steps_at_k.items() if n - ks_before.get(kk, 0)}
+        rows[c] = {"tokens_per_s": {n: c * max_tokens / v for n, v in med.items()},
+                   "ratio": {n: med["none"] / med[n] for n in names[1:]},
+                   "best_ratio": {n: min(times["none"]) / min(times[n]) for n in names[1:]},
+                   "dynamic_k_steps": dict(sorted(ks.items())),
+                   "lossless": all(outputs[n] == outputs["none"] for n in names[1:])}
+    for llm in engines.values():
+        llm.shutdown()
+    return rows
 
 
 def main() -> None:
@@ -143,6 +233,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--model", default=None, help="a checkpoint folder (instead of the two random variants)")
     ap.add_argument("--no-draft", action="store_true", help="leave out the draft_model rows")
+    ap.add_argument("--sweep", default=None, help="concurrencies, e.g. 1,4,16,64: the fixed-k / dynamic-k sweep")
+    ap.add_argument("--sweep-models", default="random,bigram", help="which of the variants the sweep runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp_dir = tempfile.TemporaryDirectory()  # removed at exit, also when a run fails
@@ -152,21 +244,45 @@ def main() -> None:
         models = {"random": make_tiny_checkpoint(Path(tmp_dir.name) / "random", "llama", **ISSUE2_SHAPE),
                   "bigram": make_tiny_checkpoint(Path(tmp_dir.name) / "bigram", "llama", **ISSUE2_SHAPE)}
         zero_layer_outputs(models["bigram"])
+    if args.sweep:
+        concurrencies = [int(c) for c in args.sweep.split(",")]
+        where = ensure_device_file(Path(tmp_dir.name))
+        chosen = models if args.model else {n: models[n] for n in args.sweep_models.split(",")}
+        sweep = {name: measure_sweep(path, args.k, concurrencies, args.max_tokens, args.rounds)
+                 for name, path in chosen.items()}
+        print(f"# spec decode sweep: {cpu_model()} ({isa()}), {platform.machine()}, {args.max_tokens} tokens per "
+              f"request, k={args.k} (ngram drafts), medians of {args.rounds} interleaved rounds; device file {where}")
+        print("| model | concurrency | none tok/s | fixed k tok/s | dynamic tok/s | fixed / none | dynamic / none "
+              "| fastest round: fixed / none, dynamic / none | dynamic: steps per k | lossless |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
+        for name, rows in sweep.items():
+            for c, r in rows.items():
+                none, fixed, dyn = r["tokens_per_s"].values()
+                (fr, dr), (fb, db) = r["ratio"].values(), r["best_ratio"].values()
+                ks = ", ".join(f"k={k}: {n}" for k, n in r["dynamic_k_steps"].items())
+                print(f"| {name} | {c} | {none:.1f} | {fixed:.1f} | {dyn:.1f} | {fr:.2f}x | {dr:.2f}x | {fb:.2f}x, {db:.2f}x "
+                      f"| {ks} | {r['lossless']} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(sweep, indent=2, default=str))
+        return
     prompts = edit_like_prompts(args.num_prompts)
     drafts = {name: None if args.no_draft or args.model else
               small_draft(path, Path(tmp_dir.name) / f"draft-{name}", name == "bigram") for name, path in models.items()}
     results = {name: measure(path, args.k, prompts, args.max_tokens, args.rounds, drafts[name])
                for name, path in models.items()}
     print(f"# spec decode, batch 1: {cpu_model()} ({isa()}), {platform.machine()}, {args.num_prompts} prompts x "
-          f"{args.max_tokens} tokens, k={args.k}, medians of {args.rounds} interleaved rounds")
-    print("| model | method | none tokens/s | method tokens/s | method / none (medians) | fastest round each "
-          "| per round | acceptance | mean acceptance length | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, by_method in results.items():
-        for method, r in by_method.items():
-            print(f"| {name} | {method} | {r['none_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
-                  f"| {r['best_speedup']:.2f}x | {', '.join(f'{x:.2f}' for x in r['per_round'])} "
-                  f"| {100 * r['acceptance_rate']:.1f}% | {r['mean_acceptance_length']:.2f} | {r['lossless']} |")
+          f"{args.max_tokens} tokens, k={args.k} (fixed), medians of {args.rounds} interleaved rounds")
+    print("| model | engine | tokens/s | / none (medians) | fastest round each | per round | acceptance "
+          "| mean acceptance length | lossless |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---|")
+    for name, r in results.items():
+        tps = r["tokens_per_s"]
+        first = next(iter(tps))
+        print(f"| {name} | {first} | {tps[first]:.1f} | | | | | | |")
+        for n in list(tps)[1:]:
+            print(f"| {name} | {n} | {tps[n]:.1f} | {r['speedup'][n]:.2f}x | {r['best_speedup'][n]:.2f}x "
+                  f"| {', '.join(f'{x:.2f}' for x in r['per_round'][n])} "
+                  f"| {100 * r['acceptance_rate'][n]:.1f}% | {r['mean_acceptance_length'][n]:.2f} | {r['lossless']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -177,12 +177,20 @@ class LoRAConfig:
 
 # vLLM's --speculative-config methods: those built, and those vLLM has that are not built here
 # yet (refused by name, not mistaken for a typo).
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 # Methods whose drafts a model makes in the runner right after sampling (spec_decode/drafter.py),
 # with `model` (a checkpoint folder) and its own KV cache under the target's block tables.
 RUNNER_DRAFT_METHODS = ("draft_model", "eagle3")
 SPECULATIVE_METHODS += RUNNER_DRAFT_METHODS
-_SPECULATIVE_METHODS_NOT_BUILT = ("eagle", "medusa", "mlp_speculator", "suffix", "mtp")
+_SPECULATIVE_METHODS_NOT_BUILT = ("eagle", "medusa", "mlp_speculator", "mtp")
+# The keys each method reads besides method, num_speculative_tokens and dynamic (vLLM's names)
+_SPECULATIVE_KEYS = {
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+    "draft_model": ("model", "draft_tensor_parallel_size"),
+    "eagle3": ("model", "draft_tensor_parallel_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,15 @@ class SpeculativeConfig:
     # draft_model / eagle3: the draft checkpoint folder, and vLLM's draft TP (1 or the target's)
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    # method "suffix" (SuffixDecoding, core/suffix_proposer.py), vLLM's keys and defaults: the trees'
+    # depth (match + draft), finished outputs kept in the shared tree (0: none, FIFO eviction), the
+    # longest draft as a multiple of the match, the estimated probability below which a draft stops
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # k chosen per step by the cost model (core/spec_k_policy.py); False: always num_speculative_tokens
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         if self.method in _SPECULATIVE_METHODS_NOT_BUILT:
@@ -209,6 +226,7 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is unknown; supported: {', '.join(SPECULATIVE_METHODS)}")
         self._check_draft_model()
+        self._check_suffix_keys()
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -225,15 +243,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object (dict), got {type(values).__name__}")
         if "method" not in values:
             raise ValueError('speculative_config needs a "method" (supported: ' + ", ".join(SPECULATIVE_METHODS) + ")")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        if values.get("method") in RUNNER_DRAFT_METHODS:  # a model drafts: no n-gram keys
-            known = {"method", "num_speculative_tokens", "model", "draft_tensor_parallel_size"}
+        known = {"method", "num_speculative_tokens", "dynamic", *_SPECULATIVE_KEYS.get(values["method"], ())}
         unknown = sorted(set(values) - known)
         if unknown:
             if values["method"] not in SPECULATIVE_METHODS:
                 cls(method=values["method"])  # an unbuilt method is named before its keys are
             raise ValueError(f"speculative_config keys {', '.join(unknown)} are not supported for method "
                              f"{values['method']!r}; supported keys: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in values and values["method"] == "suffix":
+            # vLLM's default for suffix: as deep as the tree (the draft length is chosen per step)
+            values = {**values, "num_speculative_tokens": values.get("suffix_decoding_max_tree_depth", 24)}
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
         return cls(**values)
@@ -266,6 +285,20 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config method {self.method!r} is not supported with tensor parallelism "
                              f"yet (tensor_parallel_size {tensor_parallel_size}); serve with tensor_parallel_size 1 "
                              f"or use method 'ngram'")
+
+    def _check_suffix_keys(self) -> None:
+        """vLLM's ranges for the suffix keys, and `dynamic` a boolean."""
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"speculative_config dynamic must be true or false, got {self.dynamic!r}")
+        for name, low in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"speculative_config {name} must be an integer >= {low}, got {value!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a number >= 0, got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
 
 
 @dataclass(frozen=True)

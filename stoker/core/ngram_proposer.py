@@ -16,6 +16,11 @@ per such position (at most prompt_lookup_max comparisons each), once per decode 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoker.core.sequence import Sequence
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int, prompt_lookup_min: int) -> None:
@@ -61,3 +66,10 @@ class NgramProposer:
         for i in range(best_end + 1, best_end + 1 + k):
             out.append(token_ids[i] if i < num else out[i - num])
         return out
+
+    # The engine's proposer interface (core/proposer.py): n-gram lookup keeps nothing per sequence.
+    def propose_for(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return self.propose(seq.token_ids, max_tokens)
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass

@@ -35,8 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                         "symmetric 4-bit with one scale per group of 128 columns (a pre-quantized checkpoint needs no flag)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or \'{"method": "draft_model" (or "eagle3"), '
-                        '"model": PATH, "num_speculative_tokens": 3}\' (docs/spec_decode.md)')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', \'{"method": "suffix", ...}\', or '
+                        '\'{"method": "draft_model" (or "eagle3"), "model": PATH, "num_speculative_tokens": 3}\'; k chosen '
+                        'per step by the cost model unless "dynamic": false (docs/spec_decode.md)')
     g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
                    help='disaggregated prefill/decode as JSON, vLLM\'s keys: \'{"kv_connector": "NixlConnector", '
                         '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}\' (docs/disaggregation.md)')

@@ -20,7 +20,7 @@ from typing import Any
 from stoker.config import EngineConfig
 from stoker.core.expert_load import ExpertLoad
 from stoker.core.block_manager import BlockManager
-from stoker.core.ngram_proposer import NgramProposer
+from stoker.core.proposer import make_proposer
 from stoker.core.spec_decode_stats import SpecDecodingStats
 from stoker.core.scheduler import Scheduler, SchedulerOutput
 from stoker.core.sequence import Sequence, SequenceStatus
@@ -28,6 +28,7 @@ from stoker.core.step import StepMessage, StepResult, StepShape, build_step
 from stoker.engine.input_processor import EngineRequest, InputLimits, InputProcessor
 from stoker.engine.lora_manager import LoRAManager
 from stoker.engine.output_processor import OutputProcessor, RequestState
+from stoker.engine.spec_k import build_k_policy, cut_drafts
 from stoker.engine.tokenizer import eos_token_ids, load_tokenizer
 from stoker.executor.contract import WorkerFailedError
 from stoker.executor.factory import make_executor
@@ -107,13 +108,10 @@ class LLMEngine:
                      if config.lora_config is not None else None)
         # Speculative decoding: drafts proposed before each step for the decoding sequences
         spec = config.speculative_config
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
-                         if spec is not None else None)
+        self.proposer = make_proposer(spec) if spec is not None and not spec.drafts_in_runner else None
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
         # draft_model / eagle3: the runner drafts after sampling; seq_id -> drafts for the next step
         self.runner_drafts: dict[int, list[int]] | None = {} if spec is not None and spec.drafts_in_runner else None
-        if self.runner_drafts is not None:
-            self.proposer = None
         self._grammars: Any = None  # GrammarCache, made on the first structured request
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
@@ -121,6 +119,7 @@ class LLMEngine:
                                         sched_cfg.policy == "priority", spec is not None,
                                         kv_transfer=config.kv_transfer_config is not None)
         self.input_processor = self.make_input_processor(self.tokenizer)
+        self.spec_k_policy = build_k_policy(self)  # k chosen per step by the cost model (None: fixed k)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self._finish_seq)
         self.requests: dict[str, RequestState] = {}
@@ -333,7 +332,9 @@ class LLMEngine:
                 seq.draft_token_ids = self.runner_drafts.get(seq.seq_id, [])[: max(room, 0)]
                 continue
             assert self.proposer is not None
-            seq.draft_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+            seq.draft_token_ids = self.proposer.propose_for(seq, room) if room > 0 else []
+        if self.spec_k_policy is not None:
+            cut_drafts(self, self.spec_k_policy)
 
     def _count_accepted(self, plan: SchedulerOutput, result: StepResult) -> None:
         """vllm:spec_decode_* counters: each verifying sequence's drafts and how many it kept."""
@@ -342,6 +343,8 @@ class LLMEngine:
             sampled = result.sampled.get(s.seq.seq_id)
             if s.num_draft_tokens and s.do_sample and sampled is not None:
                 self.spec_stats.observe(s.num_draft_tokens, len(sampled.token_ids) - 1)
+                if self.spec_k_policy is not None:
+                    self.spec_k_policy.observe(s.num_draft_tokens, len(sampled.token_ids) - 1)
 
     def _finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
         seq.stop_reason = stop_reason
@@ -355,6 +358,8 @@ class LLMEngine:
         for seq in state.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
             self.executor.release(seq.seq_id)
+            if self.proposer is not None:
+                self.proposer.on_finished(seq)  # suffix: its output joins the shared tree
         return output
 
     # ------------------------------------------------------------------ introspection

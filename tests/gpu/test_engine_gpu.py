@@ -232,8 +232,9 @@ def test_graph_replay_decode_logits_equal_eager_bf16(name, tiny_checkpoints) -> 
 def test_ngram_speculative_decoding_greedy_equals_none_on_cuda(tiny_llama) -> None:
     """Verify steps run the drafts through the varlen paged-attention kernel (a 1 + k token chunk
     per sequence) while decode-only steps replay graphs; float32 greedy output must equal the
-    engine without drafts, and drafts must have been accepted."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    engine without drafts, and drafts must have been accepted (a fixed k: every step verifies)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+            "dynamic": False}
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}, {"prompt_token_ids": list(range(40, 75))},
                {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

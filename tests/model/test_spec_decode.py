@@ -154,8 +154,8 @@ def test_structured_outputs_are_refused_by_name(spec: LLM) -> None:
 def test_the_config_is_refused_by_name(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="'eagle' is not supported yet"):
         _make(tiny_llama, {"method": "eagle", "num_speculative_tokens": 3, "model": "x"})
-    with pytest.raises(ValueError, match="speculative_config keys dynamic"):
-        _make(tiny_llama, {**NGRAM, "dynamic": True})
+    with pytest.raises(ValueError, match="speculative_config keys suffix_decoding_max_tree_depth"):
+        _make(tiny_llama, {**NGRAM, "suffix_decoding_max_tree_depth": 8})
 
 
 def test_lora_adapters_verify_their_own_drafts(tiny_llama: Path, tmp_path: Path) -> None:

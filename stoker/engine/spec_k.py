@@ -1,0 +1,68 @@
+"""The engine's side of k chosen by the wall (core/spec_k_policy.py): the cost model it prices
+steps with, and the cut of each step's proposals to the chosen k.
+
+The cost model is the one the live wall verdict uses (server/observe/wall.py): on a GPU the
+hardware table's entry for the device and the "engine" efficiency profile; on a CPU the device
+file `stoker doctor --device cpu --write-device-file` measured. Without either, k stays fixed
+(the log says so and how to get one): a guess at this machine's roofs would decide nothing real.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from stoker.core.spec_k_policy import PlannedSeq, SpecKPolicy
+
+if TYPE_CHECKING:
+    from stoker.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def build_k_policy(engine: LLMEngine) -> SpecKPolicy | None:
+    """The policy for a speculating engine with `"dynamic": true`; None with `false`."""
+    spec = engine.config.speculative_config
+    if spec is None or not spec.dynamic:
+        return None
+    from stoker.engine.async_engine import EngineInfo
+    from stoker.server.observe.wall import build_wall_model
+
+    cfg = engine.config
+    info = EngineInfo(model_path=cfg.model_config.model, hf_config=engine.hf_config, max_model_len=engine.max_model_len,
+                      vocab_size=engine.input_limits.vocab_size, max_num_seqs=cfg.scheduler_config.max_num_seqs,
+                      max_loras=None, cache_config=cfg.cache_config,
+                      tensor_parallel_size=cfg.parallel_config.tensor_parallel_size, runner=engine.runner_info)
+    try:
+        wall = build_wall_model(info)
+    except (KeyError, ValueError) as exc:  # a model the roofline cannot describe
+        wall, reason = None, str(exc)
+    else:
+        reason = "no cost model for this device (on a CPU: `stoker doctor --device cpu --write-device-file`)"
+    if wall is None:
+        logger.warning("speculative decoding: k fixed at %d, not chosen per step: %s", spec.num_speculative_tokens, reason)
+        return SpecKPolicy(spec.num_speculative_tokens, None)
+    logger.info("speculative decoding: k (at most %d) chosen per step by the cost model of %s",
+                spec.num_speculative_tokens, wall.describe())
+    return SpecKPolicy(spec.num_speculative_tokens, lambda shape: wall.judge(shape, 0.0).predicted_s)
+
+
+def cut_drafts(engine: LLMEngine, policy: SpecKPolicy) -> None:
+    """Ask the policy for this step's k and cut every proposal to it. The step also computes the
+    running prompts' next chunks (their uncomputed tokens, within the token budget)."""
+    decoding = [s for s in engine.scheduler.running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
+    if not any(s.draft_token_ids for s in decoding):
+        return
+    planned = [PlannedSeq(s.num_tokens, len(s.draft_token_ids)) for s in decoding]
+    budget = engine.max_num_batched_tokens - len(planned)
+    prefill = attended = 0
+    for s in engine.scheduler.running:
+        if s.is_prefill and budget > 0:
+            n = min(s.num_uncomputed_tokens, budget)
+            budget -= n
+            prefill += n
+            attended += n * s.num_computed_tokens + n * (n + 1) // 2
+    k = policy.choose(planned, prefill, attended)
+    for s in decoding:
+        if len(s.draft_token_ids) > k:
+            s.draft_token_ids = s.draft_token_ids[:k]
