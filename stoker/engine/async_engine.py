@@ -37,12 +37,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stoker.config import CacheConfig
 from stoker.core.expert_load import ExpertLoad
 from stoker.core.step import StepShape
 from stoker.engine.input_processor import EngineRequest, InputProcessor
 from stoker.engine.llm_engine import EngineStats, LLMEngine, StepFailed
-from stoker.executor.contract import RunnerInfo
+from stoker.engine.info import EngineInfo
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
 
@@ -79,21 +78,6 @@ class EngineObserver(Protocol):
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_failed(self, request_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the served engine is: fixed once it is built, safe to read from any thread."""
-
-    model_path: str
-    hf_config: dict[str, Any]  # the checkpoint's config.json (read, never changed)
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
-    max_loras: int | None  # LoRA slots; None: LoRA is off
-    cache_config: CacheConfig
-    tensor_parallel_size: int
-    runner: RunnerInfo  # rank 0's device, dtypes, KV spec
 
 
 @dataclass(frozen=True)

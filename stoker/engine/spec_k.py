@@ -1,7 +1,7 @@
 """The engine's side of k chosen by the wall (core/spec_k_policy.py): the cost model it prices
 steps with, and the cut of each step's proposals to the chosen k.
 
-The cost model is the one the live wall verdict uses (server/observe/wall.py): on a GPU the
+The cost model is the one the live wall verdict uses (engine/wall_model.py): on a GPU the
 hardware table's entry for the device and the "engine" efficiency profile; on a CPU the device
 file `stoker doctor --device cpu --write-device-file` measured. Without either, k stays fixed
 (the log says so and how to get one): a guess at this machine's roofs would decide nothing real.
@@ -25,8 +25,8 @@ def build_k_policy(engine: LLMEngine) -> SpecKPolicy | None:
     spec = engine.config.speculative_config
     if spec is None or not spec.dynamic:
         return None
-    from stoker.engine.async_engine import EngineInfo
-    from stoker.server.observe.wall import build_wall_model
+    from stoker.engine.info import EngineInfo
+    from stoker.engine.wall_model import build_wall_model
 
     cfg = engine.config
     info = EngineInfo(model_path=cfg.model_config.model, hf_config=engine.hf_config, max_model_len=engine.max_model_len,

@@ -40,7 +40,7 @@ EngineFactory = Callable[[], Any]  # builds the generative engine (an LLMEngine)
 
 def _wall_model(info: EngineInfo, profile: str | None) -> Any:
     """The wall verdict's cost model; a failure to build it never stops the server (logged)."""
-    from stoker.server.observe.wall import build_wall_model
+    from stoker.engine.wall_model import build_wall_model
 
     try:
         wall = build_wall_model(info, profile)

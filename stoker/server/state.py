@@ -33,7 +33,7 @@ class ServerSettings:
     # chat: the model's thinking split out of its text by this parser (generate/reasoning.py)
     reasoning_parser: str | None = None
     # The efficiency profile the live wall verdict predicts steps with (roofline/profiles.py:
-    # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (server/observe/wall.py).
+    # kernel, engine or a file); None: "engine" on a GPU, the measured roofs on a CPU (engine/wall_model.py).
     roofline_profile: str | None = None
     # Per request: queue, prefill and decode time, steps and their wall, as `stoker_timing` in
     # the response (the final chunk when streamed). Off by default, as it adds a field.

@@ -89,12 +89,12 @@ def test_the_log_line_says_the_wall_in_words() -> None:
 
 
 def test_the_live_wall_prices_moe_steps_by_the_experts_the_batch_touches() -> None:
-    # Issue 33: the server builds its WallModel from the checkpoint's config.json (server/observe/wall.py,
+    # Issue 33: the server builds its WallModel from the checkpoint's config.json (engine/wall_model.py,
     # a fake engine here: no torch), and every step's decode count is the B of E x (1 - (1 - k/E)^B).
     from types import SimpleNamespace
 
     from stoker.roofline.presets import PRESETS
-    from stoker.server.observe.wall import build_wall_model
+    from stoker.engine.wall_model import build_wall_model
 
     config = {k: v for k, v in PRESETS["qwen3-30b-a3b"].items() if not k.startswith("published") and k != "source"}
     info = SimpleNamespace(runner=SimpleNamespace(device_type="cuda", device_name="NVIDIA H100 80GB HBM3",

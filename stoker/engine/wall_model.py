@@ -21,7 +21,7 @@ from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.live import WallModel
 
 if TYPE_CHECKING:
-    from stoker.engine.async_engine import EngineInfo
+    from stoker.engine.info import EngineInfo
 
 logger = logging.getLogger("stoker.server")
 
