@@ -19,6 +19,7 @@ from typing import Any
 from stoker.config import EngineConfig
 from stoker.core.expert_load import ExpertLoad
 from stoker.core.block_manager import BlockManager
+from stoker.core.host_kv_pool import HostKVStats, make_host_kv_pool
 from stoker.core.ngram_proposer import NgramProposer
 from stoker.core.spec_decode_stats import SpecDecodingStats
 from stoker.core.scheduler import Scheduler, SchedulerOutput
@@ -61,6 +62,7 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()  # LoRA adapters of running / waiting sequences (vllm:lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters (None: off)
+    host_kv: HostKVStats | None = None  # the host KV tier's counters (None: no --kv-offloading-size)
 
 
 class LLMEngine:
@@ -77,6 +79,9 @@ class LLMEngine:
             self.runner_info = self.executor.describe()  # rank 0's device, dtype, KV spec, weights
             num_blocks = self.executor.determine_num_blocks(self.max_num_batched_tokens)
             self._check_kv_capacity(num_blocks)
+            cache_cfg = config.cache_config  # host KV tier (core/host_kv_pool.py); refused before any cache exists
+            self.host_kv = make_host_kv_pool(cache_cfg.kv_offloading_size, config.parallel_config.tensor_parallel_size,
+                                             cache_cfg.block_size, self.runner_info.bytes_per_block)
             self.executor.initialize_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()  # no worker outlives a failed start
@@ -87,6 +92,9 @@ class LLMEngine:
                                    self.max_model_len, sched_cfg.enable_chunked_prefill,
                                    config.lora_config.max_loras if config.lora_config is not None else None,
                                    sched_cfg.policy)
+        if self.host_kv is not None:  # evicted blocks go to host memory; admission looks there past the device hit
+            self.scheduler.host_kv = self.host_kv
+            self.block_manager.on_evict = self.host_kv.offer
         # Multi-LoRA: the adapters known (host) and those in the compute slots
         self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor,
                                  self.runner_info.lora_targets, self.runner_info.moe_layers)
@@ -116,6 +124,13 @@ class LLMEngine:
             num_blocks, block_size, f"{num_tokens:,}", num_blocks * info.bytes_per_block / 2**20,
             info.kv_spec.dtype, info.device, info.kv_spec.bytes_per_token, num_tokens / self.max_model_len, self.max_model_len,
         )
+        if self.host_kv is not None:
+            hk = self.host_kv
+            logger.info("host KV tier (--kv-offloading-size %g GiB, native): %d blocks of %d tokens = %s tokens "
+                        "(%.1f MiB over %d rank(s)), %.1fx the device cache",
+                        config.cache_config.kv_offloading_size, hk.num_blocks, block_size,
+                        f"{hk.num_blocks * block_size:,}", hk.num_blocks * hk.bytes_per_block / 2**20,
+                        config.parallel_config.tensor_parallel_size, hk.num_blocks / num_blocks)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         """Refuse to start when one max_model_len sequence cannot fit the KV cache: such a
@@ -318,6 +333,7 @@ class LLMEngine:
             running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
             waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
+            host_kv=self.host_kv.stats() if self.host_kv is not None else None,
         )
 
     def expert_load(self) -> ExpertLoad | None:
@@ -335,12 +351,16 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+        if self.host_kv is not None:
+            self.host_kv.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes of all free blocks (vLLM's `reset_prefix_cache`), so the
         next requests compute their prompts from scratch; blocks in use keep theirs. Benchmarks
         call it between runs of the same prompts, which would otherwise hit the cache."""
         self.block_manager.reset_prefix_cache()
+        if self.host_kv is not None:
+            self.host_kv.reset()  # both tiers: the next prompts compute from scratch
         return True
 
 
