@@ -160,7 +160,8 @@ class HostKVPool:
             loads.append((slot, table[first + i]))
             self.entries.move_to_end(slot)
         seq.num_computed_tokens += num_loaded
-        seq.num_cached_tokens += num_loaded
+        if slots:  # the device hit's tokens (allocate set them) and the host hit's
+            seq.num_cached_tokens = len(cached) * self.block_size + num_loaded
         c = self._counts
         c["query_tokens"] += seq.num_tokens
         c["hit_tokens"] += num_loaded
