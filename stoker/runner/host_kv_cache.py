@@ -35,6 +35,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _runs(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """(source, destination) pairs as (first source, first destination, length) runs of
+    consecutive blocks on both sides (free blocks and free slots are mostly handed out in order)."""
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
 class HostKVCache:
     def __init__(self, num_blocks: int, block_size: int, spec: KVCacheSpec, num_layers: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -63,31 +75,32 @@ class HostKVCache:
                                  f"block outside [0, {num_device_blocks})")
 
     def save(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: tuple[tuple[int, int], ...]) -> None:
-        """(device block, host slot) pairs: device -> host, in every layer's K and V. Runs before
-        the forward that overwrites the device blocks (synchronous: `.cpu()` waits for the copy)."""
+        """(device block, host slot) pairs: device -> host, in every layer's K and V, before the
+        forward that overwrites the device blocks (on the compute stream: the forward runs after)."""
         self._check("kv_host_saves", pairs, device_caches[0][0].shape[0], host_first=False)
-        blocks = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
-        slots = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
         for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-            _bytes(hk).index_copy_(0, slots, _bytes(dk).index_select(0, blocks).cpu())  # (n, bs, Hkv, D * size)
+            self._copy(dk, hk, pairs)
             if hv.numel():  # empty for a latent (MLA) cache
-                _bytes(hv).index_copy_(0, slots, _bytes(dv).index_select(0, blocks).cpu())
+                self._copy(dv, hv, pairs)
 
     def load(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: tuple[tuple[int, int], ...]) -> None:
         """(host slot, device block) pairs: host -> device, in every layer's K and V, before the
-        forward that attends to them (copies on the compute stream, so the forward sees them)."""
+        forward that attends to them (on the compute stream, so the forward sees them)."""
         self._check("kv_host_loads", pairs, device_caches[0][0].shape[0], host_first=True)
-        slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        pinned = self.device.type == "cuda"
         for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-            rows = _bytes(hk).index_select(0, slots)  # (n, bs, Hkv, D * size) gathered on the host
-            _bytes(dk).index_copy_(0, blocks, rows.pin_memory().to(self.device, non_blocking=True) if pinned
-                                   else rows.to(self.device))
+            self._copy(hk, dk, pairs)
             if hv.numel():
-                rows = _bytes(hv).index_select(0, slots)
-                _bytes(dv).index_copy_(0, blocks, rows.pin_memory().to(self.device, non_blocking=True) if pinned
-                                       else rows.to(self.device))
+                self._copy(hv, dv, pairs)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: tuple[tuple[int, int], ...]) -> None:
+        """dst[d] = src[s] for each (s, d), one slice copy (a memcpy or a DMA) per run of consecutive
+        blocks: an indexed copy (index_copy_) moves a block's bytes 5-10x slower on CPU
+        (benchmarks/host_kv_tier_cpu.py). Pinned host memory lets the DMA run asynchronously in
+        stream order; pageable memory (CPU machines) copies synchronously."""
+        src_b, dst_b = _bytes(src), _bytes(dst)  # (N, bs, Hkv, D * itemsize)
+        non_blocking = self.device.type == "cuda"
+        for s, d, n in _runs(pairs):
+            dst_b[d:d + n].copy_(src_b[s:s + n], non_blocking=non_blocking)
 
     def run(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], saves: tuple[tuple[int, int], ...],
             loads: tuple[tuple[int, int], ...]) -> None:
