@@ -193,3 +193,21 @@ def test_a_runner_without_the_tier_refuses_host_copies(tiny_llama) -> None:
     with pytest.raises(ValueError, match="outside"):
         tiered.engine.executor.driver_runner.execute(
             StepMessage([SeqStep(-3, [1], 0, [0], True)], {-3: SampleSpec(TOP5, 0, 0)}, kv_host_loads=((10**6, 1),)))
+
+
+def test_host_copies_coalesce_runs_and_copy_any_pairs() -> None:
+    from stoker.config import KVCacheSpec
+    from stoker.runner.host_kv_cache import HostKVCache, _runs
+
+    assert _runs(((3, 0), (4, 1), (5, 2), (9, 3), (1, 7), (2, 8), (2, 9))) == [(3, 0, 3), (9, 3, 1), (1, 7, 2), (2, 9, 1)]
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    host = HostKVCache(6, 4, spec, 2, torch.float32, torch.device("cpu"))
+    device = [(torch.randn(10, 4, 2, 8), torch.randn(10, 4, 2, 8)) for _ in range(2)]
+    saves = ((7, 2), (8, 3), (0, 5), (4, 0))
+    loads = ((2, 1), (5, 6), (0, 9), (3, 2))
+    want = [(k.clone(), v.clone()) for k, v in device]
+    host.run(device, saves, loads)
+    saved = {slot: block for block, slot in saves}
+    for (k, v), (wk, wv) in zip(device, want):
+        for slot, block in loads:
+            assert torch.equal(k[block], wk[saved[slot]]) and torch.equal(v[block], wv[saved[slot]])
