@@ -94,8 +94,8 @@ class HostKVCache:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: tuple[tuple[int, int], ...]) -> None:
         """dst[d] = src[s] for each (s, d), one slice copy (a memcpy or a DMA) per run of consecutive
-        blocks: an indexed copy (index_copy_) moves a block's bytes 5-10x slower on CPU
-        (benchmarks/host_kv_tier_cpu.py). Pinned host memory lets the DMA run asynchronously in
+        blocks: an indexed copy (index_copy_) moved blocks 2-10x slower on CPU (docs/benchmarks.md,
+        "Host KV tier"). Pinned host memory lets the DMA run asynchronously in
         stream order; pageable memory (CPU machines) copies synchronously."""
         src_b, dst_b = _bytes(src), _bytes(dst)  # (N, bs, Hkv, D * itemsize)
         non_blocking = self.device.type == "cuda"
