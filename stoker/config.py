@@ -47,6 +47,20 @@ class ModelConfig:
             )
 
 
+def _check_kv_offloading(cache: CacheConfig) -> None:
+    if cache.kv_offloading_backend != "native":
+        raise ValueError(f"kv_offloading_backend {cache.kv_offloading_backend!r} is not supported; the only backend "
+                         "is 'native' (Stoker's own host tier; LMCache is not built in)")
+    size = cache.kv_offloading_size
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise ValueError(f"kv_offloading_size is GiB of host memory and must be positive, got {size!r}")
+    if not cache.enable_prefix_caching:
+        raise ValueError("kv_offloading_size needs prefix caching: the host tier keeps blocks under the prefix "
+                         "cache's hash (drop --no-enable-prefix-caching)")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -55,8 +69,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: force a tiny cache
     kv_cache_dtype: str = "auto"
+    # vLLM's host KV tier: GiB of host memory for blocks evicted from the device cache, summed over
+    # the tensor-parallel ranks (None: off); "native" is the only backend (docs/kv_offloading.md)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self) -> None:
+        _check_kv_offloading(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = " (E5M2 caches are not supported; fp8 means E4M3)" if self.kv_cache_dtype == "fp8_e5m2" else ""
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported{hint}; choose one of {', '.join(KV_CACHE_DTYPES)}")
@@ -316,6 +335,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
+        if self.kv_transfer_config is not None and self.cache_config.kv_offloading_size is not None:
+            # Both would claim the blocks past a prompt's device prefix hit; one connector at a time.
+            raise ValueError("kv_offloading_size (the host KV tier) cannot be combined with kv_transfer_config yet; "
+                             "serve a disaggregated pair without --kv-offloading-size")
         if self.speculative_config is not None:
             self.speculative_config.check_tensor_parallel(self.parallel_config.tensor_parallel_size)
             if self.kv_transfer_config is not None and self.speculative_config.drafts_in_runner:

@@ -14,6 +14,7 @@ so cached blocks are evicted least-recently-freed first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stoker.core.sequence import Sequence
@@ -27,6 +28,7 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the full block's tokens, kept to verify a hash hit
     parent_block_id: int = -1  # physical id of the previous block in the chain (-1: first)
     lora_name: str | None = None  # the adapter whose K/V it holds: blocks are never shared across adapters
+    parent_hash: int | None = None  # the chain hash it was hashed from: the host KV tier verifies it on a hit
 
 
 def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -59,6 +61,8 @@ class BlockManager:
         # Prefix-cache counters (queries and hits in tokens), read by metrics.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Host KV tier (core/host_kv_pool.py): told of each registered block just before it is reused
+        self.on_evict: Callable[[Block], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -129,6 +133,8 @@ class BlockManager:
         num_needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
         for _ in range(num_needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
+            if self.on_evict is not None and self.blocks[block_id].block_hash is not None:
+                self.on_evict(self.blocks[block_id])  # the host tier saves it before this step overwrites it
             self._evict_hash(block_id)
             self._take(block_id)
             table.append(block_id)
@@ -155,6 +161,7 @@ class BlockManager:
             if block.block_hash is None:
                 block.block_hash, block.token_ids, block.parent_block_id = h, tokens, parent_id
                 block.lora_name = seq.lora_name
+                block.parent_hash = parent_hash
                 # First writer wins; a duplicate computed concurrently simply stays unregistered.
                 self.hash_to_block_id.setdefault(h, block.block_id)
             parent_hash, parent_id = h, block.block_id

@@ -34,6 +34,7 @@ from stoker.core.block_manager import BlockManager
 from stoker.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from stoker.core.host_kv_pool import HostKVPool
     from stoker.core.step import StepResult
 
 
@@ -75,6 +76,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # (source, destination) block copies the runner makes before the forward (StepMessage.kv_copies)
     kv_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Host KV tier (core/host_kv_pool.py): (device block, host slot) saves, then (host slot, device
+    # block) loads, made before the forward (StepMessage.kv_host_saves / kv_host_loads)
+    kv_host_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_host_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -106,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         # A KV connector's scheduler side (stoker/kv_transfer/scheduler_side.py), set by the engine
         self.kv_connector: Any = None
+        self.host_kv: HostKVPool | None = None  # the host KV tier (--kv-offloading-size), set by the engine
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -142,6 +148,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        if self.host_kv is not None:
+            self.host_kv.begin_step()
 
         # 1. Running sequences, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -181,7 +189,11 @@ class Scheduler:
                 break
             # A cached block has K/V but no logits: prompt logprobs recompute the whole prompt.
             cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq)
-            num_computed = seq.num_computed_tokens + len(cached) * bm.block_size
+            # Host KV tier: the blocks past the device hit that host memory holds are loaded, not computed
+            host_slots = (self.host_kv.find(seq, cached, bm)
+                          if self.host_kv is not None and not seq.wants_prompt_logprobs else [])
+            num_loaded = len(host_slots) * bm.block_size
+            num_computed = seq.num_computed_tokens + len(cached) * bm.block_size + num_loaded
             remaining = seq.num_tokens - num_computed
             if self.kv_connector is not None:  # the rest of its prompt may come from a remote engine
                 admitted = self._admit_remote(seq, cached, num_computed)
@@ -192,11 +204,14 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
-            if not bm.can_allocate(seq, num_new, cached):
+            if not bm.can_allocate(seq, num_loaded + num_new, cached):
                 break
             self.waiting.popleft()
             bm.record_prefix_query(seq.num_tokens, len(cached) * bm.block_size)
-            bm.allocate(seq, num_new, cached)
+            if self.host_kv is not None:  # allocates, and plans the loads of the host hits
+                self.host_kv.admit(seq, num_new, cached, host_slots, bm, out.kv_host_loads)
+            else:
+                bm.allocate(seq, num_new, cached)
             seq.status = SequenceStatus.RUNNING
             if self.by_priority:
                 self._insert_sorted(self.running, seq)
@@ -209,6 +224,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(no_slot))
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if self.host_kv is not None:
+            out.kv_host_saves = self.host_kv.take_saves()
         return out
 
     def update_after_step(self, plan: SchedulerOutput, result: StepResult) -> None:
@@ -243,6 +260,8 @@ class Scheduler:
             if s.num_draft_tokens:
                 bm.free_tail(seq)
             bm.cache_full_blocks(seq)
+        if self.host_kv is not None:
+            self.host_kv.end_step()  # the step's host copies ran: its saves may be loaded, its slots reused
 
     # ------------------------------------------------------------------ KV connector
     def _admit_remote(self, seq: Sequence, cached: list[int], num_computed: int) -> bool | None:

@@ -18,6 +18,8 @@ Optional parts, empty unless a capability fills them (absent costs nothing):
     sequence then samples `num_sampled` = 1 + len(drafts) rows (speculative decoding);
   * per step `kv_copies`: (source, destination) block pairs the runner copies in every layer's
     cache before the forward (done when the result comes back: they run in the step);
+  * per step `kv_host_saves` / `kv_host_loads`: block copies between the device cache and the
+    host KV tier, run before `kv_copies` and the forward (core/host_kv_pool.py);
   * per step `kv_connector_meta`: what a KV connector's worker side needs this step (its
     handles reach the layers through the forward context); transfers it finishes come back
     in `StepResult.finished_sending` / `finished_recving` (vLLM's names).
@@ -105,6 +107,10 @@ class StepMessage:
     # (source block, destination block): copied in every layer's K and V cache before the forward
     kv_copies: tuple[tuple[int, int], ...] = ()
     kv_connector_meta: Any = None  # a KV connector's per-step metadata (None: no connector)
+    # Host KV tier (core/host_kv_pool.py), run before the forward in this order on every rank (each
+    # copies its own shard): (device block, host slot) saves, then (host slot, device block) loads
+    kv_host_saves: tuple[tuple[int, int], ...] = ()
+    kv_host_loads: tuple[tuple[int, int], ...] = ()
 
     @property
     def sampled_seq_ids(self) -> list[int]:
@@ -207,4 +213,5 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots:
             p = seq.sampling_params
             history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
             sampling[seq.seq_id] = SampleSpec(p, seq.index, seq.num_output_tokens, history_ids, seq.bad_words_token_ids)
-    return StepMessage(seqs, sampling, tuple(eos_token_ids), tuple(out.kv_copies))
+    return StepMessage(seqs, sampling, tuple(eos_token_ids), tuple(out.kv_copies),
+                       kv_host_saves=tuple(out.kv_host_saves), kv_host_loads=tuple(out.kv_host_loads))

@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="turn chunked prefill off")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: arrival order; priority: a request's priority (lower first), then arrival")
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory for KV blocks evicted from the device cache, summed over the tensor-parallel "
+                        "ranks; a later prefix hit there is copied back instead of recomputed (docs/kv_offloading.md)")
+    g.add_argument("--kv-offloading-backend", default="native", help="host KV tier backend: native (the only one)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -112,6 +116,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         distributed_timeout_s=args.distributed_timeout,
         enable_expert_parallel=args.enable_expert_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         quantization=args.quantization,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,

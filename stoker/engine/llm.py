@@ -46,6 +46,8 @@ class LLM:
         distributed_timeout_s: float = 600.0,
         enable_expert_parallel: bool = False,
         kv_cache_dtype: str = "auto",
+        kv_offloading_size: float | None = None,
+        kv_offloading_backend: str = "native",
         quantization: str | None = None,
         enable_lora: bool = False,
         max_loras: int = 1,
@@ -70,6 +72,8 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_offloading_size=kv_offloading_size,
+                kv_offloading_backend=kv_offloading_backend,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -21,6 +21,7 @@ from stoker.config import EngineConfig
 from stoker.core.expert_load import ExpertLoad
 from stoker.core.block_manager import BlockManager
 from stoker.core.proposer import make_proposer
+from stoker.core.host_kv_pool import HostKVStats, make_host_kv_pool
 from stoker.core.spec_decode_stats import SpecDecodingStats
 from stoker.core.scheduler import Scheduler, SchedulerOutput
 from stoker.core.sequence import Sequence, SequenceStatus
@@ -72,6 +73,7 @@ class EngineStats:
     waiting_loras: tuple[str, ...] = ()
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters (None: off)
     kv_transfer: Any = None  # a KV connector's counters (stoker/kv_transfer/stats.py; None: none)
+    host_kv: HostKVStats | None = None  # the host KV tier's counters (None: no --kv-offloading-size)
 
 
 class LLMEngine:
@@ -89,6 +91,9 @@ class LLMEngine:
             self.runner_info = self.executor.describe()  # rank 0's device, dtype, KV spec, weights
             num_blocks = self.executor.determine_num_blocks(self.max_num_batched_tokens)
             self._check_kv_capacity(num_blocks)
+            cache_cfg = config.cache_config  # host KV tier (core/host_kv_pool.py); refused before any cache exists
+            self.host_kv = make_host_kv_pool(cache_cfg.kv_offloading_size, config.parallel_config.tensor_parallel_size,
+                                             cache_cfg.block_size, self.runner_info.bytes_per_block)
             self.executor.initialize_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()  # no worker outlives a failed start
@@ -102,6 +107,9 @@ class LLMEngine:
         # A KV connector's scheduler side (disaggregated prefill/decode: stoker/kv_transfer/), or None
         self.kv_connector = make_scheduler_connector(config, self.block_manager)
         self.scheduler.kv_connector = self.kv_connector
+        if self.host_kv is not None:  # evicted blocks go to host memory; admission looks there past the device hit
+            self.scheduler.host_kv = self.host_kv
+            self.block_manager.on_evict = self.host_kv.offer
         # Multi-LoRA: the adapters known (host) and those in the compute slots
         self.lora = (LoRAManager(config.lora_config, self.hf_config, model_dir, self.executor,
                                  self.runner_info.lora_targets, self.runner_info.moe_layers)
@@ -134,6 +142,13 @@ class LLMEngine:
             num_blocks, block_size, f"{num_tokens:,}", num_blocks * info.bytes_per_block / 2**20,
             info.kv_spec.dtype, info.device, info.kv_spec.bytes_per_token, num_tokens / self.max_model_len, self.max_model_len,
         )
+        if self.host_kv is not None:
+            hk = self.host_kv
+            logger.info("host KV tier (--kv-offloading-size %g GiB, native): %d blocks of %d tokens = %s tokens "
+                        "(%.1f MiB over %d rank(s)), %.1fx the device cache",
+                        config.cache_config.kv_offloading_size, hk.num_blocks, block_size,
+                        f"{hk.num_blocks * block_size:,}", hk.num_blocks * hk.bytes_per_block / 2**20,
+                        config.parallel_config.tensor_parallel_size, hk.num_blocks / num_blocks)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         """Refuse to start when one max_model_len sequence cannot fit the KV cache: such a
@@ -384,6 +399,7 @@ class LLMEngine:
             waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
             kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
+            host_kv=self.host_kv.stats() if self.host_kv is not None else None,
         )
 
     def expert_load(self) -> ExpertLoad | None:
@@ -401,12 +417,16 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+        if self.host_kv is not None:
+            self.host_kv.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes of all free blocks (vLLM's `reset_prefix_cache`), so the
         next requests compute their prompts from scratch; blocks in use keep theirs. Benchmarks
         call it between runs of the same prompts, which would otherwise hit the cache."""
         self.block_manager.reset_prefix_cache()
+        if self.host_kv is not None:
+            self.host_kv.reset()  # both tiers: the next prompts compute from scratch
         return True
 
 

@@ -28,6 +28,7 @@ from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
 from stoker.runner.device import resolve_device, resolve_dtype
 from stoker.runner.expert_load import ExpertLoadReader
+from stoker.runner.host_kv_cache import HostKVCache, make_host_kv_cache
 from stoker.runner.info import RunnerInfo
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.sampling.prompt_logprobs import score_prompt
@@ -93,6 +94,9 @@ class ModelRunner:
         self.kv_spec = self.model.kv_cache_spec("fp8_e4m3" if cache.fp8_kv else str(self.dtype).removeprefix("torch."))
         self._apply_kv_scales(cache.fp8_kv)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Host KV tier (--kv-offloading-size): this rank's shard of the host blocks, host memory only
+        self.host_kv: HostKVCache | None = make_host_kv_cache(config, self.kv_spec, len(self.model.attention_layers()),
+                                                              self.kv_dtype, self.device, self.tp.world_size)
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.matchers: Any = None  # structured outputs' GrammarMatchers (enable_structured_outputs)
         spec = config.speculative_config  # draft_model / eagle3: a model drafts after each sampling
@@ -307,6 +311,10 @@ class ModelRunner:
         """The forward (every rank, in lockstep: it holds the collectives) -> (N, vocab) float32
         logits of the rows that sample (1 + len(drafts) per sampling sequence), on rank 0; None on
         the other ranks or when none samples."""
+        if step.kv_host_saves or step.kv_host_loads:  # host KV tier: before anything writes a block
+            if self.host_kv is None:
+                raise ValueError("the step copies host KV blocks, but this runner has no host tier (--kv-offloading-size)")
+            self.host_kv.run(self.kv_caches, step.kv_host_saves, step.kv_host_loads)
         if step.kv_copies:
             self.copy_blocks(step.kv_copies)
         inputs = prepare_inputs(step, self.block_size, self.device)

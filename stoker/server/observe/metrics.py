@@ -30,6 +30,7 @@ from stoker.core.step import StepShape
 from stoker.engine.async_engine import AsyncEngine
 from stoker.outputs import RequestOutput
 from stoker.sampling_params import SamplingParams
+from stoker.server.observe.host_kv_metrics import host_kv_metrics
 from stoker.server.observe.wall_metrics import WallMetrics
 
 logger = logging.getLogger("stoker.server")
@@ -91,6 +92,8 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Sequences preempted to free KV blocks", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
+        if s.host_kv is not None:  # the host KV tier (--kv-offloading-size): its hits counted apart
+            yield from host_kv_metrics(s.host_kv, labels, value)
         if engine.info.max_loras is not None:
             # vLLM's: an info gauge whose labels name the adapters in use, valued at the scrape time
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters",
