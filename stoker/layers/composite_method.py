@@ -74,6 +74,11 @@ class CompositeLinearMethod(LinearMethod):
     def checkpoint_params(self, layer: Linear) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p for part in self.parts for p in part.method.checkpoint_params(part)))
 
+    def shard_checkpoint_params(self, layer: Linear, shard: str | None) -> tuple[str, ...]:
+        """What the checkpoint holds for `shard`: its run's method's names (models/loader.py)."""
+        part = self._part(shard)
+        return part.method.checkpoint_params(part)
+
     def checkpoint_slice(self, layer: Linear, param_name: str, shard: str | None,
                          shape: tuple[int, ...]) -> tuple[slice, ...] | None:
         part = self._part(shard)

@@ -321,8 +321,7 @@ class GGUFTensors:
                 method.load_affine(layer, shard, weight)
             except ValueError as exc:
                 raise ValueError(f"{exc} (GGUF tensor {t.name})") from None
-            # a merged layer's other shards may expect named tensors (a composite layer): this one is whole
-            loaded += [f"{module}.{p}#{shard}" for p in ("weight", *method.checkpoint_params(layer))]
+            loaded.append(f"{module}.weight#{shard}")
         return loaded
 
     def _affine(self, t: Any) -> Any:
