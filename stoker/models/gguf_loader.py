@@ -7,13 +7,17 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
 `models/loader.load_weights` reads it like any checkpoint:
 
   * float tensors (F32, F16, BF16) as they are;
-  * 4-bit blocks (Q4_0, Q4_K) decoded exactly into `int4.AffineInt4` (codes, scale and
-    offset per group of 32) and handed whole to the int4 method (`load_affine_weights`, which
-    load_weights calls after the keys): they are not keys, since the form has no
-    safetensors-like tensors of the int4 method's;
-  * 8-bit blocks (Q8_0, Q6_K) decoded exactly (quantization/gguf_blocks.py) into `weight`
-    (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint tensors, the
-    scales of a merged projection's coarser shard repeated to its finer group;
+  * 4-bit blocks (Q4_0, Q4_1, Q4_K) decoded exactly into `int4.AffineInt4` (codes, scale and
+    offset per group of 32), and 5-bit affine blocks (Q5_K, Q5_1) into
+    `int8_affine_method.AffineInt8`, handed whole to the projection's method
+    (`load_affine_weights`, which load_weights calls after the keys): they are not keys, since
+    those forms have no safetensors-like tensors;
+  * 8-bit symmetric blocks (Q8_0, Q6_K, Q5_0) decoded exactly (quantization/gguf_blocks.py) into
+    `weight` (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint
+    tensors, the scales of a merged projection's coarser shard repeated to its finer group (or,
+    beside an affine shard, handed whole as an AffineInt8 with offsets 0);
+  * the shards of a merged projection that mix families (a Q4_K_M file's Q4_K q/k beside a Q6_K
+    v) each go to their run of the layer's composite method (layers/composite_method.py);
   * q/k rows of llama-architecture files put back in HF's order (llama.cpp's converter
     interleaves each head's rotary halves, models/gguf_names.py);
   * `rope_freqs.weight` (Llama 3.1's rope scaling) read into the config (models/gguf_rope.py);
