@@ -127,7 +127,10 @@ class AffineInt8LinearMethod(LinearMethod):
         expect_shape(tuple(weight.q.shape), layer.checkpoint_shape(shard), where, None)
         rows, cols = layer.checkpoint_rows(shard), layer.checkpoint_cols()
         groups = _aligned(cols, self.group_k, f"groups of {self.group_k}", weight.q.shape[1])
-        local = layer.shard_rows(shard)
+        # a vocabulary-parallel LM head's last part may hold more rows than the checkpoint has left:
+        # the rest stay zero (code 0, scale 0, offset 0)
+        first = layer.shard_rows(shard).start
+        local = slice(first, first + (rows.stop - rows.start))
         with torch.no_grad():
             layer.weight[local].copy_(weight.q[rows, cols])
             layer.weight_scale[local].copy_(weight.scale[rows, groups])
