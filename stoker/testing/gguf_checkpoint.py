@@ -183,8 +183,9 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
         kind = next((k for pat, k in types.items() if re.search(pat, name)), "F32" if t.dim() == 1 else "F32")
         w = t.numpy()
         data = encode(w, kind) if t.dim() == 2 else w.astype(np.float32 if kind == "F32" else np.float16)
-        deq = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(w.shape).copy())
-        dequantized[name] = deq
+        if dequantized_dst is not None:
+            deq = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(w.shape)
+            dequantized[name] = torch.from_numpy(deq.copy())
         if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.", name):  # as convert_hf_to_gguf.py
             n = heads if ".q_proj." in name else kv_heads
             data = permute_rows(torch.from_numpy(np.ascontiguousarray(data)), n).numpy()
