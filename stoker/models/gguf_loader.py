@@ -7,13 +7,17 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
 `models/loader.load_weights` reads it like any checkpoint:
 
   * float tensors (F32, F16, BF16) as they are;
-  * 4-bit blocks (Q4_0, Q4_K) decoded exactly into `int4.AffineInt4` (codes, scale and
-    offset per group of 32) and handed whole to the int4 method (`load_affine_weights`, which
-    load_weights calls after the keys): they are not keys, since the form has no
-    safetensors-like tensors of the int4 method's;
-  * 8-bit blocks (Q8_0, Q6_K) decoded exactly (quantization/gguf_blocks.py) into `weight`
-    (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint tensors, the
-    scales of a merged projection's coarser shard repeated to its finer group;
+  * 4-bit blocks (Q4_0, Q4_1, Q4_K) decoded exactly into `int4.AffineInt4` (codes, scale and
+    offset per group of 32), and 5-bit affine blocks (Q5_K, Q5_1) into
+    `int8_affine_method.AffineInt8`, handed whole to the projection's method
+    (`load_affine_weights`, which load_weights calls after the keys): they are not keys, since
+    those forms have no safetensors-like tensors;
+  * 8-bit symmetric blocks (Q8_0, Q6_K, Q5_0) decoded exactly (quantization/gguf_blocks.py) into
+    `weight` (int8) and `weight_scale` (per group), the int8 per-group method's checkpoint
+    tensors, the scales of a merged projection's coarser shard repeated to its finer group (or,
+    beside an affine shard, handed whole as an AffineInt8 with offsets 0);
+  * the shards of a merged projection that mix families (a Q4_K_M file's Q4_K q/k beside a Q6_K
+    v) each go to their run of the layer's composite method (layers/composite_method.py);
   * q/k rows of llama-architecture files put back in HF's order (llama.cpp's converter
     interleaves each head's rotary halves, models/gguf_names.py);
   * `rope_freqs.weight` (Llama 3.1's rope scaling) read into the config (models/gguf_rope.py);
@@ -209,10 +213,11 @@ class GGUFTensors:
         self.heads, self.kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         qc = config.get("quantization_config") or {}
         self.types: dict[str, list[str]] = qc.get("tensors", {})
-        self.groups = self._groups(model)
+        self.schemes = self._schemes(model)
         # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
         self.entries: dict[str, tuple[Any, str]] = {}
-        # HF module -> its 4-bit (Q4_0 / Q4_K) GGUF tensor
+        # HF module -> its GGUF tensor decoded whole and handed to the method (load_affine_weights):
+        # 4-bit types, and every int8 tensor of a projection whose method holds offsets (Q5_K, Q5_1)
         self.affine: dict[str, Any] = {}
         for t in self.reader.tensors:
             if t.name == gguf_names.ROPE_FREQS:  # read into the config's rope_scaling (read_gguf_config)
@@ -225,30 +230,37 @@ class GGUFTensors:
                     module, hf = "lm_head", "lm_head.weight"
                 else:
                     continue
+            scheme = self.schemes.get(module)
             if _type_name(t) in gguf_types.FLOAT_TYPES:
                 self.entries[hf] = (t, "float")
-            elif _type_name(t) in gguf_types.INT4_GROUPS:
-                self.affine[module] = t  # not a key: handed whole to the int4 method (load_affine_weights)
+            elif scheme is None:
+                raise ValueError(f"GGUF tensor {t.name} ({_type_name(t)}) matches no projection of the model")
+            elif scheme.dtype == "int4" or not scheme.symmetric:
+                self.affine[module] = t  # not a key: handed whole to the method (load_affine_weights)
             else:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
         self._decoded: dict[str, tuple[torch.Tensor, torch.Tensor, set[str]]] = {}
 
-    def _groups(self, model: torch.nn.Module) -> dict[str, int]:
-        """HF module -> the scale group its projection runs at: its own type's, or for a shard
-        of a merged projection the finest of its siblings' (quantization/gguf.py)."""
-        siblings: dict[str, list[str]] = {}
-        for leaf, (merged, _) in getattr(model, "packed_modules", {}).items():
-            siblings.setdefault(merged, []).append(leaf)
-        groups: dict[str, int] = {}
-        for module, (_, kind) in self.types.items():
-            if kind not in gguf_types.INT8_GROUPS:
+    def _schemes(self, model: torch.nn.Module) -> dict[str, Any]:
+        """HF module -> the WeightScheme its weight is held in: its own type's, or for a shard
+        of a merged projection its run's (quantization/gguf.py shard_runs: the finest group of
+        its same-family siblings, affine when one of them is)."""
+        from stoker.layers.linear import Linear
+        from stoker.models.packed import checkpoint_module_name
+
+        if not self.types:
+            return {}
+        config = gguf_types.gguf_quant_config({"tensors": self.types})
+        schemes: dict[str, Any] = {}
+        for name, layer in model.named_modules():
+            if not isinstance(layer, Linear):
                 continue
-            parent, _, leaf = module.rpartition(".")
-            merged = next((m for m, leaves in siblings.items() if leaf in leaves), None)
-            names = [f"{parent}.{s}" for s in siblings[merged]] if merged else [module]
-            groups[module] = min(gguf_types.INT8_GROUPS[self.types[n][1]] for n in names if n in self.types
-                                 and self.types[n][1] in gguf_types.INT8_GROUPS)
-        return groups
+            names = [checkpoint_module_name(model, name, shard) for shard in layer.shard_offsets] or [name]
+            if not all(n in self.types for n in names):
+                continue
+            for idx, scheme in config.shard_runs(names):
+                schemes.update({names[i]: scheme for i in idx})
+        return schemes
 
     # -- safe_open's interface
     def __enter__(self) -> GGUFTensors:
@@ -267,7 +279,7 @@ class GGUFTensors:
         t, what = self.entries[name]
         dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (K) first
         if what == "scale":
-            return dims[0], dims[1] // self.groups[name.rpartition(".")[0]]
+            return dims[0], dims[1] // self.schemes[name.rpartition(".")[0]].group_size
         return dims
 
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -279,7 +291,7 @@ class GGUFTensors:
             out = gguf_blocks.dequantize(self._raw(t), _type_name(t))
         else:  # weight and scale come from one decode, kept until both have been read
             if module not in self._decoded:
-                self._decoded[module] = (*self._decode(t, self.groups[module]), set())
+                self._decoded[module] = (*self._decode(t, self.schemes[module].group_size), set())
             q, scale, taken = self._decoded[module]
             out = q if what == "q" else scale
             taken.add(what)
@@ -288,14 +300,13 @@ class GGUFTensors:
         heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
         return out if heads is None else gguf_names.unpermute_rows(out, heads)
 
-    # -- 4-bit tensors: decoded to the affine form and handed to the int4 method whole
+    # -- tensors decoded whole (4-bit; int8 with offsets) and handed to the method
     def load_affine_weights(self, linears: dict[str, Any], packed: dict[str, tuple[str, str]]) -> list[str]:
-        """Decode each Q4_0 / Q4_K tensor (quantization/gguf_blocks.py) into an `int4.AffineInt4`
-        (q (N, K) uint8, scale and offset (N, K / 32) float32) and hand it to its projection's
-        method (`int4.load_affine`, which takes this rank's rows and columns); returns the
-        loaded keys as models/loader.load_weights counts them."""
-        from stoker.quantization import int4
-
+        """Decode each tensor of `self.affine` (quantization/gguf_blocks.py) into its method's
+        form, an `int4.AffineInt4` (q (N, K) uint8, scale and offset (N, K / 32) float32) or an
+        `int8_affine_method.AffineInt8` (q int8, symmetric types with offset 0), and hand it to
+        its projection's method (`load_affine`, which takes this rank's rows and columns);
+        returns the loaded keys as models/loader.load_weights counts them."""
         loaded = []
         for module, t in self.affine.items():
             parent, _, leaf = module.rpartition(".")
@@ -306,17 +317,34 @@ class GGUFTensors:
             layer = linears.get(module)
             if layer is None:
                 raise ValueError(f"GGUF tensor {t.name} ({_type_name(t)}) matches no projection of the model")
-            q, scale, offset = gguf_blocks.AFFINE[_type_name(t)](self._raw(t))
-            heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
-            if heads is not None:  # every row's codes, scales and offsets move together
-                q, scale, offset = (gguf_names.unpermute_rows(x, heads) for x in (q, scale, offset))
-            weight = int4.AffineInt4(q.contiguous(), scale.contiguous(), offset.contiguous(), gguf_types.INT4_GROUPS[_type_name(t)])
+            weight = self._affine(t)
+            method = getattr(layer.method, "base", layer.method)
             try:
-                int4.load_affine(layer, shard, weight)
+                if not hasattr(method, "load_affine"):
+                    raise ValueError(f"this projection runs {method.describe()}, which does not take a decoded weight")
+                method.load_affine(layer, shard, weight)
             except ValueError as exc:
                 raise ValueError(f"{exc} (GGUF tensor {t.name})") from None
             loaded.append(f"{module}.weight#{shard}")
         return loaded
+
+    def _affine(self, t: Any) -> Any:
+        from stoker.layers.int8_affine_method import AffineInt8
+        from stoker.quantization import int4
+
+        kind = _type_name(t)
+        if kind in gguf_blocks.SYMMETRIC:  # an int8 shard beside an affine one: offset 0
+            q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t))
+            offset = torch.zeros_like(scale)
+        else:
+            q, scale, offset = gguf_blocks.AFFINE[kind](self._raw(t))
+        heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
+        if heads is not None:  # every row's codes, scales and offsets move together
+            q, scale, offset = (gguf_names.unpermute_rows(x, heads) for x in (q, scale, offset))
+        q, scale, offset = q.contiguous(), scale.contiguous(), offset.contiguous()
+        if kind in gguf_types.INT4_GROUPS:
+            return int4.AffineInt4(q, scale, offset, gguf_types.INT4_GROUPS[kind])
+        return AffineInt8(q.to(torch.int8), scale, offset, gguf_blocks.GROUP_K[kind])
 
     # -- decoding
     def _raw(self, t: Any) -> torch.Tensor:

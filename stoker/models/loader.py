@@ -165,8 +165,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for module_name, layer in linears.items():
         assert layer.method is not None
         names = layer.method.checkpoint_params(layer) + (("bias",) if layer.has_bias else ())
+        # a merged layer whose shards are stored differently names each shard's own (composite_method.py)
+        of_shard = getattr(layer.method, "shard_checkpoint_params", None)
         for shard in list(layer.shard_offsets) or [None]:
-            expected.update(f"{module_name}.{p}#{shard}" for p in names)
+            own = names if of_shard is None else of_shard(layer, shard) + (("bias",) if layer.has_bias else ())
+            expected.update(f"{module_name}.{p}#{shard}" for p in own)
     missing = sorted(expected - filled)
     if missing:
         named = []

@@ -92,6 +92,14 @@ class LinearMethodChooser:
             return self._float(name, layer)  # Qwen2-MoE's one-logit gate: never quantized (as vLLM)
         if self.quant is not None and not self.quant.experts_only:  # mxfp4 quantizes only MoE experts
             names = [checkpoint_module_name(self.model, name, shard) for shard in layer.shard_offsets] or [name]
+            # a merged layer whose shards a GGUF file stores in different representations
+            runs = self.quant.shard_runs(names) if len(names) > 1 and hasattr(self.quant, "shard_runs") else []
+            if len(runs) > 1:
+                from stoker.layers.composite_method import composite_method
+
+                shards = list(layer.shard_offsets)
+                return composite_method(name, layer, [([shards[i] for i in idx], s) for idx, s in runs],
+                                        lambda part, scheme: self._for_scheme(name, part, scheme))
             ignored = [self.quant.is_ignored(n) for n in names]
             if any(ignored) and not all(ignored):
                 self.quant.weights_for(names)  # a config with a scheme per tensor (GGUF) says which types clash
@@ -101,22 +109,33 @@ class LinearMethodChooser:
                 )
             # one scheme per checkpoint; per tensor in a GGUF file (Q4_0 int4 beside Q8_0 int8)
             scheme = None if all(ignored) else self.quant.weights_for(names)
-            if scheme is not None and scheme.dtype == "int4":
-                from stoker.layers.int4_method import Int4LinearMethod
+            return self._for_scheme(name, layer, scheme)
+        return self._float(name, layer)
 
-                backend = "cpu_q4" if self.cpu_kernels else "dequant"
-                return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
-            if scheme is not None:
-                from stoker.layers.quantized_method import QuantizedLinearMethod
+    def _for_scheme(self, name: str, layer: Linear, scheme: WeightScheme | None) -> LinearMethod:
+        """The method and backend of a projection stored under `scheme` (None: float)."""
+        assert self.quant is not None
+        if scheme is not None and scheme.dtype == "int8" and not scheme.symmetric:  # GGUF Q5_K / Q5_1
+            from stoker.layers.int8_affine_method import AffineInt8LinearMethod
 
-                backend = quantized_backend(scheme, self.device, self.dtype)
-                if scheme.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
-                    # Not dropped silently: the activations stay in the model dtype, which only
-                    # removes a rounding the scheme allowed (W8A16 instead of W8A8).
-                    logger.info("the %s scheme quantizes activations too; on %s (%s) Stoker runs it weight-only, "
-                                "activations in %s", self.quant.method, self.device, backend, str(self.dtype).removeprefix("torch."))
-                    self.weight_only_said = True
-                return QuantizedLinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend))
+            assert scheme.group_size is not None
+            return AffineInt8LinearMethod(scheme.group_size, "cpu_q8" if self.cpu_kernels else "dequant", name)
+        if scheme is not None and scheme.dtype == "int4":
+            from stoker.layers.int4_method import Int4LinearMethod
+
+            backend = "cpu_q4" if self.cpu_kernels else "dequant"
+            return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
+        if scheme is not None:
+            from stoker.layers.quantized_method import QuantizedLinearMethod
+
+            backend = quantized_backend(scheme, self.device, self.dtype)
+            if scheme.quantized_activations and backend != "scaled_mm" and not self.weight_only_said:
+                # Not dropped silently: the activations stay in the model dtype, which only
+                # removes a rounding the scheme allowed (W8A16 instead of W8A8).
+                logger.info("the %s scheme quantizes activations too; on %s (%s) Stoker runs it weight-only, "
+                            "activations in %s", self.quant.method, self.device, backend, str(self.dtype).removeprefix("torch."))
+                self.weight_only_said = True
+            return QuantizedLinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend))
         return self._float(name, layer)
 
     def _float(self, name: str, layer: Linear) -> LinearMethod:

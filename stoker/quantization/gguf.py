@@ -1,25 +1,28 @@
 """GGUF tensor types -> Stoker weight schemes, one per projection. [no torch]
 
 A GGUF file stores each tensor in its own type (a Q4_K_M file mixes Q4_K, Q6_K and F32), so
-the scheme is chosen per projection at build, from the type of its tensor:
+the scheme is chosen per projection at build, from the type of its tensor; every quantized
+type maps exactly onto a Stoker method (quantization/gguf_blocks.py decodes them):
 
   F32, F16, BF16   float: the model dtype's method, as for a float checkpoint
   Q8_0             int8, one fp16 scale per 32 columns: `WeightScheme("int8", "group", 32)`
   Q6_K             int8 (6-bit values minus 32), one scale d * sc per 16 columns: group 16
-  Q4_0             int4 (layers/int4_method.py), groups of 32: scale d, offset -8 d
-  Q4_K             int4, groups of 32: scale d * sc, offset -(dmin * m)
-                   (quantization/gguf_blocks.py decodes both exactly to int4.AffineInt4; the
-                   int4 method computes q * scale, rounded, + offset, rounded, as the decoder
-                   and gguf-py's dequantize do)
-  Q5_K             refused: 5-bit codes have no exact 4-bit or 8-bit method (no float
-                   fallback, which would hide the weight bytes)
-  anything else    refused, naming the tensor and its type
+  Q5_0             int8 (5-bit values minus 16), scale d per 32 columns (llama.cpp's fallback
+                   for a Q4_K tensor whose rows are not whole 256-value super-blocks)
+  Q5_K, Q5_1       affine int8 (layers/int8_affine_method.py): codes 0..31, a scale and an
+                   offset per 32 columns (Q5_K: d * sc and -(dmin * m); Q5_1: d and m)
+  Q4_0, Q4_1, Q4_K int4 (layers/int4_method.py), groups of 32: scale d, offset -8 d (Q4_0),
+                   m (Q4_1), -(dmin * m) (Q4_K); the int4 method computes q * scale, rounded,
+                   + offset, rounded, as gguf-py's dequantize does
+  anything else    refused, naming the tensor and its type (no float fallback, which would
+                   hide the weight bytes): Q2_K, Q3_K, the IQ types, TQ, MXFP4 ...
 
-A merged projection (q/k/v, gate/up) runs as one GEMM with one method, so its shards must agree:
-int8 shards of different group sizes (Q8_0 beside Q6_K) run at the finer group (16), each
-coarse scale repeated, which is exact; Q4_0 beside Q4_K is one int4 group-32 method; a 4-bit
-shard beside an 8-bit one (Q4_K q/k beside a Q6_K v, as Q4_K_M files have in some layers) and
-float beside quantized shards are refused, naming the tensors.
+A merged projection (q/k/v, gate/up) runs as one GEMM with one method when its shards share a
+representation family: int8 shards of different group sizes run at the finest group (16 beside
+32, the coarse scales repeated: exact), affine when any shard is (a symmetric shard's offsets
+are 0); int4 shards at groups of 32. When the shards' families differ (a Q4_K_M file's Q4_K
+q/k beside a Q6_K v, Q4_K_S's Q4_K q/k beside a Q5_K v, float beside quantized), the layer runs
+one method per run of same-family shards (`shard_runs`; layers/composite_method.py).
 
 The loader (models/gguf_loader.py) writes what this needs into the synthesized config.json's
 `quantization_config`: {"quant_method": "gguf", "tensors": {hf module: [gguf tensor, type]}};
@@ -34,32 +37,44 @@ from typing import Any
 from stoker.quantization.config import QuantConfig, QuantizationError, WeightScheme
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16}  # columns of K per scale
-INT4_GROUPS = {"Q4_0": 32, "Q4_K": 32}  # columns of K per scale and offset
-AFFINE_TYPES = ("Q4_0", "Q4_K", "Q5_K")
-SUPPORTED = "F32, F16, BF16, Q8_0, Q6_K, Q4_0, Q4_K"
+INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q5_K": 32, "Q5_1": 32}  # columns of K per scale
+INT8_AFFINE = ("Q5_K", "Q5_1")  # with an offset per group
+INT4_GROUPS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32}  # columns of K per scale and offset
+SUPPORTED = "F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0"
 
 
 def check_type(tensor: str, kind: str) -> None:
     """Refuse a tensor whose type has no exact Stoker method, by name."""
     if kind in FLOAT_TYPES or kind in INT8_GROUPS or kind in INT4_GROUPS:
         return
-    if kind == "Q5_K":
-        raise QuantizationError(
-            f"GGUF tensor {tensor} is Q5_K: 5-bit codes have no exact Stoker method (a float fallback would hide "
-            f"the weight bytes); use a file in {SUPPORTED}"
-        )
-    raise QuantizationError(f"GGUF tensor {tensor} is {kind}, which Stoker does not run; supported types: {SUPPORTED}")
+    raise QuantizationError(f"GGUF tensor {tensor} is {kind}, which has no exact Stoker method (a float fallback "
+                            f"would hide the weight bytes); supported types: {SUPPORTED}")
+
+
+def family(kind: str) -> str:
+    """"float", "int4" or "int8": the representation a type is held in."""
+    return "float" if kind in FLOAT_TYPES else "int4" if kind in INT4_GROUPS else "int8"
 
 
 def _scheme(kind: str) -> WeightScheme | None:
-    """A tensor type's scheme; None for float. Q4_0's offset is -8 d (symmetric codes), Q4_K's
-    its own minimum (asymmetric); both are held as explicit offsets (int4.AffineInt4)."""
+    """A tensor type's scheme; None for float. int4 types hold explicit offsets
+    (int4.AffineInt4); symmetric=False marks an int8 type with offsets (Q5_K, Q5_1)."""
     if kind in FLOAT_TYPES:
         return None
     if kind in INT4_GROUPS:
         return WeightScheme("int4", "group", group_size=INT4_GROUPS[kind], symmetric=kind == "Q4_0")
-    return WeightScheme("int8", "group", group_size=INT8_GROUPS[kind])
+    return WeightScheme("int8", "group", group_size=INT8_GROUPS[kind], symmetric=kind not in INT8_AFFINE)
+
+
+def common_scheme(kinds: list[str]) -> WeightScheme | None:
+    """The one scheme that holds tensors of `kinds`, all of one family, exactly."""
+    schemes = [_scheme(k) for k in kinds]
+    if schemes[0] is None:
+        return None
+    assert all(s is not None and s.dtype == schemes[0].dtype for s in schemes)
+    symmetric = all(s.symmetric for s in schemes if s is not None)
+    finest = min(s.group_size or 0 for s in schemes if s is not None)  # 32 is a multiple of 16: exact
+    return WeightScheme(schemes[0].dtype, "group", group_size=finest, symmetric=symmetric)
 
 
 @dataclass(frozen=True)
@@ -78,25 +93,29 @@ class GGUFQuantConfig(QuantConfig):
         """A float tensor stays in the model dtype (the chooser's float method)."""
         return self._types([module_name])[0][1] in FLOAT_TYPES
 
-    def weights_for(self, module_names: list[str]) -> WeightScheme:
+    def shard_runs(self, module_names: list[str]) -> list[tuple[list[int], WeightScheme | None]]:
+        """A merged projection's shards (their HF module names, in order) cut into runs of one
+        representation family: [(shard indices, the run's common scheme; None: float)]."""
         types = self._types(module_names)
-        schemes = [_scheme(k) for _, k in types]
-        if any(s is None for s in schemes):
-            raise QuantizationError(
-                "GGUF tensors " + ", ".join(f"{t} ({k})" for t, k in types) + " make one merged projection in Stoker "
-                "(one GEMM, one method), and float beside quantized shards has no exact common method"
-            )
-        quantized = [s for s in schemes if s is not None]
-        if len({s.dtype for s in quantized}) > 1:
-            raise QuantizationError(
-                "GGUF tensors " + ", ".join(f"{t} ({k})" for t, k in types) + " make one merged projection in Stoker "
-                "(one GEMM, one method), and 4-bit beside 8-bit shards have no exact common method (a Q4_K_M file "
-                "mixes Q4_K with Q6_K this way); use a file whose merged shards are all 4-bit or all 8-bit"
-            )
-        if quantized[0].dtype == "int4":  # Q4_0 and Q4_K: both groups of 32 with explicit offsets
-            return WeightScheme("int4", "group", group_size=32, symmetric=all(s.symmetric for s in quantized))
-        finest = min(s.group_size or 0 for s in quantized)  # 32 is a multiple of 16: exact
-        return WeightScheme("int8", "group", group_size=finest)
+        runs: list[tuple[list[int], list[str]]] = []
+        for i, (_, kind) in enumerate(types):
+            if runs and family(runs[-1][1][-1]) == family(kind):
+                runs[-1][0].append(i)
+                runs[-1][1].append(kind)
+            else:
+                runs.append(([i], [kind]))
+        return [(idx, common_scheme(kinds)) for idx, kinds in runs]
+
+    def weights_for(self, module_names: list[str]) -> WeightScheme:
+        runs = self.shard_runs(module_names)
+        if len(runs) > 1 or runs[0][1] is None:
+            types = self._types(module_names)
+            raise QuantizationError("GGUF tensors " + ", ".join(f"{t} ({k})" for t, k in types) + " are of different "
+                                    "representations: their merged projection runs one method per run of shards "
+                                    "(layers/composite_method.py), not one scheme")
+        scheme = runs[0][1]
+        assert scheme is not None
+        return scheme
 
     @property
     def quantizes_lm_head(self) -> bool:

@@ -8,8 +8,11 @@ method holds, with no rounding anywhere (every product below is exact in float32
       Q8_0  blocks of 32: fp16 d, 32 int8 q                 -> q int8, scale = d, group 32
       Q6_K  super-blocks of 256: 16 sub-blocks of 16 with an int8 sub-scale sc each, fp16 d,
             6-bit unsigned q stored as 4 low + 2 high bits  -> q - 32 int8, scale = d * sc, group 16
-  * 4-bit (and 5-bit) affine, `w = q * scale + offset`, q unsigned, per group of 32:
+      Q5_0  blocks of 32: fp16 d, 32 high bits qh, 4-bit low q -> q - 16 int8, scale = d, group 32
+  * 4-bit and 5-bit affine, `w = q * scale + offset`, q unsigned, per group of 32:
       Q4_0  blocks of 32: fp16 d, 4-bit q                    -> scale = d, offset = -8 d
+      Q4_1  blocks of 32: fp16 d, m, 4-bit q                 -> scale = d, offset = m
+      Q5_1  blocks of 32: fp16 d, m, qh, 4-bit low q: 5-bit q -> scale = d, offset = m
       Q4_K  super-blocks of 256: fp16 d, dmin, 8 sub-blocks of 32 with 6-bit sc, m packed in 12
             bytes, 4-bit q                                    -> scale = d * sc, offset = -(dmin * m)
       Q5_K  Q4_K's layout plus one high bit per value (32 bytes qh): 5-bit q, same scale/offset
@@ -23,10 +26,10 @@ import torch
 
 QK = 32  # values per Q8_0 / Q4_0 block
 QK_K = 256  # values per K-quant super-block
-BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16, "Q4_K": 2 + 2 + 12 + 128, "Q5_K": 2 + 2 + 12 + 32 + 128, "Q6_K": 128 + 64 + 16 + 2}
-BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16, "Q5_0": 2 + 4 + 16, "Q5_1": 2 + 2 + 4 + 16, "Q4_K": 2 + 2 + 12 + 128, "Q5_K": 2 + 2 + 12 + 32 + 128, "Q6_K": 128 + 64 + 16 + 2}
+BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
 # Columns of K per scale in the decoded form.
-GROUP_K = {"Q8_0": 32, "Q6_K": 16, "Q4_0": 32, "Q4_K": 32, "Q5_K": 32}
+GROUP_K = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32}
 
 
 def _blocks(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, int]:
@@ -86,6 +89,37 @@ def q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.contiguous(), d, -8.0 * d
 
 
+def q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q (N, K) uint8 in [0, 15], scale d (N, K / 32), offset m (N, K / 32)) float32."""
+    b, k = _blocks(raw, "Q4_1")
+    q = _nibbles(b[..., 4:], 16).reshape(raw.shape[0], k)
+    return q.contiguous(), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+
+
+def _five_bit(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 blocks (N, nb, bytes) whose qh (a little-endian uint32) starts at byte `at`,
+    16 bytes of low nibbles after it -> (N, nb * 32) uint8 codes in [0, 31]: value j takes the
+    low nibble of byte j (j < 16) or the high nibble of byte j - 16, and bit j of qh."""
+    n = b.shape[0]
+    low = _nibbles(b[..., at + 4:at + 20], 16).reshape(n, -1, 32)
+    qh = b[..., at:at + 4].to(torch.int64)
+    word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # (N, nb)
+    high = (word.unsqueeze(-1) >> torch.arange(32)) & 1  # (N, nb, 32)
+    return (low | (high.to(torch.uint8) << 4)).reshape(n, -1)
+
+
+def q5_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (q (N, K) int8 in [-16, 15], scale d (N, K / 32) float32)."""
+    b, _ = _blocks(raw, "Q5_0")
+    return (_five_bit(b, 2).to(torch.int16) - 16).to(torch.int8), _f16(b[..., 0:2])
+
+
+def q5_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q (N, K) uint8 in [0, 31], scale d (N, K / 32), offset m (N, K / 32)) float32."""
+    b, _ = _blocks(raw, "Q5_1")
+    return _five_bit(b, 4).contiguous(), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K's 12 bytes -> (sc, m) (..., 8) float32, 6 bits each: sub-blocks 0-3 in the
     low 6 bits of bytes 0-3 (sc) and 4-7 (m); sub-blocks 4-7 from bytes 8-11's nibbles (low:
@@ -126,8 +160,8 @@ def q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (low | (high << 4)).reshape(n, k).contiguous(), scale, offset
 
 
-SYMMETRIC = {"Q8_0": q8_0, "Q6_K": q6_k}
-AFFINE = {"Q4_0": q4_0, "Q4_K": q4_k, "Q5_K": q5_k}
+SYMMETRIC = {"Q8_0": q8_0, "Q6_K": q6_k, "Q5_0": q5_0}
+AFFINE = {"Q4_0": q4_0, "Q4_1": q4_1, "Q4_K": q4_k, "Q5_1": q5_1, "Q5_K": q5_k}
 
 
 def dequantize(raw: torch.Tensor, kind: str) -> torch.Tensor:

@@ -3,10 +3,11 @@ out (metadata keys, tensor names, q/k rows permuted for llama), with each tensor
 the test asks for; and the HF checkpoint of the weights the file stands for (dequantized), the
 reference transformers runs.
 
-Q8_0, Q4_0 and Q4_1 blocks come from `gguf.quants.quantize`; the gguf package cannot quantize
-K-quants, so Q6_K and Q4_K blocks are written here (`quantize_q6_k`, `quantize_q4_k`, the
-layouts of ggml's block_q6_K and block_q4_K, checked against `gguf.quants.dequantize` by the
-tests) and Q5_K as any bytes (only refusals are tested with it).
+Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1 blocks come from `gguf.quants.quantize`; the gguf package
+cannot quantize K-quants, so Q6_K, Q5_K and Q4_K blocks are written here (`quantize_q6_k`,
+`quantize_k_affine`, the layouts of ggml's block_q6_K, block_q5_K and block_q4_K, checked
+against `gguf.quants.dequantize` by the tests). `llama_cpp_types` gives the type of each
+tensor as llama.cpp's llama-quantize assigns them in its Q4_K_M, Q4_K_S and Q5_K_M files.
 """
 
 from __future__ import annotations
@@ -60,27 +61,64 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(n, -1))
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """(N, K) float32, K a multiple of 256 -> (N, K / 256 * 144) uint8 Q4_K blocks: per 32
-    values a step s = (max - min') / 15 and a minimum m' = -min(min, 0), per 256 fp16 d =
-    max s / 63 and dmin = max m' / 63, 6-bit sc = round(s / d), m = round(m' / dmin), and
-    q = round((w + dmin m) / (d sc)) in [0, 15] (ggml's block_q4_K layout)."""
+def quantize_k_affine(w: np.ndarray, bits: int = 4) -> np.ndarray:
+    """(N, K) float32, K a multiple of 256 -> Q4_K (bits 4: K / 256 * 144 bytes a row) or Q5_K
+    (bits 5: 176) blocks: per 32 values a step s = (max - min') / (2^bits - 1) and a minimum
+    m' = -min(min, 0), per 256 fp16 d = max s / 63 and dmin = max m' / 63, 6-bit sc = round(s / d),
+    m = round(m' / dmin), q = round((w + dmin m) / (d sc)) in [0, 2^bits - 1] (ggml's
+    block_q4_K / block_q5_K layouts: Q5_K's fifth bits in 32 bytes qh, bit i for sub-block i)."""
     n, k = w.shape
+    top = (1 << bits) - 1
     x = w.reshape(n, k // 256, 8, 32).astype(np.float32)
     mn = -np.minimum(x.min(axis=-1), 0)  # (n, nb, 8) >= 0
-    s = (x.max(axis=-1) + mn) / 15.0
+    s = (x.max(axis=-1) + mn) / top
     d, dmin = (s.max(axis=-1) / 63.0).astype(np.float16), (mn.max(axis=-1) / 63.0).astype(np.float16)
     df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
     sc = np.where(df > 0, np.round(s / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
     m = np.where(dmf > 0, np.round(mn / np.where(dmf > 0, dmf, 1)), 0).clip(0, 63).astype(np.uint8)
     step, low = (df * sc)[..., None], (dmf * m)[..., None]
-    q = np.where(step > 0, np.round((x + low) / np.where(step > 0, step, 1)), 0).clip(0, 15).astype(np.uint8)
+    q = np.where(step > 0, np.round((x + low) / np.where(step > 0, step, 1)), 0).clip(0, top).astype(np.uint8)
     # scales: bytes 0-3 sc[0:4] | top bits of sc[4:8]; 4-7 m[0:4] | top bits of m[4:8]; 8-11 low nibbles
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
-    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)  # sub-block 2i low nibbles, 2i + 1 high
-    blocks = np.concatenate([d.reshape(n, -1, 1).view(np.uint8), dmin.reshape(n, -1, 1).view(np.uint8), packed, qs], axis=-1)
+    lo = q & 0x0F
+    qs = (lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)).reshape(n, k // 256, 128)  # sub-block 2i low nibbles, 2i + 1 high
+    parts = [d.reshape(n, -1, 1).view(np.uint8), dmin.reshape(n, -1, 1).view(np.uint8), packed]
+    if bits == 5:
+        hi = (q >> 4).astype(np.uint8)  # (n, nb, 8, 32)
+        parts.append(np.bitwise_or.reduce(hi << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1), axis=2))
+    blocks = np.concatenate([*parts, qs], axis=-1)
     return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    return quantize_k_affine(w, 4)
+
+
+def llama_cpp_types(ftype: str, num_layers: int, tied: bool = False) -> dict[str, str]:
+    """The GGUF type of each HF tensor (regexes for write_gguf) as llama.cpp's llama-quantize
+    picks them (llama_tensor_get_type in src/llama-quant.cpp) for a dense Llama / Qwen model
+    whose rows are whole 256-value super-blocks: Q4_K_M and Q5_K_M give attn_v and ffn_down
+    of the "more bits" layers (the first and last eighth, and every third between) Q6_K;
+    Q4_K_S gives attn_v of the first four layers and ffn_down of the first eighth Q5_K; the
+    output (or, tied, token_embd) is Q6_K; token_embd otherwise the base type."""
+    base = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_M": "Q5_K"}[ftype]
+
+    def more_bits(i: int) -> bool:
+        return i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
+
+    types: dict[str, str] = {}
+    for i in range(num_layers):
+        if ftype == "Q4_K_S":
+            v, down = ("Q5_K" if i < 4 else base), ("Q5_K" if i < num_layers // 8 else base)
+        else:
+            v = down = "Q6_K" if more_bits(i) else base
+        types[rf"layers\.{i}\.self_attn\.v_proj\.weight"] = v
+        types[rf"layers\.{i}\.mlp\.down_proj\.weight"] = down
+    types[r"lm_head"] = "Q6_K"
+    types[r"embed_tokens"] = "Q6_K" if tied else base
+    types[r"proj\.weight"] = base
+    return types
 
 
 def encode(w: np.ndarray, kind: str) -> np.ndarray:
@@ -93,13 +131,11 @@ def encode(w: np.ndarray, kind: str) -> np.ndarray:
         return w.astype(np.float16)
     if kind == "Q6_K":
         return quantize_q6_k(w)
-    if kind == "Q4_K":
-        return quantize_q4_k(w)
-    if kind == "Q5_K":  # any bytes with finite scales: only refusals are tested with it
-        rng = np.random.default_rng(0)
-        raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // 256, 176), dtype=np.uint8)
-        raw[..., 0:4] = 0
-        return raw.reshape(w.shape[0], -1)
+    if kind in ("Q4_K", "Q5_K"):
+        return quantize_k_affine(w, 4 if kind == "Q4_K" else 5)
+    if kind in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"):  # zero blocks: only refusals are tested with them
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        return np.zeros((w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
     return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
 
 
@@ -147,8 +183,9 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
         kind = next((k for pat, k in types.items() if re.search(pat, name)), "F32" if t.dim() == 1 else "F32")
         w = t.numpy()
         data = encode(w, kind) if t.dim() == 2 else w.astype(np.float32 if kind == "F32" else np.float16)
-        deq = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(w.shape).copy())
-        dequantized[name] = deq
+        if dequantized_dst is not None:
+            deq = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(w.shape)
+            dequantized[name] = torch.from_numpy(deq.copy())
         if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.", name):  # as convert_hf_to_gguf.py
             n = heads if ".q_proj." in name else kv_heads
             data = permute_rows(torch.from_numpy(np.ascontiguousarray(data)), n).numpy()

@@ -52,3 +52,23 @@ def test_gguf_q4_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
         model = llm.engine.executor.driver_runner.model
         for name in ("lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"):
             assert isinstance(model.get_submodule(name).method, Int4LinearMethod), name
+
+
+def test_gguf_q4_k_m_mix_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    """llama.cpp's Q4_K_M mix (stoker/testing/gguf_checkpoint.llama_cpp_types): layer 1's q/k/v
+    is Q4_K q/k beside a Q6_K v (a composite layer: each run's shards cut by heads, groups whole),
+    its down Q6_K; a Q5_K_M-style Q5_K o_proj (affine int8) cut at groups of 32 columns."""
+    from stoker.layers.composite_method import CompositeLinearMethod
+    from stoker.layers.int8_affine_method import AffineInt8LinearMethod
+    from stoker.testing.gguf_checkpoint import llama_cpp_types
+
+    types = {r"layers\.1\.self_attn\.o_proj": "Q5_K", **llama_cpp_types("Q4_K_M", 2, tied=True)}
+    path = write_gguf(tiny_checkpoints(ARCH, **WIDE, **OVERRIDES), tmp_path / "m.gguf", types, ARCH)
+    copy_demo_tokenizer(tmp_path)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        model = llm.engine.executor.driver_runner.model
+        assert isinstance(model.get_submodule("model.layers.1.self_attn.qkv_proj").method, CompositeLinearMethod)
+        assert isinstance(model.get_submodule("model.layers.1.self_attn.o_proj").method, AffineInt8LinearMethod)

@@ -94,7 +94,8 @@ def test_block_decoders_equal_gguf_dequantize(kind: str) -> None:
     bit for bit, and has the shapes the methods hold."""
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, size=(6, 3, gguf_blocks.BLOCK_BYTES[kind]), dtype=np.uint8)
-    for at in {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]:
+    for at in {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208]}[kind]:
         raw[..., at:at + 2] = rng.normal(0, 0.01, size=(6, 3, 1)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(6, -1)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
@@ -107,7 +108,7 @@ def test_block_decoders_equal_gguf_dequantize(kind: str) -> None:
     else:
         q, scale, offset = gguf_blocks.AFFINE[kind](t)
         assert q.dtype == torch.uint8 and q.shape == (6, k) and scale.shape == offset.shape == (6, k // g)
-        assert int(q.max()) <= (31 if kind == "Q5_K" else 15)
+        assert int(q.max()) <= (31 if kind in ("Q5_K", "Q5_1") else 15)
 
 
 def test_q6_k_groups_of_16_through_the_gpu_kernel() -> None:
@@ -164,7 +165,7 @@ def test_tensor_names() -> None:
         hf_name("blk.0.ssm_a")
 
 
-@pytest.mark.parametrize("kind", ["Q5_K", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q3_K", "Q2_K"])
 def test_unsupported_types_refused_by_name(kind: str, tiny_checkpoints, tmp_path) -> None:
     src = tiny_checkpoints("llama", **WIDE)
     path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.1\.mlp\.up_proj": kind, r"proj\.weight": "Q8_0"}, "llama")
@@ -172,12 +173,20 @@ def test_unsupported_types_refused_by_name(kind: str, tiny_checkpoints, tmp_path
         LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
 
 
-def test_float_beside_quantized_shard_refused(tiny_checkpoints, tmp_path) -> None:
-    """q/k/v are one GEMM in Stoker: an F16 q beside Q8_0 k/v has no exact common method."""
+def test_float_beside_quantized_shard(tiny_checkpoints, tmp_path) -> None:
+    """q/k/v are one layer in Stoker: an F16 q beside Q8_0 k/v runs as two runs of shards (a
+    float GEMM and an int8 one, layers/composite_method.py) and computes what HF does."""
+    from stoker.layers.composite_method import CompositeLinearMethod
+
     src = tiny_checkpoints("llama", **WIDE)
-    path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.0\.self_attn\.q_proj": "F16", r"proj\.weight": "Q8_0"}, "llama")
-    with pytest.raises(QuantizationError, match=r"blk\.0\.attn_q\.weight \(F16\), blk\.0\.attn_k\.weight \(Q8_0\)"):
-        LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
+    path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.0\.self_attn\.q_proj": "F16", r"proj\.weight": "Q8_0"}, "llama",
+                      dequantized_dst=tmp_path / "deq")
+    copy_demo_tokenizer(tmp_path)
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
+    method = _linears(llm)["model.layers.0.self_attn.qkv_proj"].method
+    assert isinstance(method, CompositeLinearMethod) and [s for s, _ in method.runs] == [("q",), ("k", "v")]
+    torch.testing.assert_close(engine_logits(llm, PROMPTS[1]), hf_logits(load_hf(tmp_path / "deq"), PROMPTS[1]),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_config_from_metadata(gguf_files) -> None:

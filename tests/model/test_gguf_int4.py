@@ -1,8 +1,8 @@
 """GGUF files with 4-bit tensors (Q4_0, Q4_K) run on the int4 method (layers/int4_method.py),
 decoded exactly (quantization/gguf_blocks.py): prefill logits equal HF transformers' on the
 weights the file stands for (gguf's dequantize) to float32 tolerance, greedy tokens over 16
-steps are the same, and the projections hold the packed 4-bit codes, not floats. A merged
-projection with 4-bit beside 8-bit shards (a Q4_K_M file's layout) and Q5_K are refused by name.
+steps are the same, and the projections hold the packed 4-bit codes, not floats. Merged
+projections with 4-bit beside 8-bit shards (llama.cpp's Q4_K_M) are tests/model/test_gguf_mixed.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from stoker.layers.embedding import LMHead
 from stoker.layers.int4_method import Int4LinearMethod
 from stoker.layers.linear import Linear
 from stoker.layers.quantized_method import QuantizedLinearMethod
-from stoker.quantization.config import QuantizationError
 from stoker.testing.gguf_checkpoint import quantize_q4_k, write_gguf
 from stoker.testing.tiny_checkpoint import copy_demo_tokenizer
 from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
@@ -75,13 +74,3 @@ def test_q4_k_writer_round_trips() -> None:
     x = w.reshape(8, -1, 32)
     step = (x.max(axis=-1) - np.minimum(x.min(axis=-1), 0)) / 15
     assert (np.abs(deq - w).reshape(8, -1, 32).max(axis=-1) <= 0.55 * step).all()
-
-
-def test_4_bit_beside_8_bit_shard_refused(tiny_checkpoints, tmp_path) -> None:
-    """q/k/v are one GEMM in Stoker: Q4_K q/k beside a Q6_K v (as a Q4_K_M file writes some
-    layers) has no exact common method; the error names the tensors and types."""
-    src = tiny_checkpoints("llama", **WIDE)
-    path = write_gguf(src, tmp_path / "m.gguf", {r"layers\.1\.self_attn\.v_proj": "Q6_K", r"proj\.weight": "Q4_K"}, "llama")
-    with pytest.raises(QuantizationError, match=r"blk\.1\.attn_q\.weight \(Q4_K\), blk\.1\.attn_k\.weight \(Q4_K\), "
-                                                r"blk\.1\.attn_v\.weight \(Q6_K\).*4-bit beside 8-bit"):
-        LLM(str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20, device="cpu")
