@@ -23,7 +23,7 @@ install: $(VENV)/.installed
 # measurements swing by 30-70% (tests/model/test_predict_cpu.py failed that way in CI). So do the
 # `serial` ones, which must not share the machine with another test process (the marker says why).
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600 -m "not timing and not serial"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout 600 --durations=20 -m "not timing and not serial"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q --timeout 600 -m "timing or serial"
 
 # On a CUDA machine: compiled (not interpreted) Triton, and only the GPU-marked tests.

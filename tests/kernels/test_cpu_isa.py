@@ -74,7 +74,10 @@ def test_kernel_suite_on_each_narrower_build(isa: str) -> None:
     check = "from stoker.kernels.cpu import linear as cpu_linear; print(cpu_linear.target())"
     probe = subprocess.run([sys.executable, "-c", check], env=_env(isa), capture_output=True, text=True, timeout=300)
     assert probe.stdout.strip() == EXPECTED_TARGET[isa], probe.stdout + probe.stderr
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *KERNEL_TESTS]
+    # The build machinery's own tests (caching, a read-only cache folder) compile from scratch and say
+    # nothing about this ISA's arithmetic: the native run covers them once.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *KERNEL_TESTS,
+           "-k", "not test_build_is_cached_and_atomic and not test_unwritable_cache_dir_builds_in_temp"]
     proc = subprocess.run(cmd, env=_env(isa), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
