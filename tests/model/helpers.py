@@ -124,3 +124,17 @@ def check_mixed_batch_vs_hf(path: Path, prompts: list[list[int]], *, max_new: in
     llm.engine.check_integrity()
     assert llm.engine.block_manager.num_free_blocks == num_blocks
 
+
+def spec_llm(path: Path, spec: dict | None, **kw):
+    """A small engine on `path` with `spec` as its speculative_config (None: no speculation), for
+    the speculative-decoding tests: a 4 MiB cache and 256 positions unless kw says otherwise."""
+    from stoker import LLM
+
+    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
+    kw.setdefault("max_model_len", 256)
+    return LLM(str(path), speculative_config=spec, **kw)
+
+
+def output_token_ids(llm, prompts, params) -> list[list[int]]:
+    """Each prompt's first completion's token ids."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -5,12 +5,17 @@ target's block tables (the conftest checks every engine's blocks after each test
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.config import SpeculativeConfig
+from tests.model.helpers import output_token_ids, spec_llm
+
+_make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
+
 
 REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}
 PLAIN = {"prompt_token_ids": list(range(40, 75))}
@@ -21,17 +26,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def _spec(draft: Path, k: int = 3) -> dict:
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
-
-
-def _make(path: Path, spec: dict | None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
-    kw.setdefault("max_model_len", 256)
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(str(path), speculative_config=spec, **kw)
-
-
-def _tokens(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def other(tiny_llama: Path, small_draft: Path) -> LLM:
 
 def test_a_model_drafting_for_itself_accepts_every_draft(base: LLM, itself: LLM) -> None:
     before = itself.engine.stats().spec_decoding
-    assert _tokens(itself, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert output_token_ids(itself, MIXED, GREEDY) == output_token_ids(base, MIXED, GREEDY)
     sd = itself.engine.stats().spec_decoding
     drafted = sd.num_draft_tokens - before.num_draft_tokens
     accepted = sd.num_accepted_tokens - before.num_accepted_tokens
@@ -68,7 +62,7 @@ def test_a_model_drafting_for_itself_accepts_every_draft(base: LLM, itself: LLM)
 
 def test_a_different_draft_model_leaves_greedy_output_unchanged(base: LLM, other: LLM) -> None:
     before = other.engine.stats().spec_decoding
-    assert _tokens(other, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert output_token_ids(other, MIXED, GREEDY) == output_token_ids(base, MIXED, GREEDY)
     assert other.engine.stats().spec_decoding.num_draft_tokens > before.num_draft_tokens
 
 
@@ -83,8 +77,8 @@ def test_seeded_sampling_is_reproducible(itself: LLM) -> None:
 def test_max_tokens_stops_and_logprobs_mid_draft(base: LLM, itself: LLM) -> None:
     for n in (1, 2, 5):
         p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        assert _tokens(itself, [REPEAT, PLAIN], p) == _tokens(base, [REPEAT, PLAIN], p)
-    full = _tokens(base, [REPEAT], GREEDY)[0]
+        assert output_token_ids(itself, [REPEAT, PLAIN], p) == output_token_ids(base, [REPEAT, PLAIN], p)
+    full = output_token_ids(base, [REPEAT], GREEDY)[0]
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[full[9]], logprobs=2)
     a, b = (llm.generate([REPEAT], p, use_tqdm=False)[0].outputs[0] for llm in (base, itself))
     assert b.token_ids == a.token_ids == full[: full.index(full[9]) + 1]
@@ -96,7 +90,7 @@ def test_preemption_and_chunked_prefill(tiny_llama: Path, base: LLM) -> None:
     prompts in chunks of at most 32 tokens."""
     tight = _make(tiny_llama, _spec(tiny_llama), num_gpu_blocks_override=14, max_model_len=128,
                   max_num_batched_tokens=32)
-    assert _tokens(tight, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert output_token_ids(tight, MIXED, GREEDY) == output_token_ids(base, MIXED, GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
     sd = tight.engine.stats().spec_decoding
     assert sd.num_accepted_tokens == sd.num_draft_tokens > 0  # its own draft: every one kept
@@ -105,10 +99,10 @@ def test_preemption_and_chunked_prefill(tiny_llama: Path, base: LLM) -> None:
 def test_prefix_cache_hits_bring_the_draft_cache_along(base: LLM, itself: LLM) -> None:
     """The same prompts twice: the second run's prompt blocks come from the prefix cache, the
     draft's K/V in the same blocks, so drafting for itself still accepts everything."""
-    want = _tokens(base, MIXED, GREEDY)
-    assert _tokens(itself, MIXED, GREEDY) == want
+    want = output_token_ids(base, MIXED, GREEDY)
+    assert output_token_ids(itself, MIXED, GREEDY) == want
     hits, before = itself.engine.block_manager.prefix_cache_hits, itself.engine.stats().spec_decoding
-    assert _tokens(itself, MIXED, GREEDY) == want
+    assert output_token_ids(itself, MIXED, GREEDY) == want
     assert itself.engine.block_manager.prefix_cache_hits > hits
     sd = itself.engine.stats().spec_decoding
     assert sd.num_accepted_tokens - before.num_accepted_tokens == sd.num_draft_tokens - before.num_draft_tokens > 0

@@ -6,6 +6,7 @@ drafts really proposed and verified. Acceptance of a trained head cannot be meas
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -14,6 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from stoker import LLM, SamplingParams
+from tests.model.helpers import output_token_ids, spec_llm
+
+_make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
+
 
 REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}
 PLAIN = {"prompt_token_ids": list(range(40, 75))}
@@ -74,17 +79,6 @@ def head(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_eagle3_head(tmp_path_factory.mktemp("eagle3"), target)
 
 
-def _make(path: Path, spec: dict | None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
-    kw.setdefault("max_model_len", 256)
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(str(path), speculative_config=spec, **kw)
-
-
-def _tokens(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 @pytest.fixture(scope="module")
 def base(target: Path) -> LLM:
     return _make(target, None)
@@ -97,7 +91,7 @@ def eagle(target: Path, head: Path) -> LLM:
 
 def test_greedy_output_equals_decoding_without_drafts(base: LLM, eagle: LLM) -> None:
     before = eagle.engine.stats().spec_decoding
-    assert _tokens(eagle, PROMPTS, GREEDY) == _tokens(base, PROMPTS, GREEDY)
+    assert output_token_ids(eagle, PROMPTS, GREEDY) == output_token_ids(base, PROMPTS, GREEDY)
     after = eagle.engine.stats().spec_decoding
     assert after.num_drafts > before.num_drafts and after.num_draft_tokens > before.num_draft_tokens
 
@@ -121,7 +115,7 @@ def test_the_head_maps_draft_ids_into_the_target_vocabulary(eagle: LLM, head: Pa
 
     engine.executor.execute = spy
     try:
-        _tokens(eagle, [REPEAT, PLAIN], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        output_token_ids(eagle, [REPEAT, PLAIN], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     finally:
         engine.executor.execute = execute
     assert seen and set(seen) <= reachable
@@ -142,14 +136,14 @@ def test_chunked_prompts_and_pinned_layers_stay_lossless(target: Path, base: LLM
             super().__setitem__(seq_id, value)
 
     drafter.carry = Carry()
-    assert _tokens(llm, PROMPTS, GREEDY) == _tokens(base, PROMPTS, GREEDY)
+    assert output_token_ids(llm, PROMPTS, GREEDY) == output_token_ids(base, PROMPTS, GREEDY)
     assert llm.engine.stats().spec_decoding.num_drafts > 0
     assert carried and not drafter.carry  # chunks carried a row; finished sequences left none behind
 
 
 def test_seeded_sampling_is_reproducible(eagle: LLM) -> None:
     p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, ignore_eos=True, seed=11)
-    assert _tokens(eagle, [REPEAT], p) == _tokens(eagle, [REPEAT, PLAIN], p)[:1]
+    assert output_token_ids(eagle, [REPEAT], p) == output_token_ids(eagle, [REPEAT, PLAIN], p)[:1]
 
 
 def test_a_head_saved_as_pytorch_model_bin_loads_the_same(target: Path, head: Path, eagle: LLM, tmp_path: Path) -> None:
@@ -165,7 +159,7 @@ def test_a_head_saved_as_pytorch_model_bin_loads_the_same(target: Path, head: Pa
     llm = _make(target, {"method": "eagle3", "model": str(bin_head), "num_speculative_tokens": 3})
     before = [eagle.engine.stats().spec_decoding.num_accepted_tokens]
     short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert _tokens(llm, [REPEAT, PLAIN], short) == _tokens(eagle, [REPEAT, PLAIN], short)
+    assert output_token_ids(llm, [REPEAT, PLAIN], short) == output_token_ids(eagle, [REPEAT, PLAIN], short)
     a, b = llm.engine.stats().spec_decoding, eagle.engine.stats().spec_decoding
     assert a.num_draft_tokens > 0 and a.num_accepted_tokens == b.num_accepted_tokens - before[0]
     assert not list(bin_head.glob("*.safetensors"))  # the temporary copy is not left in the folder
@@ -257,7 +251,7 @@ def test_first_drafts_match_a_plain_torch_reference(eagle: LLM, head: Path, targ
 
     engine.executor.execute = spy
     try:
-        _tokens(eagle, [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        output_token_ids(eagle, [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     finally:
         engine.executor.execute = execute
     assert proposals[0] == _reference_drafts(head, target, prompt, 3)

@@ -10,22 +10,16 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.engine.input_processor import InputError
+from tests.model.helpers import output_token_ids, spec_llm
+
+_make = spec_llm
+
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}  # drafts fire from the first step
 PLAIN = {"prompt_token_ids": list(range(40, 75))}  # no n-gram recurs in the prompt
 MIXED = [REPEAT, PLAIN, {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}, "hello there, how are you",
          {"prompt_token_ids": [11, 12, 13, 14] * 9}]
-
-
-def _make(path: Path, spec: dict | None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
-    kw.setdefault("max_model_len", 256)
-    return LLM(str(path), speculative_config=spec, **kw)
-
-
-def _tokens(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 @pytest.mark.parametrize("prompts", [[REPEAT], [PLAIN], MIXED], ids=["repetitive", "plain", "mixed-batch"])
 def test_greedy_output_equals_decoding_without_drafts(base: LLM, spec: LLM, prompts) -> None:
     before = spec.engine.stats().spec_decoding
-    assert _tokens(spec, prompts, GREEDY) == _tokens(base, prompts, GREEDY)
+    assert output_token_ids(spec, prompts, GREEDY) == output_token_ids(base, prompts, GREEDY)
     after = spec.engine.stats().spec_decoding
     assert after.num_drafts > before.num_drafts  # drafts fired: a model loops on its own output
     if prompts != [PLAIN]:
@@ -53,7 +47,7 @@ def test_greedy_output_equals_decoding_without_drafts(base: LLM, spec: LLM, prom
 
 def test_acceptance_counters_on_a_repetitive_prompt(spec: LLM) -> None:
     before = spec.engine.stats().spec_decoding
-    _tokens(spec, [REPEAT], GREEDY)
+    output_token_ids(spec, [REPEAT], GREEDY)
     sd = spec.engine.stats().spec_decoding
     drafts, drafted = sd.num_drafts - before.num_drafts, sd.num_draft_tokens - before.num_draft_tokens
     accepted = sd.num_accepted_tokens - before.num_accepted_tokens
@@ -68,7 +62,7 @@ def test_preemption_under_a_tiny_cache_stays_lossless(tiny_llama: Path, base: LL
     """12 blocks of 16 tokens for 5 sequences of ~40 + 48 tokens (and 3 draft slots each):
     sequences are preempted and recomputed, drafts and all."""
     tight = _make(tiny_llama, NGRAM, num_gpu_blocks_override=12, max_num_seqs=8, max_model_len=128)
-    assert _tokens(tight, MIXED, GREEDY) == _tokens(base, MIXED, GREEDY)
+    assert output_token_ids(tight, MIXED, GREEDY) == output_token_ids(base, MIXED, GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.stats().spec_decoding.num_accepted_tokens > 0
     tight.engine.check_integrity()
@@ -79,10 +73,10 @@ def test_prefix_caching_hits_and_never_caches_a_rejected_draft(tiny_llama: Path,
     """The same prompts twice: the second run takes the first's prompt blocks (and the blocks of
     the output that were full of accepted tokens) from the cache and still equals no speculation."""
     llm = _make(tiny_llama, NGRAM)
-    want = _tokens(base, MIXED, GREEDY)
-    assert _tokens(llm, MIXED, GREEDY) == want
+    want = output_token_ids(base, MIXED, GREEDY)
+    assert output_token_ids(llm, MIXED, GREEDY) == want
     hits = llm.engine.block_manager.prefix_cache_hits
-    assert _tokens(llm, MIXED, GREEDY) == want
+    assert output_token_ids(llm, MIXED, GREEDY) == want
     assert llm.engine.block_manager.prefix_cache_hits > hits
     # Every cached block holds the tokens its hash names: the sequences' real tokens, never a draft
     bm = llm.engine.block_manager
@@ -96,8 +90,8 @@ def test_max_tokens_and_stop_tokens_land_mid_draft(base: LLM, spec: LLM) -> None
     """A stop inside the accepted run ends the output there: the tokens after it are dropped."""
     for n in (1, 2, 5, 13):
         p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        assert _tokens(spec, [REPEAT, PLAIN], p) == _tokens(base, [REPEAT, PLAIN], p)
-    full = _tokens(base, [REPEAT], GREEDY)[0]
+        assert output_token_ids(spec, [REPEAT, PLAIN], p) == output_token_ids(base, [REPEAT, PLAIN], p)
+    full = output_token_ids(base, [REPEAT], GREEDY)[0]
     stop = full[9]  # appears after the output is already looping: drafts fire around it
     p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop_token_ids=[stop])
     got = spec.generate([REPEAT], p, use_tqdm=False)[0].outputs[0]
@@ -132,7 +126,7 @@ def test_penalties_and_min_tokens_see_the_drafts_before_each_row(base: LLM, spec
     for p in (SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, frequency_penalty=0.4, presence_penalty=0.2),
               SamplingParams(temperature=0, max_tokens=32, min_tokens=20, stop_token_ids=[7, 8, 9])):
-        assert _tokens(spec, MIXED, p) == _tokens(base, MIXED, p)
+        assert output_token_ids(spec, MIXED, p) == output_token_ids(base, MIXED, p)
 
 
 def test_seeded_sampling_is_reproducible_and_n_completions_differ(spec: LLM) -> None:

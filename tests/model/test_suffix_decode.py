@@ -10,6 +10,10 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.roofline import device_file
+from tests.model.helpers import output_token_ids, spec_llm
+
+_make = spec_llm
+
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "dynamic": False}
 REPEAT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11] * 6}
@@ -19,14 +23,8 @@ MIXED = [REPEAT, PLAIN, {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}, "he
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
-def _make(path: Path, spec: dict | None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
-    kw.setdefault("max_model_len", 256)
-    return LLM(str(path), speculative_config=spec, **kw)
-
-
 def _tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return output_token_ids(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")
