@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from stoker.kernels._common import check, check_last_dim_contiguous, check_same_device, dot_args, next_pow2, num_sms
+from stoker.kernels.fused_moe import _rounded  # float32 -> bf16 rounded to nearest even under the interpreter too
 
 DECODE_ROWS = 16  # up to this many rows: the decode tiling (one M tile, split K)
 MIN_BLOCK_K = 32  # two half tiles of >= 16 columns each for tl.dot
@@ -93,7 +94,9 @@ def _w4a16_linear_kernel(
         xm = m_mask[:, None] & k_mask[None, :]
         x_even = tl.load(x_rows + even[None, :], mask=xm, other=0.0)  # (BLOCK_M, BLOCK_K / 2)
         x_odd = tl.load(x_rows + (even + 1)[None, :], mask=xm, other=0.0)
-        if DOT_FP32:
+        if DOT_FP32:  # the interpreter's bfloat16 dot: the same bf16-rounded weights, multiplied in float32
+            w_even = _rounded(w_even, x_even.dtype, True).to(tl.float32)
+            w_odd = _rounded(w_odd, x_even.dtype, True).to(tl.float32)
             x_even = x_even.to(tl.float32)
             x_odd = x_odd.to(tl.float32)
         else:
@@ -107,7 +110,7 @@ def _w4a16_linear_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], _rounded(acc, out_ptr.dtype.element_ty, DOT_FP32), mask=out_mask)
 
 
 def tile_config(num_rows: int, out_features: int, in_features: int, group_k: int, sms: int) -> dict[str, int]:

@@ -48,8 +48,9 @@ def test_matches_twin_and_the_dequantized_linear(num_rows, out_features, in_feat
         xh = x.to(dtype)
         out = w4a16_linear(xh, packed, scale, offset, group, bias)
         assert out.dtype == dtype
-        # the same weight rounded to x's dtype in both, sums in other orders, one rounding of the result
-        assert rel_err(out, reference.w4a16_linear(xh, packed, scale, offset, group, bias)) < 5e-3, dtype
+        # the same weight rounded to x's dtype in both, float32 sums in other orders, one rounding
+        # of the result (which may land on the other side of a tie now and then)
+        assert rel_err(out, reference.w4a16_linear(xh, packed, scale, offset, group, bias)) < 1e-4, dtype
 
 
 def test_decode_splits_k_and_prefill_does_not() -> None:
