@@ -108,3 +108,19 @@ def test_int4_method_triton_backend_computes_the_dequantized_linear(symmetric: b
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
     expected = reference.int4_linear(x, q, s, o, 32, b)
     assert rel_err(layer(x), expected) < 1e-5
+
+
+def test_backend_is_chosen_once_by_device_and_group(monkeypatch) -> None:
+    from stoker.models.method_chooser import int4_backend
+    from stoker.quantization.config import WeightScheme
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("STOKER_DISABLE_TRITON", raising=False)
+    for group in (32, 64, 128):
+        assert int4_backend(WeightScheme("int4", "group", group_size=group), cuda, False) == "triton_w4a16"
+    assert int4_backend(WeightScheme("int4", "channel"), cuda, False) == "triton_w4a16"
+    assert int4_backend(WeightScheme("int4", "group", group_size=16), cuda, False) == "dequant"  # K tiles of >= 32
+    assert int4_backend(WeightScheme("int4", "group", group_size=32), cpu, True) == "cpu_q4"
+    assert int4_backend(WeightScheme("int4", "group", group_size=32), cpu, False) == "dequant"
+    monkeypatch.setenv("STOKER_DISABLE_TRITON", "1")
+    assert int4_backend(WeightScheme("int4", "group", group_size=32), cuda, False) == "dequant"
