@@ -15,8 +15,9 @@ shuffling registers to interleave it. float32 accumulation.
 
 Few rows (decode, M <= DECODE_ROWS): one 16-row tile, narrow N tiles, and K split over
 SPLIT_K programs when the N tiles alone would leave SMs idle; each split writes float32
-partial sums, added in a fixed order afterwards (deterministic; at M <= DECODE_ROWS the tiling
-does not depend on M, so a row's result does not depend on the batch it is in).
+partial sums, which `_split_sum_kernel` adds in split order with the bias, rounding once
+(deterministic; at M <= DECODE_ROWS the tiling does not depend on M, so a row's result does
+not depend on the batch it is in).
 
 Shapes: x (M, K) float16/bfloat16/float32 (rows contiguous), qweight (N, K / 2) uint8 (even k
 in the low nibble: int4.pack), scale (N, G) float16 or float32 with G = K / group_k (or 1 per
@@ -113,6 +114,33 @@ def _w4a16_linear_kernel(
         tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], _rounded(acc, out_ptr.dtype.element_ty, DOT_FP32), mask=out_mask)
 
 
+@triton.jit
+def _split_sum_kernel(
+    partial_ptr,  # (SPLIT_K, M * N) float32, contiguous
+    bias_ptr,  # (N,) or unused
+    out_ptr,  # (M, N) contiguous, x's dtype
+    total,  # M * N
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """out = sum of the splits' partial sums in split order, + bias, rounded once: the same
+    order for every element whatever M is."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    acc = tl.load(partial_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + s * total + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, _rounded(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=mask)
+
+
+SPLIT_SUM_BLOCK = 1024
+
+
 def tile_config(num_rows: int, out_features: int, in_features: int, group_k: int, sms: int) -> dict[str, int]:
     """Tiles by batch rows. Decode (M <= DECODE_ROWS): 16 x 32 tiles, BLOCK_K up to 128 (64
     bytes of a weight row per load), and K split until the programs cover the SMs twice (each
@@ -194,9 +222,10 @@ def w4a16_linear(
         HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
         DOT_FP32=dot_fp32, PRECISION=precision, **tiles,
     )  # fmt: skip
-    if split > 1:  # the splits' partial sums in order, then bias, rounded once to x's dtype
-        total = partial.sum(dim=0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+    if split > 1:
+        total = num_rows * n
+        _split_sum_kernel[(triton.cdiv(total, SPLIT_SUM_BLOCK),)](
+            partial, bias if bias is not None else scale, out, total, n,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, RNE_BF16=dot_fp32,
+        )  # fmt: skip
     return out.view(*x.shape[:-1], n)

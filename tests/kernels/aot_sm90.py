@@ -137,6 +137,9 @@ def variants():
                {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32",
                 "out_ptr": "fp32" if split > 1 else "bf16"},
                dict(HAS_OFFSET=asym, HAS_BIAS=False, PARTIAL=split > 1, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+    for split in (4, 16):
+        yield (f"w4a16_linear split sum split{split}", w4a16_linear._split_sum_kernel, {"*": "bf16", "partial_ptr": "fp32"},
+               dict(SPLIT_K=split, HAS_BIAS=True, BLOCK=w4a16_linear.SPLIT_SUM_BLOCK, RNE_BF16=False), 4)
     # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
     moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",
                "pair_weight_ptr": "fp32"}
