@@ -75,8 +75,8 @@ def test_int4_projection_equals_the_dequantized_matmul(symmetric: bool) -> None:
 @compiled_only
 @pytest.mark.parametrize("fmt", ["online", "ct-w4a16-asym-group", "gptq-asym", "awq"])
 def test_engine_triton_w4a16_equals_the_dequantizing_twin(fmt: str, tiny_checkpoints, tmp_path, monkeypatch) -> None:
-    """The same checkpoint on CUDA in bf16 through the Triton GEMM and through the twin: the
-    same bf16-rounded weights with float32 sums, so only summation order differs."""
+    """The same checkpoint on CUDA through the Triton GEMM and through the twin: the same
+    weights rounded to the model dtype, float32 sums, so only summation order differs."""
     from stoker import LLM
     from stoker.layers.int4_method import Int4LinearMethod
     from stoker.layers.linear import Linear
