@@ -105,6 +105,8 @@ def test_int4_method_triton_backend_computes_the_dequantized_linear(symmetric: b
         layer.method.load(layer, "bias", shard, b[rows])
     layer.method.process_after_loading(layer)
     assert (layer.weight_offset is None) == symmetric and layer.weight.shape == (96, 32)
+    # online int4 / GGUF / GPTQ scales are exact in float16 (int4.quantize rounds symmetric ones so)
+    assert layer.weight_scale.dtype == (torch.float16 if symmetric else torch.float32)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
     expected = reference.int4_linear(x, q, s, o, 32, b)
     assert rel_err(layer(x), expected) < 1e-5
