@@ -200,8 +200,7 @@ class GrammarMatchers:
     def accept_tokens(self, seq_id: int, spec: StructuredOutputs, tokens: list[int]) -> None:
         """A verified run: the grammar starts at the token after the marker even mid-run."""
         for token in tokens:
-            gate = self.gates.get(seq_id)
-            if seq_id not in self.matchers and gate is not None and gate.open:
+            if seq_id not in self.matchers and not (spec.enforce_after and self._waiting(seq_id, spec)):
                 self.matcher_for(seq_id, spec)
             self.accept(seq_id, token)
 
