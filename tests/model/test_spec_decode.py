@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import STRUCTURED_SCHEMA, check_structured_with_drafts, output_token_ids, spec_llm
+from tests.model.helpers import (STRUCTURED_CHOICE, STRUCTURED_REGEX, STRUCTURED_SCHEMA, check_structured_with_drafts,
+                                 output_token_ids, spec_llm, structured_cases)
 
 _make = spec_llm
 
@@ -137,6 +138,24 @@ def test_seeded_sampling_is_reproducible_and_n_completions_differ(spec: LLM) -> 
 
 def test_structured_outputs_stay_valid_and_lossless(base: LLM, spec: LLM) -> None:
     check_structured_with_drafts(base, spec)
+
+
+def test_sampled_structured_outputs_stay_valid(spec: LLM) -> None:
+    """Random rows: a draft the grammar forbids has probability 0 at its masked row, so it is
+    never accepted, and the replacement is drawn within the grammar."""
+    import json
+    import re
+
+    import jsonschema
+
+    cases = structured_cases()
+    before = spec.engine.stats().spec_decoding
+    for seed in range(2):
+        params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=so) for _, so in cases]
+        texts = [o.outputs[0].text for o in spec.generate([p for p, _ in cases], params, use_tqdm=False)]
+        jsonschema.validate(json.loads(texts[0]), STRUCTURED_SCHEMA)
+        assert re.fullmatch(STRUCTURED_REGEX, texts[1]) and texts[2] in STRUCTURED_CHOICE, texts
+    assert spec.engine.stats().spec_decoding.num_drafts > before.num_drafts
 
 
 def test_a_draft_the_grammar_forbids_is_rejected(base: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
