@@ -136,9 +136,11 @@ class ModelRunner:
         quantized = self.quant is not None and not self.quant.experts_only
         projections = self.quant.method if quantized else rest
         spec = spec_from_config(self.hf_config)
-        if quantized and self.quant.weights.dtype == "int4":  # 16-bit scale (+ offset if asymmetric) per group
+        if quantized and self.quant.weights.dtype == "int4":  # a scale (+ an offset if asymmetric) per group
             group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
-            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=self.quant.weights.symmetric)
+            scale_dtype, offsets = self._int4_scales_held()
+            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=not offsets, scale_dtype=scale_dtype)
+            projections = f"int4 ({scale_dtype} scales{', float32 offsets' if offsets else ''})"
         else:
             predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
@@ -147,6 +149,14 @@ class ModelRunner:
         experts = f"{spec.expert_dtype} experts, " if spec.expert_dtype else ""
         return (f"{_size(predicted)} ({experts}{projections} projections, embeddings/norms/LM head {rest}; "
                 f"{by}, panel padding included)")
+
+    def _int4_scales_held(self) -> tuple[str, bool]:
+        """("fp16" | "fp32", offsets held?) of the int4 projections: what process_after_loading
+        chose from the loaded values (float16 scales where all of a layer's are exact; offsets
+        only where not all zero). A model whose layers chose differently is priced by the widest."""
+        layers = [m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4"]
+        wide = any(m.weight_scale.dtype == torch.float32 for m in layers)
+        return ("fp32" if wide else "fp16"), any(m.weight_offset is not None for m in layers)
 
     def describe(self) -> RunnerInfo:
         """This runner as plain values (the executor contract's `describe`)."""
