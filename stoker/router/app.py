@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from stoker.router.config import RouterConfig
+from stoker.router.http1 import HTTP1Pool
 from stoker.router.metrics import RouterMetrics
 from stoker.router.policy import Choice, Pool
 from stoker.router.proxy import (RETRYABLE, RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
@@ -44,7 +45,10 @@ class Router:
         self.pool = Pool([Upstream(u, role) for u in cfg.pool_urls], **knobs)
         self.prefill = Pool([Upstream(u, "prefill") for u in cfg.prefill], **knobs) if cfg.disaggregated else None
         self.tokenizer: LocalTokenizer | None = None
+        # aiohttp for the prefill leg, /tokenize, /v1/models and the health and load checks;
+        # the leg that answers the client goes over a lean HTTP/1.1 pool per upstream (http1.py).
         self.session: aiohttp.ClientSession | None = None
+        self.http = {up.url: HTTP1Pool(up.url, cfg.connect_timeout_s) for up in self.pool.upstreams}
 
     @property
     def upstreams(self) -> list[Upstream]:
@@ -189,7 +193,8 @@ class Router:
                     self.metrics.e2e.labels(route).observe(sw.elapsed())
 
             try:
-                resp = await send(self.session, up, path, content, headers, stream, sw.first_byte, done)
+                resp = await send(self.http[up.url], up, path, content, headers, stream, self.cfg.request_timeout_s,
+                                  sw.first_byte, done)
             except UpstreamUnavailable as exc:
                 up.mark_unhealthy(str(exc))
                 last = f"{up.url}: {exc}"
@@ -247,6 +252,8 @@ def create_app(cfg: RouterConfig) -> "HotPaths":
                 poller.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
+                for http in router.http.values():
+                    http.close()
 
     app = FastAPI(title="stoker router", lifespan=lifespan)
     app.state.router = router
