@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -32,6 +32,9 @@ from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_
                                     single_sequence)
 from stoker.router.tokens import LocalTokenizer, count_tokens
 from stoker.router.upstream import Upstream, poll_forever
+
+
+_READ_HEADERS = frozenset((b"content-length", b"authorization", b"x-request-id"))
 
 
 class Router:
@@ -66,18 +69,19 @@ class Router:
 
     # --- one request ------------------------------------------------------------------------
 
-    async def generate(self, request: Request, path: str, chat: bool) -> Response | RelayResponse:
+    async def generate(self, scope: Scope, receive: Receive, path: str, chat: bool) -> Response | RelayResponse:
         sw = Stopwatch()
+        # ASGI header names are lower-case bytes; only these few are read.
+        wanted = {k: v for k, v in scope["headers"] if k in _READ_HEADERS}
         try:
-            raw = await read_body(request.stream(), request.headers.get("content-length"),
-                                  self.cfg.max_request_body_bytes)
+            raw = await read_body(receive, wanted.get(b"content-length"), self.cfg.max_request_body_bytes)
             body = parse_body(raw)
         except BadRequest as exc:
             return error_response(exc.status, str(exc), "BadRequestError")
         stream = body.get("stream") is True
         text = prompt_text(body, chat)
-        headers = forward_headers({k: request.headers[k] for k in ("authorization", "x-request-id")
-                                   if k in request.headers})
+        headers = forward_headers({k.decode("latin-1"): v.decode("latin-1") for k, v in wanted.items()
+                                   if k != b"content-length"})
         endpoint = "chat" if chat else "completions"
         if self.prefill is None:  # the body goes on byte for byte
             return await self._to_pool(self.pool, path, raw, headers, stream, text, "aggregated", endpoint, sw)
@@ -189,8 +193,8 @@ class Router:
                 if error is not None:
                     self._error(up, error)
                 if sw.first is not None:
-                    self.metrics.ttft.labels(route).observe(sw.first)
-                    self.metrics.e2e.labels(route).observe(sw.elapsed())
+                    self.metrics.ttft_of[route].observe(sw.first)
+                    self.metrics.e2e_of[route].observe(sw.elapsed())
 
             try:
                 resp = await send(self.http[up.url], up, path, content, headers, stream, self.cfg.request_timeout_s,
@@ -201,7 +205,7 @@ class Router:
                 tried.add(up.url)
                 choice = pool.choose(text, frozenset(tried))
                 continue
-            self.metrics.requests.labels(route, endpoint).inc()
+            self.metrics.requests_of[route, endpoint].inc()
             return resp
         return error_response(503, f"no healthy server to take the request ({last}); unhealthy servers are "
                               f"re-checked every {self.cfg.health_check_interval_s:g} s", "ServiceUnavailable")
@@ -293,5 +297,5 @@ class HotPaths:
         if chat is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        response = await self.router.generate(Request(scope, receive), scope["path"], chat)
+        response = await self.router.generate(scope, receive, scope["path"], chat)
         await response(scope, receive, send)
