@@ -97,9 +97,10 @@ class RelayResponse:
     the client's disconnect and closes the upstream connection, which ends the relay; the
     server sees the disconnect and aborts the request.
 
-    The status line and headers go out together with the first chunk, not before it: the
-    client is woken once on the TTFT path rather than twice. The last chunk carries the end of
-    the body when the upstream's end arrived with it (one write fewer per request)."""
+    The status line and headers go out as soon as the upstream's have arrived, as a server
+    streaming directly would send them: the client reads them while the first token is being
+    computed, not after it. The last chunk carries the end of the body when the upstream's end
+    arrived with it (one write fewer per request)."""
 
     def __init__(self, resp: UpstreamResponse, url: str, media_type: str, on_first_byte: Callable[[], None],
                  finish: Callable[[str | None], None]) -> None:
@@ -114,13 +115,12 @@ class RelayResponse:
         self.resp.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp, error, whole, started = self.resp, None, False, False
+        resp, error, whole, chunk = self.resp, None, False, None
         watcher = asyncio.create_task(self._watch(receive))
         try:
-            chunk = await resp.next_chunk()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", self.media_type.encode())]})
-            started = True
+            chunk = await resp.next_chunk()
             if chunk is not None:
                 self.on_first_byte()
             while chunk is not None:
@@ -139,10 +139,6 @@ class RelayResponse:
                 error = type(exc).__name__
                 msg = f"upstream {self.url} cut the stream: {exc}"
                 event = {"error": {"message": msg, "type": "BadGateway", "code": 502}}
-                if not started:
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [(b"content-type", self.media_type.encode())]})
-                    started = True
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
                             "more_body": True})
         finally:
@@ -152,9 +148,6 @@ class RelayResponse:
             else:
                 resp.close()  # the client left or the stream broke: the server sees the disconnect
             self.finish(error)
-        if not started:  # the client left before the first chunk: close the exchange cleanly
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", self.media_type.encode())]})
         if not (whole and chunk is not None):  # the body's end was not sent with the last chunk
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -212,7 +212,7 @@ def _relay(events_from_server: Handler, watch_disconnect_after: int | None = Non
     return asyncio.run(main())
 
 
-def test_relay_sends_headers_with_the_first_chunk_and_ends_with_the_last():
+def test_relay_passes_chunks_on_and_ends_with_the_last():
     async def server(reader, writer, n):
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
