@@ -167,10 +167,16 @@ class UpstreamResponse:
         return self._conn.complete and not self._conn.chunks
 
     async def read(self) -> bytes:
-        conn = self._conn
-        while not conn.complete:
-            await conn.wait()
-        return conn.take()
+        """The whole body. Taken piece by piece as it arrives, so that a body larger than the
+        read-pause threshold keeps flowing."""
+        conn, parts = self._conn, []
+        while True:
+            if conn.chunks:
+                parts.append(conn.take())
+            elif conn.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            else:
+                await conn.wait()
 
     async def next_chunk(self) -> bytes | None:
         """The body bytes that arrived since the last call (waiting for some if none did), or

@@ -62,6 +62,8 @@ def test_keep_alive_reuse_and_every_body_framing():
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\n{\"a\"")
                 await writer.drain()
                 writer.write(b": 1}")
+            elif body == b"large":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (3 << 20) + b"x" * (3 << 20))
             elif body == b"chunked":
                 writer.write(sse(b"data: 1\n\n", b"data: 2\n\n"))
             else:  # no length, no chunking: the body ends with the connection
@@ -85,6 +87,9 @@ def test_keep_alive_reuse_and_every_body_framing():
             assert b"".join(pieces) == b"data: 1\n\ndata: 2\n\n" and r.at_eof
             r.release()
             assert pool.num_idle == 1
+            r = await pool.post("/v1/completions", b"large", {"x-request-id": "r1"})
+            assert await asyncio.wait_for(r.read(), 10) == b"x" * (3 << 20)  # past the read-pause threshold
+            r.release()
             r = await pool.post("/v1/completions", b"close", {"x-request-id": "r1"})
             assert await r.read() == b"until close"
             r.release()
