@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from stoker.router.config import RouterConfig
-from stoker.router.http1 import HTTP1Pool
+from stoker.router.http1 import HTTP1Pool, UpstreamConnectionError, UpstreamTimeout
 from stoker.router.metrics import RouterMetrics
 from stoker.router.policy import Choice, Pool
-from stoker.router.proxy import (RETRYABLE, RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
+from stoker.router.proxy import (RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
                                  forward_headers, send)
 from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_leg, prompt_text, read_body,
                                     single_sequence)
@@ -48,10 +48,10 @@ class Router:
         self.pool = Pool([Upstream(u, role) for u in cfg.pool_urls], **knobs)
         self.prefill = Pool([Upstream(u, "prefill") for u in cfg.prefill], **knobs) if cfg.disaggregated else None
         self.tokenizer: LocalTokenizer | None = None
-        # aiohttp for the prefill leg, /tokenize, /v1/models and the health and load checks;
-        # the leg that answers the client goes over a lean HTTP/1.1 pool per upstream (http1.py).
+        # Both legs go over a lean HTTP/1.1 pool per upstream (http1.py); aiohttp carries the
+        # rest: /tokenize (not asked with --tokenizer), /v1/models, the health and load checks.
         self.session: aiohttp.ClientSession | None = None
-        self.http = {up.url: HTTP1Pool(up.url, cfg.connect_timeout_s) for up in self.pool.upstreams}
+        self.http = {up.url: HTTP1Pool(up.url, cfg.connect_timeout_s) for up in self.upstreams}
 
     @property
     def upstreams(self) -> list[Upstream]:
@@ -132,7 +132,6 @@ class Router:
         no prefill server could be reached."""
         assert self.prefill is not None and self.session is not None
         content = json.dumps(prefill_leg(body)).encode()
-        timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s, sock_connect=self.cfg.connect_timeout_s)
         tried: set[str] = set()
         choice = self.prefill.choose(text)
         while choice is not None:
@@ -140,16 +139,18 @@ class Router:
             sw = Stopwatch()
             up.in_flight += 1
             try:
-                async with self.session.post(up.url + path, data=content, headers=headers, timeout=timeout) as r:
-                    status, media_type, raw = r.status, r.headers.get("content-type"), await r.read()
-            except aiohttp.ConnectionTimeoutError:
-                status, media_type, raw = -1, None, b"connect timeout"
-            except asyncio.TimeoutError:
+                resp = await self.http[up.url].post(path, content, headers, self.cfg.prefill_timeout_s)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()  # back to the pool when whole, else closed
+                status, media_type = resp.status, resp.headers.get("content-type")
+            except UpstreamTimeout:
                 self._error(up, "timeout")
                 return error_response(504, f"the prefill leg to {up.url} did not answer within "
                                       f"{self.cfg.prefill_timeout_s:g} s (--prefill-timeout-secs)", "GatewayTimeout")
-            except RETRYABLE as exc:
-                status, media_type, raw = -1, None, type(exc).__name__.encode()
+            except UpstreamConnectionError as exc:
+                status, media_type, raw = -1, None, exc.kind.encode()
             finally:
                 up.in_flight -= 1
             if status in (-1, 503):  # unreachable or not serving: the next prefill server

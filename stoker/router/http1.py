@@ -25,7 +25,12 @@ import httptools
 
 
 class UpstreamConnectionError(ConnectionError):
-    """The upstream could not be reached, or closed the connection before a complete answer."""
+    """The upstream could not be reached, or closed the connection before a complete answer.
+    `kind` names the failure for the router's upstream_errors metric."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect_error, connect_timeout, disconnected or bad_answer
 
 
 class UpstreamTimeout(asyncio.TimeoutError):
@@ -75,9 +80,9 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - a POST is never upgraded
-            self._fail(UpstreamConnectionError("the upstream switched protocols"))
+            self._fail(UpstreamConnectionError("the upstream switched protocols", "bad_answer"))
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamConnectionError(f"malformed answer: {exc}"))
+            self._fail(UpstreamConnectionError(f"malformed answer: {exc}", "bad_answer"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -86,7 +91,8 @@ class _Connection(asyncio.Protocol):
             self.complete = True  # a body delimited by the end of the connection
             self._wake()
         elif not self.complete and self.error is None:
-            self._fail(UpstreamConnectionError(f"the upstream closed the connection{f': {exc}' if exc else ''}"))
+            self._fail(UpstreamConnectionError(f"the upstream closed the connection{f': {exc}' if exc else ''}",
+                                               "disconnected"))
 
     # --- httptools callbacks (the parser's names) -----------------------------------------
 
@@ -243,9 +249,9 @@ class HTTP1Pool:
                 loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
                 self.connect_timeout_s)
         except asyncio.TimeoutError:
-            raise UpstreamConnectionError(f"connect timeout after {self.connect_timeout_s:g} s") from None
+            raise UpstreamConnectionError(f"connect timeout after {self.connect_timeout_s:g} s", "connect_timeout") from None
         except OSError as exc:
-            raise UpstreamConnectionError(f"cannot connect: {exc}") from exc
+            raise UpstreamConnectionError(f"cannot connect: {exc}", "connect_error") from exc
         return conn
 
     def _put(self, conn: _Connection) -> None:

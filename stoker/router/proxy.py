@@ -12,7 +12,6 @@ import json
 import time
 from collections.abc import Callable
 
-import aiohttp
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -22,9 +21,6 @@ from stoker.router.upstream import Upstream
 # Headers worth passing on: auth for servers started with --api-key, and the request id that
 # vLLM's proxy sets identically on both legs so both servers log the same id.
 _FORWARDED = ("authorization", "x-request-id")
-# Errors before any answer byte on the prefill leg (aiohttp): the request may be retried on
-# another replica (refused, reset, disconnected, connect timeout; a read timeout is not retried).
-RETRYABLE = (aiohttp.ClientConnectionError,)
 
 
 def forward_headers(incoming: dict[str, str] | None) -> dict[str, str]:
@@ -66,7 +62,7 @@ async def send(http: HTTP1Pool, up: Upstream, path: str, content: bytes, headers
     try:
         resp = await http.post(path, content, headers, timeout_s)
     except UpstreamConnectionError as exc:
-        finish(type(exc).__name__)
+        finish(exc.kind)
         raise UpstreamUnavailable(str(exc)) from exc
     except BaseException:
         finish()
@@ -81,7 +77,7 @@ async def send(http: HTTP1Pool, up: Upstream, path: str, content: bytes, headers
             data = await resp.read()
         except (UpstreamConnectionError, asyncio.TimeoutError) as exc:
             resp.close()
-            finish(type(exc).__name__)
+            finish(getattr(exc, "kind", "timeout"))
             raise UpstreamUnavailable(f"answer cut: {exc}") from exc
         resp.release()
         on_first_byte()
@@ -136,7 +132,7 @@ class RelayResponse:
             if not self.client_gone:
                 # The server went away mid-answer: end the stream with an error event (vLLM's
                 # shape for errors inside a stream) rather than a silently truncated one.
-                error = type(exc).__name__
+                error = getattr(exc, "kind", "timeout")
                 msg = f"upstream {self.url} cut the stream: {exc}"
                 event = {"error": {"message": msg, "type": "BadGateway", "code": 502}}
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
