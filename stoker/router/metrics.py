@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 ROUTES = ("aggregated", "local_prefill", "remote_prefill")
 ENDPOINTS = ("completions", "chat")
-# Seconds; the router's own share is about a millisecond (docs/benchmarks.md, Router), a TTFT
+# Seconds; the router's own share is under a millisecond (docs/benchmarks.md, Router), a TTFT
 # is milliseconds to seconds.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
