@@ -65,6 +65,9 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self._read_until_close = False  # no content-length, not chunked: the body ends with the connection
+        if getattr(self, "paused", False) and self.transport is not None:
+            self.transport.resume_reading()
         self.paused = False
 
     # --- asyncio.Protocol -----------------------------------------------------------------
@@ -120,8 +123,6 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # --- the request side -----------------------------------------------------------------
-
-    _read_until_close = False
 
     def _wake(self) -> None:
         w = self.waiter
@@ -223,9 +224,11 @@ class UpstreamResponse:
 
 
 class HTTP1Pool:
-    """Keep-alive connections to one upstream (`http://host:port` or `https://...`)."""
+    """Keep-alive connections to one upstream (`http://host:port` or `https://...`). No cap on
+    open connections (the servers have their own admission limits); at most `max_idle` are
+    kept between requests, for as long as the server keeps them (uvicorn: 5 s idle)."""
 
-    def __init__(self, url: str, connect_timeout_s: float, max_idle: int = 64) -> None:
+    def __init__(self, url: str, connect_timeout_s: float, max_idle: int = 256) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {url!r}: use http://host:port")
@@ -249,7 +252,8 @@ class HTTP1Pool:
                 loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
                 self.connect_timeout_s)
         except asyncio.TimeoutError:
-            raise UpstreamConnectionError(f"connect timeout after {self.connect_timeout_s:g} s", "connect_timeout") from None
+            raise UpstreamConnectionError(f"connect timeout after {self.connect_timeout_s:g} s",
+                                          "connect_timeout") from None
         except OSError as exc:
             raise UpstreamConnectionError(f"cannot connect: {exc}", "connect_error") from exc
         return conn
@@ -299,7 +303,8 @@ class HTTP1Pool:
             self._busy.add(conn)
             timer = None
             if deadline is not None:
-                timer = loop.call_at(deadline, conn._fail, UpstreamTimeout(f"no complete answer within {timeout_s:g} s"))
+                expired = UpstreamTimeout(f"no complete answer within {timeout_s:g} s")
+                timer = loop.call_at(deadline, conn._fail, expired)
             try:
                 conn.transport.write(request)  # type: ignore[union-attr]
                 while not conn.headers_done:

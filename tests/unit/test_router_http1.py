@@ -19,7 +19,8 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     return head, await reader.readexactly(length)
 
 
@@ -191,7 +192,8 @@ def _relay(events_from_server: Handler, watch_disconnect_after: int | None = Non
             up = Upstream(url, "worker")
             pool = HTTP1Pool(url, connect_timeout_s=5)
             outcome = {}
-            resp = await send(pool, up, "/v1/completions", b"{}", {}, True, None, lambda: outcome.setdefault("first", 1),
+            resp = await send(pool, up, "/v1/completions", b"{}", {}, True, None,
+                              lambda: outcome.setdefault("first", 1),
                               lambda err: outcome.setdefault("done", err))
             assert isinstance(resp, RelayResponse) and up.in_flight == 1
             sent: list[dict] = []
