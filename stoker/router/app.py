@@ -48,8 +48,8 @@ class Router:
         self.pool = Pool([Upstream(u, role) for u in cfg.pool_urls], **knobs)
         self.prefill = Pool([Upstream(u, "prefill") for u in cfg.prefill], **knobs) if cfg.disaggregated else None
         self.tokenizer: LocalTokenizer | None = None
-        # Both legs go over a lean HTTP/1.1 pool per upstream (http1.py); aiohttp carries the
-        # rest: /tokenize (not asked with --tokenizer), /v1/models, the health and load checks.
+        # Both legs and /tokenize go over a lean HTTP/1.1 pool per upstream (http1.py); aiohttp
+        # carries what is off the request path: /v1/models, the health and load checks.
         self.session: aiohttp.ClientSession | None = None
         self.http = {up.url: HTTP1Pool(up.url, cfg.connect_timeout_s) for up in self.upstreams}
 
@@ -108,13 +108,13 @@ class Router:
 
     async def _local_reason(self, body: dict[str, Any], chat: bool, text: str, decode: Choice) -> str | None:
         """Why this request is prefilled on the decode server, or None to disaggregate it."""
-        assert self.prefill is not None and self.session is not None
+        assert self.prefill is not None
         healthy = self.prefill.healthy()
         if not healthy:
             return "no_prefill_server"
         if not single_sequence(body, chat):
             return "multi_sequence"
-        tokens, exact = await count_tokens(body, chat, text, self.session, decode.upstream.url, self.tokenizer,
+        tokens, exact = await count_tokens(body, chat, text, self.http[decode.upstream.url], self.tokenizer,
                                            self.cfg.connect_timeout_s)
         if not exact:
             self._error(decode.upstream, "tokenize")
@@ -130,7 +130,7 @@ class Router:
                            text: str) -> dict[str, Any] | Response | None:
         """The decode leg's kv_transfer_params, an error Response for the client, or None when
         no prefill server could be reached."""
-        assert self.prefill is not None and self.session is not None
+        assert self.prefill is not None
         content = json.dumps(prefill_leg(body)).encode()
         tried: set[str] = set()
         choice = self.prefill.choose(text)
