@@ -17,20 +17,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from stoker.router.config import RouterConfig
+from stoker.router.http1 import HTTP1Pool, UpstreamConnectionError, UpstreamTimeout
 from stoker.router.metrics import RouterMetrics
 from stoker.router.policy import Choice, Pool
-from stoker.router.proxy import (RETRYABLE, RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
+from stoker.router.proxy import (RelayResponse, Stopwatch, UpstreamUnavailable, error_response,
                                  forward_headers, send)
 from stoker.router.requests import (BadRequest, decode_leg, parse_body, prefill_leg, prompt_text, read_body,
                                     single_sequence)
 from stoker.router.tokens import LocalTokenizer, count_tokens
 from stoker.router.upstream import Upstream, poll_forever
+
+
+_READ_HEADERS = frozenset((b"content-length", b"authorization", b"x-request-id"))
 
 
 class Router:
@@ -44,7 +48,10 @@ class Router:
         self.pool = Pool([Upstream(u, role) for u in cfg.pool_urls], **knobs)
         self.prefill = Pool([Upstream(u, "prefill") for u in cfg.prefill], **knobs) if cfg.disaggregated else None
         self.tokenizer: LocalTokenizer | None = None
+        # Both legs and /tokenize go over a lean HTTP/1.1 pool per upstream (http1.py); aiohttp
+        # carries what is off the request path: /v1/models, the health and load checks.
         self.session: aiohttp.ClientSession | None = None
+        self.http = {up.url: HTTP1Pool(up.url, cfg.connect_timeout_s) for up in self.upstreams}
 
     @property
     def upstreams(self) -> list[Upstream]:
@@ -62,18 +69,19 @@ class Router:
 
     # --- one request ------------------------------------------------------------------------
 
-    async def generate(self, request: Request, path: str, chat: bool) -> Response | RelayResponse:
+    async def generate(self, scope: Scope, receive: Receive, path: str, chat: bool) -> Response | RelayResponse:
         sw = Stopwatch()
+        # ASGI header names are lower-case bytes; only these few are read.
+        wanted = {k: v for k, v in scope["headers"] if k in _READ_HEADERS}
         try:
-            raw = await read_body(request.stream(), request.headers.get("content-length"),
-                                  self.cfg.max_request_body_bytes)
+            raw = await read_body(receive, wanted.get(b"content-length"), self.cfg.max_request_body_bytes)
             body = parse_body(raw)
         except BadRequest as exc:
             return error_response(exc.status, str(exc), "BadRequestError")
         stream = body.get("stream") is True
         text = prompt_text(body, chat)
-        headers = forward_headers({k: request.headers[k] for k in ("authorization", "x-request-id")
-                                   if k in request.headers})
+        headers = forward_headers({k.decode("latin-1"): v.decode("latin-1") for k, v in wanted.items()
+                                   if k != b"content-length"})
         endpoint = "chat" if chat else "completions"
         if self.prefill is None:  # the body goes on byte for byte
             return await self._to_pool(self.pool, path, raw, headers, stream, text, "aggregated", endpoint, sw)
@@ -100,13 +108,13 @@ class Router:
 
     async def _local_reason(self, body: dict[str, Any], chat: bool, text: str, decode: Choice) -> str | None:
         """Why this request is prefilled on the decode server, or None to disaggregate it."""
-        assert self.prefill is not None and self.session is not None
+        assert self.prefill is not None
         healthy = self.prefill.healthy()
         if not healthy:
             return "no_prefill_server"
         if not single_sequence(body, chat):
             return "multi_sequence"
-        tokens, exact = await count_tokens(body, chat, text, self.session, decode.upstream.url, self.tokenizer,
+        tokens, exact = await count_tokens(body, chat, text, self.http[decode.upstream.url], self.tokenizer,
                                            self.cfg.connect_timeout_s)
         if not exact:
             self._error(decode.upstream, "tokenize")
@@ -122,9 +130,8 @@ class Router:
                            text: str) -> dict[str, Any] | Response | None:
         """The decode leg's kv_transfer_params, an error Response for the client, or None when
         no prefill server could be reached."""
-        assert self.prefill is not None and self.session is not None
+        assert self.prefill is not None
         content = json.dumps(prefill_leg(body)).encode()
-        timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s, sock_connect=self.cfg.connect_timeout_s)
         tried: set[str] = set()
         choice = self.prefill.choose(text)
         while choice is not None:
@@ -132,16 +139,18 @@ class Router:
             sw = Stopwatch()
             up.in_flight += 1
             try:
-                async with self.session.post(up.url + path, data=content, headers=headers, timeout=timeout) as r:
-                    status, media_type, raw = r.status, r.headers.get("content-type"), await r.read()
-            except aiohttp.ConnectionTimeoutError:
-                status, media_type, raw = -1, None, b"connect timeout"
-            except asyncio.TimeoutError:
+                resp = await self.http[up.url].post(path, content, headers, self.cfg.prefill_timeout_s)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()  # back to the pool when whole, else closed
+                status, media_type = resp.status, resp.headers.get("content-type")
+            except UpstreamTimeout:
                 self._error(up, "timeout")
                 return error_response(504, f"the prefill leg to {up.url} did not answer within "
                                       f"{self.cfg.prefill_timeout_s:g} s (--prefill-timeout-secs)", "GatewayTimeout")
-            except RETRYABLE as exc:
-                status, media_type, raw = -1, None, type(exc).__name__.encode()
+            except UpstreamConnectionError as exc:
+                status, media_type, raw = -1, None, exc.kind.encode()
             finally:
                 up.in_flight -= 1
             if status in (-1, 503):  # unreachable or not serving: the next prefill server
@@ -185,18 +194,19 @@ class Router:
                 if error is not None:
                     self._error(up, error)
                 if sw.first is not None:
-                    self.metrics.ttft.labels(route).observe(sw.first)
-                    self.metrics.e2e.labels(route).observe(sw.elapsed())
+                    self.metrics.ttft_of[route].observe(sw.first)
+                    self.metrics.e2e_of[route].observe(sw.elapsed())
 
             try:
-                resp = await send(self.session, up, path, content, headers, stream, sw.first_byte, done)
+                resp = await send(self.http[up.url], up, path, content, headers, stream, self.cfg.request_timeout_s,
+                                  sw.first_byte, done)
             except UpstreamUnavailable as exc:
                 up.mark_unhealthy(str(exc))
                 last = f"{up.url}: {exc}"
                 tried.add(up.url)
                 choice = pool.choose(text, frozenset(tried))
                 continue
-            self.metrics.requests.labels(route, endpoint).inc()
+            self.metrics.requests_of[route, endpoint].inc()
             return resp
         return error_response(503, f"no healthy server to take the request ({last}); unhealthy servers are "
                               f"re-checked every {self.cfg.health_check_interval_s:g} s", "ServiceUnavailable")
@@ -247,6 +257,8 @@ def create_app(cfg: RouterConfig) -> "HotPaths":
                 poller.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
+                for http in router.http.values():
+                    http.close()
 
     app = FastAPI(title="stoker router", lifespan=lifespan)
     app.state.router = router
@@ -286,5 +298,5 @@ class HotPaths:
         if chat is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        response = await self.router.generate(Request(scope, receive), scope["path"], chat)
+        response = await self.router.generate(scope, receive, scope["path"], chat)
         await response(scope, receive, send)

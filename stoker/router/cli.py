@@ -87,5 +87,8 @@ def run(args: argparse.Namespace) -> int:
             else f"balancer over {len(cfg.pool_urls)} servers")
     logging.getLogger("stoker.router").info("stoker router on http://%s:%d (%s, policy %s)", args.host, args.port,
                                             mode, cfg.policy)
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False)
+    # No X-Forwarded-For rewriting (proxy_headers): the router reads no client address, and the
+    # middleware is one more coroutine per request.
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
+                proxy_headers=False)
     return 0

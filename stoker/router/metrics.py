@@ -10,7 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 ROUTES = ("aggregated", "local_prefill", "remote_prefill")
-# Seconds; the router's own share is about a millisecond (docs/benchmarks.md, Router), a TTFT
+ENDPOINTS = ("completions", "chat")
+# Seconds; the router's own share is under a millisecond (docs/benchmarks.md, Router), a TTFT
 # is milliseconds to seconds.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
@@ -45,6 +46,8 @@ class RouterMetrics:
                           "count)", ["upstream", "role"], registry=r)
         self.in_flight = Gauge("stoker_router:upstream_in_flight", "Requests this router has open at the upstream",
                                ["upstream", "role"], registry=r)
-        for route in ROUTES:  # every series visible from the first scrape
-            self.ttft.labels(route)
-            self.e2e.labels(route)
+        # Every series visible from the first scrape, and each labelled child looked up once:
+        # labels() takes a lock and builds a key on every call, on the request path.
+        self.ttft_of = {route: self.ttft.labels(route) for route in ROUTES}
+        self.e2e_of = {route: self.e2e.labels(route) for route in ROUTES}
+        self.requests_of = {(route, ep): self.requests.labels(route, ep) for route in ROUTES for ep in ENDPOINTS}

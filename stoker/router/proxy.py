@@ -12,18 +12,15 @@ import json
 import time
 from collections.abc import Callable
 
-import aiohttp
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from stoker.router.http1 import HTTP1Pool, UpstreamConnectionError, UpstreamResponse
 from stoker.router.upstream import Upstream
 
 # Headers worth passing on: auth for servers started with --api-key, and the request id that
 # vLLM's proxy sets identically on both legs so both servers log the same id.
 _FORWARDED = ("authorization", "x-request-id")
-# Errors before any answer byte: the request may be retried on another replica.
-# (aiohttp: refused, reset, disconnected, connect timeout; a read timeout is not retried.)
-RETRYABLE = (aiohttp.ClientConnectionError,)
 
 
 def forward_headers(incoming: dict[str, str] | None) -> dict[str, str]:
@@ -44,14 +41,14 @@ class UpstreamUnavailable(Exception):
     """The upstream answered 503 or could not be reached before answering: try another."""
 
 
-async def send(session: aiohttp.ClientSession, up: Upstream, path: str, content: bytes, headers: dict[str, str],
-               stream: bool, on_first_byte: Callable[[], None],
+async def send(http: HTTP1Pool, up: Upstream, path: str, content: bytes, headers: dict[str, str], stream: bool,
+               timeout_s: float | None, on_first_byte: Callable[[], None],
                on_done: Callable[[str | None], None]) -> Response | RelayResponse:
-    """POST `content` to `up` and return the response to give the client. Raises
-    UpstreamUnavailable (nothing was sent to the client yet). `on_done` runs once, when the
-    answer has been passed on or abandoned (the client went away: closing the upstream
-    connection makes the server abort the request and free its KV blocks), with the error that
-    cut it short if one did."""
+    """POST `content` to `up` (over `http`, its connection pool) and return the response to give
+    the client. Raises UpstreamUnavailable (nothing was sent to the client yet). `on_done` runs
+    once, when the answer has been passed on or abandoned (the client went away: closing the
+    upstream connection makes the server abort the request and free its KV blocks), with the
+    error that cut it short if one did."""
     up.in_flight += 1
     done = False
 
@@ -63,25 +60,25 @@ async def send(session: aiohttp.ClientSession, up: Upstream, path: str, content:
             on_done(error)
 
     try:
-        resp = await session.post(up.url + path, data=content, headers=headers)
-    except RETRYABLE as exc:
-        finish(type(exc).__name__)
-        raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        resp = await http.post(path, content, headers, timeout_s)
+    except UpstreamConnectionError as exc:
+        finish(exc.kind)
+        raise UpstreamUnavailable(str(exc)) from exc
     except BaseException:
         finish()
         raise
     if resp.status == 503:
-        resp.release()
+        resp.close()
         finish("status_503")
         raise UpstreamUnavailable("answered 503 (loading, engine stopped or shutting down)")
     media_type = resp.headers.get("content-type")
     if not stream or resp.status != 200 or not (media_type or "").startswith("text/event-stream"):
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (UpstreamConnectionError, asyncio.TimeoutError) as exc:
             resp.close()
-            finish(type(exc).__name__)
-            raise UpstreamUnavailable(f"answer cut: {type(exc).__name__}: {exc}") from exc
+            finish(getattr(exc, "kind", "timeout"))
+            raise UpstreamUnavailable(f"answer cut: {exc}") from exc
         resp.release()
         on_first_byte()
         finish("status_5xx" if resp.status >= 500 else None)
@@ -94,9 +91,14 @@ class RelayResponse:
     """An ASGI response that relays an upstream SSE stream chunk by chunk. Lighter than
     Starlette's StreamingResponse (an anyio task group per request): one plain task waits for
     the client's disconnect and closes the upstream connection, which ends the relay; the
-    server sees the disconnect and aborts the request."""
+    server sees the disconnect and aborts the request.
 
-    def __init__(self, resp: aiohttp.ClientResponse, url: str, media_type: str, on_first_byte: Callable[[], None],
+    The status line and headers go out as soon as the upstream's have arrived, as a server
+    streaming directly would send them: the client reads them while the first token is being
+    computed, not after it. The last chunk carries the end of the body when the upstream's end
+    arrived with it (one write fewer per request)."""
+
+    def __init__(self, resp: UpstreamResponse, url: str, media_type: str, on_first_byte: Callable[[], None],
                  finish: Callable[[str | None], None]) -> None:
         self.resp, self.url, self.media_type = resp, url, media_type
         self.on_first_byte, self.finish = on_first_byte, finish
@@ -109,24 +111,29 @@ class RelayResponse:
         self.resp.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp, error, whole = self.resp, None, False
+        resp, error, whole, chunk = self.resp, None, False, None
         watcher = asyncio.create_task(self._watch(receive))
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", self.media_type.encode())]})
-            first = True
-            async for chunk in resp.content.iter_any():
-                if first:
-                    self.on_first_byte()
-                    first = False
+            chunk = await resp.next_chunk()
+            if chunk is not None:
+                self.on_first_byte()
+            while chunk is not None:
+                if resp.at_eof:
+                    whole = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            whole = True
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                chunk = await resp.next_chunk()
+            else:
+                whole = True
+        except (UpstreamConnectionError, asyncio.TimeoutError) as exc:
             if not self.client_gone:
                 # The server went away mid-answer: end the stream with an error event (vLLM's
                 # shape for errors inside a stream) rather than a silently truncated one.
-                error = type(exc).__name__
-                msg = f"upstream {self.url} cut the stream: {error}"
+                error = getattr(exc, "kind", "timeout")
+                msg = f"upstream {self.url} cut the stream: {exc}"
                 event = {"error": {"message": msg, "type": "BadGateway", "code": 502}}
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
                             "more_body": True})
@@ -137,7 +144,8 @@ class RelayResponse:
             else:
                 resp.close()  # the client left or the stream broke: the server sees the disconnect
             self.finish(error)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not (whole and chunk is not None):  # the body's end was not sent with the last chunk
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Stopwatch:

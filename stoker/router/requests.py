@@ -8,8 +8,9 @@ prefill decision) and, in disaggregated mode, rewrites the body for each leg.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
+
+from starlette.types import Receive
 
 # vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) and vLLM's
 # NixlConnector: a prefill server told `do_remote_decode` keeps the prompt's KV blocks for a
@@ -34,21 +35,33 @@ class BodyTooLarge(BadRequest):
     status = 413
 
 
-async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
-    """The request body, refused past `limit` bytes before it is all buffered (as `stoker serve`
-    refuses bodies over --max-request-body-bytes)."""
-    too_large = BodyTooLarge(f"the request body is larger than {limit} bytes (the router's "
-                             "--max-request-body-bytes); send a smaller request")
+class ClientGone(BadRequest):
+    """The client left mid-request; the answer goes nowhere (uvicorn drops it)."""
+
+
+async def read_body(receive: Receive, content_length: bytes | None, limit: int) -> bytes:
+    """The request body, read from the ASGI `receive` and refused past `limit` bytes before it
+    is all buffered (as `stoker serve` refuses bodies over --max-request-body-bytes)."""
     if content_length is not None and content_length.isdigit() and int(content_length) > limit:
-        raise too_large
+        raise _too_large(limit)
     parts: list[bytes] = []
     size = 0
-    async for part in chunks:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect: no one is left to answer
+            raise ClientGone("the client closed the connection before sending its whole request")
+        part = message.get("body", b"")
         size += len(part)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
         parts.append(part)
-    return b"".join(parts)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"the request body is larger than {limit} bytes (the router's --max-request-body-bytes); "
+                        "send a smaller request")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

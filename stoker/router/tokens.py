@@ -10,11 +10,13 @@ the common BPE vocabularies) and the miss is counted as an upstream error.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
-import aiohttp
-
+from stoker.router.http1 import HTTP1Pool, UpstreamConnectionError
 from stoker.router.requests import token_ids_of
+
+_JSON = {"content-type": "application/json"}
 
 
 class LocalTokenizer:
@@ -34,8 +36,8 @@ class LocalTokenizer:
         return len(self.tok(str(text or ""))["input_ids"])
 
 
-async def count_tokens(body: dict[str, Any], chat: bool, text: str, session: aiohttp.ClientSession, decode_url: str,
-                       local: LocalTokenizer | None, timeout_s: float) -> tuple[int, bool]:
+async def count_tokens(body: dict[str, Any], chat: bool, text: str, http: HTTP1Pool, local: LocalTokenizer | None,
+                       timeout_s: float) -> tuple[int, bool]:
     """(tokens, exact): exact is False when the estimate stood in for a failed count."""
     if not chat:
         ids = token_ids_of(body)
@@ -55,12 +57,15 @@ async def count_tokens(body: dict[str, Any], chat: bool, text: str, session: aio
         prompt = body.get("prompt")
         payload["prompt"] = prompt[0] if isinstance(prompt, list) and prompt else prompt
     try:
-        async with session.post(decode_url + "/tokenize", json=payload,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            if r.status == 200:
-                count = (await r.json()).get("count")
-                if isinstance(count, int):
-                    return count, True
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+        resp = await http.post("/tokenize", json.dumps(payload).encode(), _JSON, timeout_s)
+        try:
+            raw = await resp.read()
+        finally:
+            resp.release()
+        if resp.status == 200:
+            count = json.loads(raw).get("count")
+            if isinstance(count, int):
+                return count, True
+    except (UpstreamConnectionError, asyncio.TimeoutError, ValueError, AttributeError):
         pass
     return len(text.encode()) // 4, False

@@ -139,3 +139,26 @@ def test_a_recovered_replica_starts_with_an_empty_prefix_record():
     assert router.pool.index.match(text, [first.url])[first.url] > 0
     router.recovered(first)  # it restarted: its prefix cache is gone
     assert router.pool.index.match(text, [first.url])[first.url] == 0
+
+
+def test_read_body_from_asgi_messages():
+    import asyncio
+
+    from stoker.router.requests import BodyTooLarge, ClientGone, read_body
+
+    def receiver(*messages):
+        it = iter(messages)
+
+        async def receive():
+            return next(it)
+        return receive
+
+    part = {"type": "http.request", "more_body": True}
+    assert asyncio.run(read_body(receiver({**part, "body": b'{"a"'}, {"type": "http.request", "body": b": 1}"}),
+                                 b"8", 100)) == b'{"a": 1}'
+    with pytest.raises(BodyTooLarge):  # refused on the declared length, before reading
+        asyncio.run(read_body(receiver(), b"101", 100))
+    with pytest.raises(BodyTooLarge):  # and on what arrives, with no length declared
+        asyncio.run(read_body(receiver({**part, "body": b"x" * 60}, {**part, "body": b"x" * 60}), None, 100))
+    with pytest.raises(ClientGone):
+        asyncio.run(read_body(receiver({**part, "body": b"{"}, {"type": "http.disconnect"}), None, 100))
