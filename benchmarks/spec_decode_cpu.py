@@ -224,6 +224,7 @@ def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int,
         times: dict[str, list[float]] = {n: [] for n in names}
         outputs: dict[str, list[list[int]]] = {}
         ks_before = dict(policy.steps_at_k)
+        drafted_before = {n: engines[n].engine.stats().spec_decoding.num_draft_tokens for n in names[1:]}
         load_before = os.getloadavg()[0]
         for r in range(rounds):
             for name in names[r % 3:] + names[: r % 3]:
@@ -243,6 +244,9 @@ def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int,
                    "rounds_not_slower": {n: sum(x >= 1.0 for x in v) for n, v in per_round.items()},
                    "dynamic_over_fixed": quartiles([a / b for a, b in zip(times[names[1]], times["dynamic"])]),
                    "dynamic_k_steps": dict(sorted(ks.items())),
+                   # draft tokens verified (0 for both: nothing was proposed, the engines ran none's steps)
+                   "draft_tokens": {n: engines[n].engine.stats().spec_decoding.num_draft_tokens - drafted_before[n]
+                                    for n in names[1:]},
                    "load_average": (load_before, os.getloadavg()[0]),
                    "lossless": all(outputs[n] == outputs["none"] for n in names[1:])}
     for llm in engines.values():
@@ -287,8 +291,8 @@ def main() -> None:
               f"engines back to back in a rotating order; device file {where}")
         print("| model | concurrency | none tok/s | fixed k tok/s | dynamic tok/s | fixed / none, per round: median "
               "(Q1-Q3) | dynamic / none, per round: median (Q1-Q3) | rounds dynamic >= none | dynamic / fixed, "
-              "median | dynamic: steps per k | load average | lossless |")
-        print("|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|")
+              "median | draft tokens verified: fixed, dynamic | dynamic: steps per k | load average | lossless |")
+        print("|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|")
         for name, rows in sweep.items():
             for c, r in rows.items():
                 none, fixed, dyn = r["tokens_per_s"].values()
@@ -297,7 +301,8 @@ def main() -> None:
                 load = "-".join(f"{x:.1f}" for x in r["load_average"])
                 print(f"| {name} | {c} | {none:.1f} | {fixed:.1f} | {dyn:.1f} | {fm:.2f}x ({fq1:.2f}-{fq3:.2f}) "
                       f"| {dm:.2f}x ({dq1:.2f}-{dq3:.2f}) | {r['rounds_not_slower']['dynamic']}/{args.rounds} "
-                      f"| {r['dynamic_over_fixed'][1]:.2f}x | {ks} | {load} | {r['lossless']} |")
+                      f"| {r['dynamic_over_fixed'][1]:.2f}x | {', '.join(map(str, r['draft_tokens'].values()))} "
+                      f"| {ks} | {load} | {r['lossless']} |")
         if args.json:
             Path(args.json).write_text(json.dumps(sweep, indent=2, default=str))
         return
