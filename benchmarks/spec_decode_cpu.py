@@ -9,9 +9,13 @@ Concurrency sweep (--sweep 1,4,16,64): that many requests at once, with no specu
 k and k chosen per step by the cost model ("dynamic": true, docs/spec_decode.md). The dynamic
 engines price steps with this machine's device file (`stoker doctor --device cpu
 --write-device-file`, $STOKER_DEVICE_FILE); without one the script measures one first (a few
-seconds) into a temporary file.
+seconds) into a temporary file. Each round runs the three engines back to back in a rotating
+order, and each is compared with none's time of the same round: many short rounds, medians and
+quartiles of the per-round ratios. Pin the process and its threads so rounds are comparable:
 
-    python benchmarks/spec_decode_cpu.py --sweep 1,4,16,64 --rounds 3
+    stoker doctor --device cpu --write-device-file    # on the quiet machine, once
+    OMP_NUM_THREADS=2 taskset -c 0,1 python benchmarks/spec_decode_cpu.py --sweep 1,4,16,64 \
+        --sweep-models bigram --rounds 15 --max-tokens 16
 
 Workload: edit-like prompts, each a random 48-token "file" written out four times with a few
 tokens changed per copy (what a code-edit request looks like), one request at a time (batch 1),
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import random
 import statistics
@@ -187,8 +192,22 @@ def ensure_device_file(tmp: Path) -> str:
     return f"{out} (measured now: {dev.fp32_tflops * 1e3:.0f} GFLOP/s fp32, {dev.read_gb_per_s:.1f} GB/s)"
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); all three the value itself for one value."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int, rounds: int) -> dict:
-    """none / fixed k / dynamic k (ngram drafts) at each concurrency: all requests at once."""
+    """none / fixed k / dynamic k (ngram drafts) at each concurrency: all requests at once.
+
+    Made to survive a shared machine: a round runs the three engines back to back on the same
+    requests, the order rotating from round to round (each engine goes first, second and third
+    equally often), and each engine's time is compared with none's of the same round (a paired
+    ratio: a burst of load that spans a round hits both sides). Many short rounds, then medians
+    and quartiles of those per-round ratios; the load average is recorded around each concurrency."""
     common = dict(kv_cache_memory_bytes=1 << 28, max_model_len=512, device="cpu", max_num_seqs=max(concurrencies))
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     engines = {"none": LLM(str(path), **common),
@@ -205,8 +224,10 @@ def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int,
         times: dict[str, list[float]] = {n: [] for n in names}
         outputs: dict[str, list[list[int]]] = {}
         ks_before = dict(policy.steps_at_k)
+        drafted_before = {n: engines[n].engine.stats().spec_decoding.num_draft_tokens for n in names[1:]}
+        load_before = os.getloadavg()[0]
         for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in names[r % 3:] + names[: r % 3]:
                 llm = engines[name]
                 llm.reset_prefix_cache()
                 start = time.perf_counter()
@@ -214,15 +235,30 @@ def measure_sweep(path: Path, k: int, concurrencies: list[int], max_tokens: int,
                 times[name].append(time.perf_counter() - start)
                 outputs[name] = [o.outputs[0].token_ids for o in outs]
         med = {n: statistics.median(v) for n, v in times.items()}
+        per_round = {n: [a / b for a, b in zip(times["none"], times[n])] for n in names[1:]}
         ks = {kk: n - ks_before.get(kk, 0) for kk, n in policy.steps_at_k.items() if n - ks_before.get(kk, 0)}
         rows[c] = {"tokens_per_s": {n: c * max_tokens / v for n, v in med.items()},
-                   "ratio": {n: med["none"] / med[n] for n in names[1:]},
-                   "best_ratio": {n: min(times["none"]) / min(times[n]) for n in names[1:]},
+                   "times": times,
+                   # per-round ratios to none's round: (Q1, median, Q3), and the rounds at least as fast
+                   "ratio": {n: quartiles(v) for n, v in per_round.items()},
+                   "rounds_not_slower": {n: sum(x >= 1.0 for x in v) for n, v in per_round.items()},
+                   "dynamic_over_fixed": quartiles([a / b for a, b in zip(times[names[1]], times["dynamic"])]),
                    "dynamic_k_steps": dict(sorted(ks.items())),
+                   # draft tokens verified (0 for both: nothing was proposed, the engines ran none's steps)
+                   "draft_tokens": {n: engines[n].engine.stats().spec_decoding.num_draft_tokens - drafted_before[n]
+                                    for n in names[1:]},
+                   "load_average": (load_before, os.getloadavg()[0]),
                    "lossless": all(outputs[n] == outputs["none"] for n in names[1:])}
     for llm in engines.values():
         llm.shutdown()
     return rows
+
+
+def pinning() -> str:
+    """The CPUs this process may run on and its thread count: what the sweep's figures depend on."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return f"CPUs {','.join(map(str, cpus)) or '?'} of {os.cpu_count()}, OMP_NUM_THREADS={threads}"
 
 
 def main() -> None:
@@ -250,18 +286,23 @@ def main() -> None:
         chosen = models if args.model else {n: models[n] for n in args.sweep_models.split(",")}
         sweep = {name: measure_sweep(path, args.k, concurrencies, args.max_tokens, args.rounds)
                  for name, path in chosen.items()}
-        print(f"# spec decode sweep: {cpu_model()} ({isa()}), {platform.machine()}, {args.max_tokens} tokens per "
-              f"request, k={args.k} (ngram drafts), medians of {args.rounds} interleaved rounds; device file {where}")
-        print("| model | concurrency | none tok/s | fixed k tok/s | dynamic tok/s | fixed / none | dynamic / none "
-              "| fastest round: fixed / none, dynamic / none | dynamic: steps per k | lossless |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
+        print(f"# spec decode sweep: {cpu_model()} ({isa()}), {platform.machine()}, {pinning()}, {args.max_tokens} "
+              f"tokens per request, k={args.k} (ngram drafts), {args.rounds} rounds per concurrency, the three "
+              f"engines back to back in a rotating order; device file {where}")
+        print("| model | concurrency | none tok/s | fixed k tok/s | dynamic tok/s | fixed / none, per round: median "
+              "(Q1-Q3) | dynamic / none, per round: median (Q1-Q3) | rounds dynamic >= none | dynamic / fixed, "
+              "median | draft tokens verified: fixed, dynamic | dynamic: steps per k | load average | lossless |")
+        print("|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|")
         for name, rows in sweep.items():
             for c, r in rows.items():
                 none, fixed, dyn = r["tokens_per_s"].values()
-                (fr, dr), (fb, db) = r["ratio"].values(), r["best_ratio"].values()
+                (fq1, fm, fq3), (dq1, dm, dq3) = r["ratio"].values()
                 ks = ", ".join(f"k={k}: {n}" for k, n in r["dynamic_k_steps"].items())
-                print(f"| {name} | {c} | {none:.1f} | {fixed:.1f} | {dyn:.1f} | {fr:.2f}x | {dr:.2f}x | {fb:.2f}x, {db:.2f}x "
-                      f"| {ks} | {r['lossless']} |")
+                load = "-".join(f"{x:.1f}" for x in r["load_average"])
+                print(f"| {name} | {c} | {none:.1f} | {fixed:.1f} | {dyn:.1f} | {fm:.2f}x ({fq1:.2f}-{fq3:.2f}) "
+                      f"| {dm:.2f}x ({dq1:.2f}-{dq3:.2f}) | {r['rounds_not_slower']['dynamic']}/{args.rounds} "
+                      f"| {r['dynamic_over_fixed'][1]:.2f}x | {', '.join(map(str, r['draft_tokens'].values()))} "
+                      f"| {ks} | {load} | {r['lossless']} |")
         if args.json:
             Path(args.json).write_text(json.dumps(sweep, indent=2, default=str))
         return

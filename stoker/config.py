@@ -225,7 +225,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # draft_model / eagle3: the draft checkpoint folder, and vLLM's draft TP (1 or the target's)
+    # draft_model / eagle3: the draft checkpoint folder, and vLLM's draft TP (None: the target's;
+    # 1: the whole draft on every rank)
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     # method "suffix" (SuffixDecoding, core/suffix_proposer.py), vLLM's keys and defaults: the trees'
@@ -294,16 +295,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config draft_tensor_parallel_size must be a positive integer, got {tp!r}")
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
-        """vLLM's rule: the draft runs at TP 1 or at the target's TP; a model-drafted method runs
-        at TP 1 only here (its draft cache and forwards live on the sampling rank)."""
+        """vLLM's rule: the draft runs at TP 1 (whole on every rank here) or at the target's TP
+        (sharded over the target's ranks, the default); spec_decode/factory.py."""
         tp = self.draft_tensor_parallel_size
         if tp is not None and tp not in (1, tensor_parallel_size):
             raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 or the target's "
                              f"tensor_parallel_size ({tensor_parallel_size}), got {tp}")
-        if self.drafts_in_runner and tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported with tensor parallelism "
-                             f"yet (tensor_parallel_size {tensor_parallel_size}); serve with tensor_parallel_size 1 "
-                             f"or use method 'ngram'")
 
     def _check_suffix_keys(self) -> None:
         """vLLM's ranges for the suffix keys, and `dynamic` a boolean."""

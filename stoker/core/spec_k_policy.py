@@ -8,13 +8,19 @@ reports for speculation at high load). So per step, for every cap k on the draft
 longest proposal), the policy prices the step the scheduler is about to run with the cost model
 (`price(StepShape) -> seconds`, roofline/live.py's model of this model on this device) and
 counts the tokens it expects to emit, and keeps the k with the most tokens per second (ties: the
-smaller k).
+smaller k), provided it beats drafting nothing by MIN_GAIN: the roofline prices a
+weight-read-bound step's extra tokens at nearly nothing, but each verified row still costs its
+attention, its LM head row and its sampling (on a 2-core CPU drafts that all failed made batch-1
+decode ~15% slower), so a predicted gain of a few percent (drafts almost never accepted) is
+within the model's error and not worth verifying.
 
 Expected tokens: a decode emits 1; a sequence verifying d drafts emits 1 + sum_{j<d} P(drafts
 0..j all accepted). The per-position conditional acceptance a_i = P(draft i accepted | drafts
 0..i-1 were) is learned from the verifications, exponentially forgetting (a half-life of
 `HALF_LIFE` verifications, so a change of workload shows within a few hundred steps), starting
-from a prior of PRIOR_ACCEPTANCE worth PRIOR_WEIGHT verifications so the first steps do draft.
+from a prior of PRIOR_ACCEPTANCE worth PRIOR_WEIGHT verifications so the first steps do draft;
+a step that proposed but drafts nothing ages the estimate too, so a low acceptance learned once
+is tried again after a few half-lives.
 Pricing every cap costs ~0.1 ms per cap in Python, so a decision serves the next REUSE_STEPS
 steps of the same batch size and proposal length (contexts and acceptance move slowly).
 """
@@ -31,6 +37,7 @@ HALF_LIFE = 500.0  # verifications
 PRIOR_ACCEPTANCE = 0.5  # before any verification: even odds for each position
 PRIOR_WEIGHT = 2.0  # ... worth two verifications
 REUSE_STEPS = 7  # a decision serves the next steps of the same batch size and proposal length
+MIN_GAIN = 0.05  # drafting must promise this much more tokens/s than k = 0
 
 
 @dataclass(frozen=True)
@@ -59,15 +66,19 @@ class SpecKPolicy:
         """One sequence's verification: `num_accepted` of its `num_draft_tokens` drafts kept."""
         if num_draft_tokens <= 0:
             return
-        d = self._decay
-        for i in range(self.max_k):
-            self._reached[i] *= d
-            self._accepted[i] *= d
+        self._forget()
         # Position i is reached when drafted and every draft before it was accepted: i <= num_accepted
         for i in range(min(num_accepted + 1, num_draft_tokens)):
             self._reached[i] += 1.0
             if i < num_accepted:
                 self._accepted[i] += 1.0
+
+    def _forget(self) -> None:
+        """One half-life step toward the prior (what is learned fades as it ages)."""
+        d = self._decay
+        for i in range(self.max_k):
+            self._reached[i] *= d
+            self._accepted[i] *= d
 
     def acceptance(self) -> list[float]:
         """a_i, the conditional acceptance of draft position i."""
@@ -101,14 +112,23 @@ class SpecKPolicy:
         else:
             acc = self.acceptance()
             expected = [self.expected_accepted(d, acc) for d in range(longest + 1)]
-            best_rate, k = -1.0, 0
+            best_rate, k, rate_none = -1.0, 0, 0.0
             for cap in range(longest + 1):
                 tokens = sum(1.0 + expected[min(s.num_drafts, cap)] for s in seqs)
                 seconds = self.price(self.shape(seqs, cap, prefill_tokens, prefill_attended))
                 rate = tokens / seconds if seconds > 0 else 0.0
+                if cap == 0:
+                    rate_none = rate
                 if rate > best_rate * (1 + 1e-9):  # strictly better: among equals the smaller k
                     best_rate, k = rate, cap
+            if best_rate < rate_none * (1 + MIN_GAIN):  # a gain within the model's error: no drafts
+                k = 0
             self._memo = (key, k, REUSE_STEPS)
+        if k == 0 and self.price is not None:
+            # Nothing is verified, so nothing is learned: a step that proposed yet drafts nothing
+            # ages the estimate as a verification would, so an acceptance learned low drifts back
+            # toward the prior and drafting is tried again (a workload that changed is noticed)
+            self._forget()
         self.last_k = k
         self.steps_at_k[k] += 1
         return k

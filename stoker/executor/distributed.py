@@ -139,8 +139,14 @@ class DistributedExecutor(Executor):
         start = time.perf_counter()
         inputs, logits = self._collective("a tensor-parallel step", forward)
         self.collectives.after_step(time.perf_counter() - start)
-        result = self.driver_runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
+        try:
+            result = self.driver_runner.sample(step, inputs, logits)  # rank 0 alone: a failure here fails the batch only
+        except Exception:
+            # a runner drafter's loop runs on every rank (the others are in it already): it still runs, drafting nothing
+            self._collective("drafting", self.driver_runner.draft, step, inputs, None)
+            raise
         assert result is not None
+        self._collective("drafting", self.driver_runner.draft, step, inputs, result)
         return result
 
     def release(self, seq_id: int) -> None:

@@ -11,6 +11,10 @@ Both are RMS-normed and concatenated, so q/k/v read 2 x hidden; the residual is 
 input. The LM head covers a smaller draft vocabulary; `d2t[i]` is the offset that maps draft id i
 to target id i + d2t[i] (`t2d`, the inverse mask, is not needed to draft and is not read).
 
+Under tensor parallelism (`tp`) the layer is cut as a Llama layer is (q/k/v and gate/up by
+column, o_proj and down_proj by row, the LM head by vocabulary); `fc`, the norms and `d2t` are
+whole on every rank, since their inputs (the target's residual stream) are whole there.
+
 The layout follows vLLM's llama_eagle3.py (read to learn the names and the data flow); the code
 is built from Stoker's layers.
 """
@@ -24,12 +28,13 @@ from torch import nn
 
 from stoker.config import KVCacheSpec
 from stoker.distributed.parallel_state import TensorParallelGroup
+from stoker.distributed.partition import kv_head_partition
 from stoker.layers.attention import Attention
 from stoker.layers.embedding import LMHead, VocabEmbedding
 from stoker.layers.linear import Linear, MergedLinear
 from stoker.layers.norm import RMSNorm
 from stoker.layers.rotary import RotaryEmbedding
-from stoker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from stoker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of, split_evenly
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -53,10 +58,16 @@ class Eagle3Layer(nn.Module):
         hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
         bias = bool(cfg.get("attention_bias", False))
         self.self_attn = LlamaAttention(cfg, 0, rotary, bias, None, tp)
-        attn = self.self_attn
-        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        # [norm(embedding) | norm(hidden)]: 2 x hidden into q, k and v
-        attn.qkv_proj = MergedLinear(2 * hidden, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias=bias)
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = self.self_attn.head_dim
+        # [norm(embedding) | norm(hidden)]: 2 x hidden into q, k and v, cut over the ranks as the
+        # Llama layer's are (this rank's query heads and KV heads)
+        self.self_attn.qkv_proj = MergedLinear(
+            2 * hidden, {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}, bias=bias,
+            out_splits={"q": split_evenly(heads, "num_attention_heads", tp),
+                        "k": kv_head_partition(kv_heads, tp.world_size, tp.rank),
+                        "v": kv_head_partition(kv_heads, tp.world_size, tp.rank)})
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
@@ -107,10 +118,12 @@ class Eagle3Head(nn.Module):
         normed, prenorm = self.norm(x, residual)
         return normed, prenorm
 
-    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """(S, hidden) -> (S,) greedy draft tokens as target ids."""
-        logits = self.lm_head(normed)  # (S, draft_vocab)
-        assert logits is not None  # TP 1: rank 0 holds the whole head
+    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor | None:
+        """(S, hidden) -> (S,) greedy draft tokens as target ids (None on a rank the LM head's
+        gather leaves without logits)."""
+        logits = self.lm_head(normed)  # (S, draft_vocab) on rank 0; None on the other ranks of a sharded head
+        if logits is None:
+            return None
         best = logits.argmax(dim=-1)
         return best + self.d2t[best]
 

@@ -100,7 +100,8 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.matchers: Any = None  # structured outputs' GrammarMatchers (enable_structured_outputs)
         spec = config.speculative_config  # draft_model / eagle3: a model drafts after each sampling
-        self.drafter: Drafter | None = (make_drafter(config, self.model, hf_config, max_model_len, self.device, self.dtype)
+        self.drafter: Drafter | None = (make_drafter(config, self.model, hf_config, max_model_len, self.device, self.dtype,
+                                                     self.tp)
                                         if spec is not None and spec.drafts_in_runner else None)
         self.kv_connector: Any = None  # a KV connector's worker side (start_kv_connector)
 
@@ -312,10 +313,21 @@ class ModelRunner:
             return self.kv_connector.around_step(self, step)  # the config refuses a runner drafter beside it
         inputs, logits = self.forward(step)
         result = self.sample(step, inputs, logits)
-        if self.drafter is not None and result is not None:  # TP 1 (the config refuses more)
-            drafts = self.drafter.propose(step, inputs, result.sampled, self._draft_mask(step))
-            result.draft_token_ids = self._grammar_allowed(step, drafts)
+        self.draft(step, inputs, result)
         return result
+
+    def draft(self, step: StepMessage, inputs: ModelInputs, result: StepResult | None) -> None:
+        """draft_model / eagle3: the next step's proposals into `result` (rank 0's; None on the
+        other ranks, or on rank 0 when its sampling failed). Every rank calls it after each
+        step's sampling, in lockstep: a sharded draft's forwards hold collectives. The grammars
+        live on rank 0 (the other ranks' messages carry no sampling parameters): its argmax is
+        masked, and its proposals are cut before the first token a grammar refuses."""
+        if self.drafter is None:
+            return
+        mask = self._draft_mask(step) if result is not None else None
+        drafts = self.drafter.propose(step, inputs, result.sampled if result is not None else None, mask)
+        if result is not None:
+            result.draft_token_ids = self._grammar_allowed(step, drafts)
 
     def _draft_mask(self, step: StepMessage) -> Any:
         """The grammars of the step's constrained sequences, for the draft's own argmax; None without any."""

@@ -10,6 +10,14 @@ the draft's argmax. A greedy proposal is a point mass (q one-hot), so the reject
 `Drafter` holds that loop; a method says what its catch-up rows are and how one forward turns
 rows into tokens: `DraftModelDrafter` (a smaller checkpoint of the same vocabulary, method
 "draft_model") here, `Eagle3Drafter` (spec_decode/eagle3.py) beside it.
+
+Under tensor parallelism every rank runs the loop in lockstep: the draft is sharded over the
+target's group (its forwards hold the same collectives; spec_decode/factory.py says why), and what
+only rank 0 knows crosses over the CPU group twice per step: the tokens each sequence kept with
+the number of proposals it wants (a rank that does not sample has neither the tokens nor the
+sampling parameters), then each proposal round's tokens (the draft's LM head gathers its logits
+to rank 0 alone). Rank 0's tokens are the ones every rank feeds, so the ranks' draft caches hold
+the same positions.
 """
 
 from __future__ import annotations
@@ -22,12 +30,22 @@ from torch import nn
 
 from stoker.config import EngineConfig
 from stoker.core.step import SampledTokens, SeqStep, StepMessage
+from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.spec_decode.draft_cache import DraftKVCache
 
 if TYPE_CHECKING:
     from stoker.structured.draft_mask import DraftMask
+
+
+@dataclass
+class Kept:
+    """What one sequence kept this step, as rank 0 saw it: its accepted tokens (drafts and the
+    token after them) and how many proposals it wants next."""
+
+    token_ids: list[int]
+    num_drafts: int
 
 
 @dataclass
@@ -47,7 +65,8 @@ class Drafter:
 
     target_graphs_ok = True  # whether the target's decode may replay CUDA graphs
 
-    def __init__(self, config: EngineConfig, cache: DraftKVCache, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, cache: DraftKVCache, max_model_len: int, device: torch.device,
+                 tp: TensorParallelGroup | None = None) -> None:
         spec = config.speculative_config
         assert spec is not None
         self.k = spec.num_speculative_tokens
@@ -56,14 +75,16 @@ class Drafter:
         self.max_model_len = max_model_len
         self.device = device
         self.draft_mask: DraftMask | None = None  # during a proposal for sequences with a grammar
+        self.tp = tp or TensorParallelGroup.single()  # the target's group: the ranks that run this loop
 
     # ---- what a method provides
-    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> list[DraftRows]:
+    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, kept: dict[int, Kept]) -> list[DraftRows]:
         raise NotImplementedError
 
-    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft forward -> ((S,) greedy tokens of the S sampling rows, in order; (S, hidden)
-        the hidden input of each row's next step, or None for a method that needs none)."""
+    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One draft forward -> ((S,) greedy tokens of the S sampling rows, in order, on rank 0 (None
+        on a rank whose LM head shard gathered to rank 0); (S, hidden) the hidden input of each
+        row's next step, on every rank, or None for a method that needs none)."""
         raise NotImplementedError
 
     def release(self, seq_id: int) -> None:
@@ -72,7 +93,8 @@ class Drafter:
     # ---- the loop
     def num_drafts(self, step: StepMessage, seq_id: int, accepted: list[int], new_pos: int) -> int:
         """Proposals worth making for a sequence whose newest token sits at `new_pos`: within
-        max_model_len and max_tokens (the step keeps the drafts and one more), none after EOS."""
+        max_model_len and max_tokens (the step keeps the drafts and one more), none after EOS.
+        Rank 0 only: the other ranks' messages carry no sampling parameters."""
         spec = step.sampling.get(seq_id)
         if spec is None:
             return 0
@@ -84,17 +106,44 @@ class Drafter:
             return 0
         return max(room, 0)
 
-    def greedy(self, inputs: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
+    def kept(self, step: StepMessage, sampled: dict[int, SampledTokens] | None) -> dict[int, Kept]:
+        """Rank 0's `sampled` (None on the other ranks) -> seq_id -> Kept, on every rank (one
+        broadcast over the CPU group at TP > 1)."""
+        if not any(s.do_sample for s in step.seqs):  # every rank knows this from the message alone
+            return {}
+        kept = None
+        if self.tp.is_first:  # `sampled` None here: the step's sampling failed, nothing is kept
+            kept = {}
+            for s in step.seqs if sampled is not None else ():
+                if s.do_sample and s.seq_id in sampled:
+                    accepted = sampled[s.seq_id].token_ids
+                    # the newest token's position: the known tokens, then the accepted run
+                    new_pos = s.start_pos + s.num_tokens - len(s.draft_token_ids) + len(accepted) - 1
+                    kept[s.seq_id] = Kept(accepted, self.num_drafts(step, s.seq_id, accepted, new_pos))
+        return self.tp.broadcast_object(kept)
+
+    def agree(self, tokens: torch.Tensor | None) -> list[int]:
+        """A proposal round's (S,) tokens, rank 0's on every rank (the same list at TP 1)."""
+        if self.tp.world_size == 1:
+            assert tokens is not None
+            return tokens.tolist()
+        return self.tp.broadcast_object(tokens.tolist() if self.tp.is_first else None)
+
+    def greedy(self, inputs: ModelInputs, logits: torch.Tensor | None) -> torch.Tensor | None:
         """(S, V) draft logits of `inputs.sampled`'s rows -> (S,) drafts: the argmax, within each
-        sequence's grammar while a proposal for constrained sequences runs (structured/draft_mask.py)."""
+        sequence's grammar while a proposal for constrained sequences runs (structured/draft_mask.py).
+        None where the logits are (a rank of a sharded draft other than the first)."""
+        if logits is None:
+            return None
         if self.draft_mask is None:
             return logits.argmax(dim=-1)
         return self.draft_mask.argmax([s.seq_id for s in inputs.sampled], logits)
 
-    def propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens],
+    def propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens] | None,
                 draft_mask: DraftMask | None = None) -> dict[int, list[int]]:
-        """seq_id -> its proposed tokens for the next step (sequences that sampled and have room);
-        `draft_mask`: the grammars of the sequences that carry one (rolled back after the loop)."""
+        """seq_id -> its proposed tokens for the next step (sequences that sampled and have room).
+        Every rank calls it after the step's sampling, `sampled` being rank 0's (None elsewhere);
+        `draft_mask`: rank 0's grammars of the sequences that carry one (rolled back after the loop)."""
         self.draft_mask = draft_mask
         try:
             return self._propose(step, inputs, sampled)
@@ -104,10 +153,10 @@ class Drafter:
                 draft_mask.close()
 
     @torch.inference_mode()
-    def _propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> dict[int, list[int]]:
+    def _propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens] | None) -> dict[int, list[int]]:
         if not self.cache.is_allocated:  # the memory profile's forward runs before any cache
             return {}
-        plans = [p for p in self.catch_up_rows(step, inputs, sampled) if p.token_ids]
+        plans = [p for p in self.catch_up_rows(step, inputs, self.kept(step, sampled)) if p.token_ids]
         if not plans:
             return {}
         plans.sort(key=lambda p: len(p.token_ids) != 1)  # attention's order: one-token rows first
@@ -123,7 +172,7 @@ class Drafter:
         active = [(s, p.num_drafts) for s, p in zip(seqs, plans) if p.num_drafts > 0]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
         for j in range(max((n for _, n in active), default=0)):
-            for (s, _), t in zip(active, tokens.tolist()):
+            for (s, _), t in zip(active, self.agree(tokens)):
                 drafts[s.seq_id].append(t)
             keep = [i for i, (_, n) in enumerate(active) if n > j + 1]
             if not keep:
@@ -144,30 +193,29 @@ class DraftModelDrafter(Drafter):
     """method "draft_model": any checkpoint Stoker serves, of the target's vocabulary."""
 
     def __init__(self, config: EngineConfig, model: nn.Module, cache: DraftKVCache, max_model_len: int,
-                 device: torch.device) -> None:
-        super().__init__(config, cache, max_model_len, device)
+                 device: torch.device, tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(config, cache, max_model_len, device, tp)
         self.model = model
 
-    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> list[DraftRows]:
+    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, kept: dict[int, Kept]) -> list[DraftRows]:
         """The target's known tokens of the step, then what it kept (accepted drafts, the new
         token): the new token's row proposes the first draft."""
         plans = []
         for s in step.seqs:
-            if not s.do_sample or s.seq_id not in sampled:
+            got = kept.get(s.seq_id) if s.do_sample else None
+            if got is None:
                 plans.append(DraftRows(s.seq_id, s.token_ids, s.start_pos, s.block_table, 0))
                 continue
-            accepted = sampled[s.seq_id].token_ids
-            tokens = s.token_ids[: s.num_tokens - len(s.draft_token_ids)] + accepted
-            new_pos = s.start_pos + len(tokens) - 1
-            plans.append(DraftRows(s.seq_id, tokens, s.start_pos, s.block_table,
-                                   self.num_drafts(step, s.seq_id, accepted, new_pos)))
+            tokens = s.token_ids[: s.num_tokens - len(s.draft_token_ids)] + got.token_ids
+            plans.append(DraftRows(s.seq_id, tokens, s.start_pos, s.block_table, got.num_drafts))
         return plans
 
-    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         inputs = self.forward_inputs(seqs)
         with set_forward_context(ForwardContext(inputs.attn_metadata)):
             out = self.model(inputs.input_ids, inputs.positions)  # (T, hidden)
         if not inputs.sampled:
             return torch.empty(0, dtype=torch.int64), None
-        logits = self.model.compute_logits(out[inputs.logits_indices])  # (S, vocab)
+        # (S, vocab) on rank 0; None on the other ranks of a sharded draft (still a collective: all call it)
+        logits = self.model.compute_logits(out[inputs.logits_indices])
         return self.greedy(inputs, logits), None

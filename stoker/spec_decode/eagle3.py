@@ -9,7 +9,10 @@ input, one draft token each (vLLM's EAGLE proposer does the same).
 
 The hidden states are caught by forward pre-hooks on three target layers (the residual stream
 entering layer j), so the target's code is untouched; the hooks see eager forwards only, so the
-target's CUDA graphs stay off with this method. A prompt chunk that does not sample cannot run
+target's CUDA graphs stay off with this method. Under tensor parallelism each rank's taps are
+already the whole states, no gather needed: the stream between layers is replicated (each
+row-parallel projection all-reduces its partial sums before the residual add, the
+vocab-parallel embedding all-reduces its rows), so every rank combines the same (T, 3 x hidden). A prompt chunk that does not sample cannot run
 its last row yet (the token after it is in the next chunk): that row's hidden state is carried
 to the sequence's next step. After a prefix-cache hit the head's K/V at the hit's last position
 came from the sequence that computed it (whose next token may differ): that only makes a draft
@@ -31,13 +34,14 @@ from safetensors import safe_open
 from torch import nn
 
 from stoker.config import EngineConfig
-from stoker.core.step import SampledTokens, SeqStep, StepMessage
+from stoker.core.step import SeqStep, StepMessage
+from stoker.distributed.parallel_state import TensorParallelGroup
 from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.layers.rotary import rope_parameters
 from stoker.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head, aux_layer_ids
 from stoker.runner.inputs import ModelInputs
 from stoker.spec_decode.draft_cache import DraftKVCache
-from stoker.spec_decode.drafter import Drafter, DraftRows
+from stoker.spec_decode.drafter import Drafter, DraftRows, Kept
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +71,14 @@ class Eagle3Drafter(Drafter):
     target_graphs_ok = False  # the pre-hooks must see every target forward
 
     def __init__(self, config: EngineConfig, head: Eagle3Head, embedding: nn.Module, aux: AuxHiddenStates,
-                 cache: DraftKVCache, max_model_len: int, device: torch.device) -> None:
-        super().__init__(config, cache, max_model_len, device)
+                 cache: DraftKVCache, max_model_len: int, device: torch.device,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(config, cache, max_model_len, device, tp)
         self.head, self.embedding, self.aux = head, embedding, aux
         # seq_id -> (position, (hidden,) combined target state) of a chunk's last row, run next step
         self.carry: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> list[DraftRows]:
+    def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, kept: dict[int, Kept]) -> list[DraftRows]:
         combined = self.head.combine(self.aux.combined())  # (T, hidden), rows in the step's order
         cu = inputs.attn_metadata.cu_seqlens_q
         plans = []
@@ -81,11 +86,11 @@ class Eagle3Drafter(Drafter):
             known = s.num_tokens - len(s.draft_token_ids)
             rows = combined[cu[i] : cu[i] + s.num_tokens]  # (n, hidden)
             carried = self.carry.pop(s.seq_id, None)
-            if s.do_sample and s.seq_id in sampled:
-                accepted = sampled[s.seq_id].token_ids
-                tokens = s.token_ids[1:known] + accepted  # the token one to the right of each kept row
+            got = kept.get(s.seq_id) if s.do_sample else None
+            if got is not None:
+                tokens = s.token_ids[1:known] + got.token_ids  # the token one to the right of each kept row
                 hidden = rows[: len(tokens)]
-                num = self.num_drafts(step, s.seq_id, accepted, s.start_pos + len(tokens))
+                num = got.num_drafts
             else:  # a chunk's last row waits for the next chunk's first token
                 tokens, hidden, num = s.token_ids[1:], rows[: s.num_tokens - 1], 0
                 self.carry[s.seq_id] = (s.start_pos + s.num_tokens - 1, rows[-1:].clone())
@@ -95,7 +100,7 @@ class Eagle3Drafter(Drafter):
             plans.append(DraftRows(s.seq_id, tokens, start, s.block_table, num, hidden))
         return plans
 
-    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         assert hidden is not None
         inputs = self.forward_inputs(seqs)
         with set_forward_context(ForwardContext(inputs.attn_metadata)):
@@ -177,7 +182,10 @@ def _load_vocab_map(head: Eagle3Head, folder: str, target_vocab: int) -> None:
 
 
 def make_eagle3_drafter(config: EngineConfig, target: nn.Module, target_cfg: dict[str, Any], max_model_len: int,
-                        device: torch.device, dtype: torch.dtype) -> Eagle3Drafter:
+                        device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup,
+                        head_tp: TensorParallelGroup) -> Eagle3Drafter:
+    """The head built over `head_tp` (the target's group: sharded; a single group: whole on every
+    rank), drafting in lockstep on every rank of `tp` (the target's)."""
     from stoker.models.loader import build_with_methods, load_weights
 
     spec = config.speculative_config
@@ -200,7 +208,7 @@ def make_eagle3_drafter(config: EngineConfig, target: nn.Module, target_cfg: dic
         if not has_embedding and hidden != target_hidden:
             raise ValueError(f"EAGLE-3 head {folder} has no embed_tokens and hidden_size {hidden} != the target's "
                              f"{target_hidden}: it cannot share the target's embedding")
-        head = build_with_methods(lambda: Eagle3Head(cfg, max_model_len, None, has_embedding), dtype, device,
+        head = build_with_methods(lambda: Eagle3Head(cfg, max_model_len, head_tp, has_embedding), dtype, device,
                                   what="EAGLE-3 head")
         load_weights(head, weights)
         _load_vocab_map(head, weights, int(target_cfg["vocab_size"]))
@@ -210,4 +218,4 @@ def make_eagle3_drafter(config: EngineConfig, target: nn.Module, target_cfg: dic
                          config.scheduler_config.max_num_seqs, dtype, device)
     logger.info("EAGLE-3 head %s: target layers %s feed it, draft vocabulary %d of %d", folder, list(ids),
                 head.draft_vocab_size, target_cfg["vocab_size"])
-    return Eagle3Drafter(config, head, embedding, AuxHiddenStates(layers, ids), cache, max_model_len, device)
+    return Eagle3Drafter(config, head, embedding, AuxHiddenStates(layers, ids), cache, max_model_len, device, tp)

@@ -1,11 +1,16 @@
 """Speculative decoding under tensor parallelism on CPU over gloo: the step message carries the
 drafts to every rank, every rank runs the 1 + k token verify chunk on its shard, rank 0 verifies.
 Greedy tokens equal TP=1's (with and without drafts) while drafts fire and are accepted, and a
-seeded sampled request gives TP=1's tokens too."""
+seeded sampled request gives TP=1's tokens too. A draft model and an EAGLE-3 head draft on every
+rank, sharded over the target's group: they propose what they propose at TP=1 (the counters
+match), so the tokens match too."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from stoker import LLM, SamplingParams
 
@@ -17,21 +22,34 @@ PARAMS = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=32, temperature=0.8, seed=11, ignore_eos=True)]
 
 
-def _run(path: Path, spec: dict | None, tp: int) -> tuple[list[list[int]], int]:
+def _generate(path: Path, spec: dict | None, tp: int, params: list[SamplingParams] = PARAMS,
+              ) -> tuple[list[list[int]], tuple[int, int]]:
+    """The first len(params) prompts' tokens, and (draft tokens verified, accepted)."""
     llm = LLM(str(path), kv_cache_memory_bytes=1 << 22, max_model_len=256, device="cpu", tensor_parallel_size=tp,
-              speculative_config=spec)
+              speculative_config=spec, max_num_seqs=8)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[: len(params)]], params, use_tqdm=False)
         llm.engine.check_integrity()
         sd = llm.engine.stats().spec_decoding
-        return [o.outputs[0].token_ids for o in outs], (sd.num_accepted_tokens if sd is not None else 0)
+        counts = (sd.num_draft_tokens, sd.num_accepted_tokens) if sd is not None else (0, 0)
+        return [o.outputs[0].token_ids for o in outs], counts
     finally:
         llm.shutdown()
 
 
-def test_tp2_speculative_greedy_equals_tp1(tiny_checkpoints) -> None:
+def _run(path: Path, spec: dict | None, tp: int) -> tuple[list[list[int]], int]:
+    tokens, (_, accepted) = _generate(path, spec, tp)
+    return tokens, accepted
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoints) -> list[list[int]]:
+    """TP=1 without speculation: the tokens every run here is held to."""
+    return _run(tiny_checkpoints("llama"), None, 1)[0]
+
+
+def test_tp2_speculative_greedy_equals_tp1(tiny_checkpoints, plain: list[list[int]]) -> None:
     path = tiny_checkpoints("llama")
-    plain, _ = _run(path, None, 1)
     ngram1, accepted1 = _run(path, NGRAM, 1)
     ngram2, accepted2 = _run(path, NGRAM, 2)
     assert ngram2[:2] == ngram1[:2] == plain[:2]  # greedy rows: exactly the tokens without drafts
@@ -39,3 +57,26 @@ def test_tp2_speculative_greedy_equals_tp1(tiny_checkpoints) -> None:
     assert accepted2 == accepted1 > 0
     suffix2, accepted = _run(path, SUFFIX, 2)
     assert suffix2[:2] == plain[:2] and accepted > 0
+
+
+def test_tp2_draft_model_and_eagle3_equal_tp1(tiny_checkpoints, plain: list[list[int]], tmp_path: Path) -> None:
+    """The target drafting for itself, sharded or whole on each rank, accepts every greedy draft at
+    TP=2 (a wrong shard or a rank feeding other tokens would not); an EAGLE-3 head (random weights over a draft
+    vocabulary of the target's two most frequent tokens: it drafts, and is accepted at times) proposes and has accepted at TP=2 exactly what it does at TP=1, and the
+    seeded sampled row gets TP=1's tokens."""
+    from tests.model.test_eagle3 import write_eagle3_head
+
+    path = tiny_checkpoints("llama")
+    itself = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "dynamic": False}
+    for whole in (False, True):  # sharded (the default), then whole on each rank (draft_tensor_parallel_size 1)
+        spec = {**itself, "draft_tensor_parallel_size": 1} if whole else itself
+        tokens, (drafted, accepted) = _generate(path, spec, 2, PARAMS[:2])
+        assert tokens == plain[:2] and accepted == drafted > 0, whole
+    # a draft vocabulary of the two tokens the target emits most: random weights choose between them
+    common = [t for t, _ in Counter(t for row in plain for t in row).most_common(2)]
+    head = write_eagle3_head(tmp_path / "eagle3", path, kept=common, eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+    eagle = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "dynamic": False}
+    tokens1, counts1 = _generate(path, eagle, 1)
+    tokens2, counts2 = _generate(path, eagle, 2)
+    assert tokens2[:2] == plain[:2] and tokens2 == tokens1
+    assert counts2 == counts1 and counts2[1] > 0

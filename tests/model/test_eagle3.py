@@ -26,8 +26,10 @@ PROMPTS = [REPEAT, PLAIN, {"prompt_token_ids": [300, 301, 302] * 10 + [7, 8]}, "
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def write_eagle3_head(path: Path, target: Path, draft_vocab: int = 96, seed: int = 0, **config) -> Path:
-    """A one-layer EAGLE-3 head for `target` (hidden 64, vocab from its config) in the published layout."""
+def write_eagle3_head(path: Path, target: Path, draft_vocab: int = 96, seed: int = 0, kept: list[int] | None = None,
+                      **config) -> Path:
+    """A one-layer EAGLE-3 head for `target` (hidden 64, vocab from its config) in the published
+    layout; `kept`: the target ids of its draft vocabulary (else `draft_vocab` drawn at random)."""
     tc = json.loads((target / "config.json").read_text())
     hidden, vocab, inter = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
     heads, kv_heads = tc["num_attention_heads"], tc["num_key_value_heads"]
@@ -38,7 +40,8 @@ def write_eagle3_head(path: Path, target: Path, draft_vocab: int = 96, seed: int
         return torch.randn(*shape, generator=gen) * std
 
     # the draft vocabulary: a sorted subset of the target's (as the published heads keep the most frequent ids)
-    kept = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values
+    kept = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab] if kept is None else torch.tensor(kept)).values
+    draft_vocab = len(kept)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[kept] = True
     tensors = {
