@@ -8,6 +8,10 @@ notification per reading rank). The scheduler must hear of either once, when all
 are over: a read is done when every rank's part arrived, failed when any part failed (but
 only once every part has ended, since a rank still reading writes into the blocks), and a
 lease ends when every rank's reader has notified.
+
+Every rank ends every read it was given (arrived, failed, or timed out after load_timeout_s), so
+no read stays here. A lease that expired with only some reader ranks notified leaves its count
+here (a request id and an int) until the others notify, if ever.
 """
 
 from __future__ import annotations
