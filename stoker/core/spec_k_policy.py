@@ -115,17 +115,18 @@ class SpecKPolicy:
 
     @staticmethod
     def shape(seqs: Sequence[PlannedSeq], cap: int, prefill_tokens: int = 0, prefill_attended: int = 0) -> StepShape:
-        """The step's shape with every proposal cut to `cap`. A sequence verifying d drafts reads its
-        whole cached context once, as a decode does, and computes 1 + d tokens: it is priced as a
-        decode (its KV read) plus d more tokens attending that context (their FLOPs). (Priced as a
-        prefill chunk, the cost model would count the d + 1 tokens' K/V written but not the
-        context read, and a verify step would look cheaper than the decode it replaces.)"""
-        attended, context, extra, sampled = prefill_attended, 0, 0, 0
+        """The step's shape with every proposal cut to `cap`, as `StepMessage.shape` will count it: a
+        sequence verifying d drafts reads its whole cached context once, as a decode does, and
+        computes 1 + d tokens: a decode (its KV read) plus d draft tokens attending that context
+        (their FLOPs). (Priced as a prefill chunk, the cost model would count the d + 1 tokens'
+        K/V written but not the context read, and a verify step would look cheaper than the
+        decode it replaces.)"""
+        context, extra, draft_attended, sampled = 0, 0, 0, 0
         for s in seqs:
             d = min(s.num_drafts, cap)
             sampled += 1 + d
             context += s.num_tokens
             extra += d
-            attended += d * s.num_tokens + d * (d + 1) // 2
-        return StepShape(prefill_tokens + extra, attended, len(seqs), context,
-                         sampled + (1 if prefill_tokens else 0))
+            draft_attended += d * s.num_tokens + d * (d + 1) // 2
+        return StepShape(prefill_tokens, prefill_attended, len(seqs), context,
+                         sampled + (1 if prefill_tokens else 0), extra, draft_attended)

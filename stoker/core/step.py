@@ -83,13 +83,18 @@ class StepShape:
 
     num_prefill_tokens: int  # prompt tokens of every prefill chunk in the step
     prefill_attended: int  # sum over those tokens of the positions each attends (causal: p + 1)
-    num_decode_seqs: int  # sequences that computed one token
+    num_decode_seqs: int  # sequences that computed one known token (with or without drafts after it)
     decode_context: int  # sum of the decode sequences' context lengths (KV read)
     num_sampled: int  # rows of logits (a sequence verifying drafts samples 1 + len(drafts))
+    # Speculative decoding: drafted tokens verified after their sequence's decode token, and the
+    # positions they attend in all (the sequence's context, read once by its decode, and the
+    # drafts before them). A verify step is a decode that computes 1 + k tokens per sequence.
+    num_draft_tokens: int = 0
+    draft_attended: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_seqs
+        return self.num_prefill_tokens + self.num_decode_seqs + self.num_draft_tokens
 
     @property
     def kind(self) -> str:
@@ -118,17 +123,24 @@ class StepMessage:
         return [s.seq_id for s in self.seqs if s.do_sample]
 
     def shape(self) -> StepShape:
-        """A sequence with one new token is a decode (a one-token prefill chunk prices the same)."""
-        prefill = attended = decodes = context = 0
+        """A sequence with one known token is a decode (a one-token prefill chunk prices the same);
+        its drafts, if any, are verified tokens attending the context it reads (not a prefill
+        chunk, which would write their K/V without reading the context's)."""
+        prefill = attended = decodes = context = drafts = draft_attended = 0
         for s in self.seqs:
-            if s.num_tokens == 1:
+            known = s.num_tokens - len(s.draft_token_ids)
+            if known == 1:
                 decodes += 1
-                context += s.context_len
+                context += s.start_pos + 1
+                d = len(s.draft_token_ids)  # d_j at position start_pos + 1 + j attends start_pos + 2 + j
+                drafts += d
+                draft_attended += d * (s.start_pos + 1) + d * (d + 1) // 2
             else:
                 n = s.num_tokens
                 prefill += n
                 attended += n * s.start_pos + n * (n + 1) // 2
-        return StepShape(prefill, attended, decodes, context, sum(s.num_sampled for s in self.seqs))
+        return StepShape(prefill, attended, decodes, context, sum(s.num_sampled for s in self.seqs), drafts,
+                         draft_attended)
 
     def for_workers(self) -> StepMessage:
         """The forward part alone: what a rank that does not sample needs."""

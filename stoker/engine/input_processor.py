@@ -56,7 +56,6 @@ class InputLimits:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may ask for a priority
-    speculative_decoding: bool = False  # --speculative-config: drafts verified per step
     kv_transfer: bool = False  # --kv-transfer-config: requests may carry kv_transfer_params
     tensor_parallel_size: int = 1  # a decode leg's remote engine must have the same (kv_transfer_params tp_size)
 
@@ -112,12 +111,6 @@ class InputProcessor:
         bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else ()
         if params.structured_outputs is not None:
             spec = params.structured_outputs
-            if self.limits.speculative_decoding:
-                # The grammar would have to walk every draft and mask every verified row; not built.
-                raise InputError("structured outputs (response_format, structured_outputs) are not supported with "
-                                 "speculative decoding (--speculative-config); send the request without them or "
-                                 "serve without --speculative-config",
-                                 "response_format" if spec.kind in ("json", "json_object") else "structured_outputs")
             try:
                 self.grammars().compile(spec)
             except ValueError as exc:

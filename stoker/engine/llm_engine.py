@@ -127,7 +127,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
                                         self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill,
-                                        sched_cfg.policy == "priority", spec is not None,
+                                        sched_cfg.policy == "priority",
                                         kv_transfer=config.kv_transfer_config is not None,
                                         tensor_parallel_size=config.parallel_config.tensor_parallel_size)
         self.input_processor = self.make_input_processor(self.tokenizer)

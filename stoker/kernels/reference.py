@@ -526,6 +526,31 @@ def int4_linear(
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def w4a16_linear(
+    x: torch.Tensor,  # (..., K)
+    qweight: torch.Tensor,  # (N, K / 2) uint8, even k in the low nibble (quantization/int4.pack)
+    scale: torch.Tensor,  # (N, G) float16 / float32
+    offset: torch.Tensor | None,  # (N, G) float32 o' = o + 8 s, or None (symmetric)
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """Twin of kernels/w4a16_linear.py: w = (q - 8) * s (+ o') in float32, cast to x's dtype,
+    then the product in float32 (x's dtype for float32 x), rounded once to x's dtype."""
+    k = 2 * qweight.shape[1]
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(qweight.shape[0], k)
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.float().repeat_interleave(group_k, dim=1)[:, :k]
+
+    w = (codes.float() - 8.0) * per_column(scale)
+    if offset is not None:
+        w = w + per_column(offset)
+    out = x.float() @ w.to(x.dtype).float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def mla_decode_attention(
     query: torch.Tensor,  # (B, H, kv_lora_rank + rope): the W_UK-absorbed nope part, then q_pe
     latent_cache: torch.Tensor,  # (num_blocks, block_size, 1, kv_lora_rank + rope): [latent | k_pe] rows

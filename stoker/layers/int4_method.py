@@ -13,6 +13,9 @@ Backends, chosen once at build (models/method_chooser.py):
            converted in registers, scales and offsets applied once per group; scales held in
            float16 where exact, offsets dropped where zero (symmetric): 4.5 bits a weight for
            GGUF Q4_0 and symmetric checkpoints with 16-bit scales, as Q4_0 itself.
+  triton_w4a16  CUDA with Triton (group sizes that are multiples of 32, or per channel):
+           the W4A16 GEMM (kernels/w4a16_linear.py) on the packed codes as loaded, scales
+           in float16 where exact, offsets o' = o + 8 s dropped where zero, as cpu_q4.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -38,7 +41,7 @@ from stoker.layers.weight_method import FusedGateUpMixin, LinearMethod, copy_row
 from stoker.quantization import formats, int4
 from stoker.quantization.config import WeightScheme
 
-BACKENDS = ("cpu_q4", "dequant")
+BACKENDS = ("cpu_q4", "triton_w4a16", "dequant")
 PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
 # AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i] of its eight, so
 # column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
@@ -255,6 +258,15 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
                 layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
             self.kernel = linear_q4.linear_q4
             self._forward = self._cpu_q4
+        elif self.backend == "triton_w4a16":
+            from stoker.kernels.w4a16_linear import hold_scales, w4a16_linear
+
+            # the codes stay as loaded ((N, K / 2), even k in the low nibble: the kernel's layout)
+            scales, offsets = hold_scales(layer.weight_scale.data, layer.weight_offset.data)
+            layer.weight_scale = nn.Parameter(scales, requires_grad=False)
+            layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
+            self.kernel = w4a16_linear
+            self._forward = self._triton
         else:
             self.kernel = reference.int4_linear
             self._forward = self._dequant
@@ -271,6 +283,9 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
         return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.out_features,
                            layer.bias, False)
+
+    def _triton(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
 
     def _dequant(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, int4.unpack(layer.weight), layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)

@@ -10,7 +10,7 @@ projection, before its parameters exist:
   * a projection the quantization config covers (and does not ignore): QuantizedLinearMethod
     with its backend (stoker/layers/quantized_method.py lists them), or for 4-bit weights
     Int4LinearMethod (stoker/layers/int4_method.py: the C kernels' nibble panels on CPU float32,
-    dequantized in torch elsewhere);
+    the Triton W4A16 GEMM on CUDA, dequantized in torch elsewhere);
   * float projections: the C kernels' packed panels on CPU float32 when they are built
     (PackedCpuMethod, with SiLU-and-mul fused into a SiLU-gated [gate; up] layer),
     MKL's column-major layout on CPU without them, F.linear otherwise.
@@ -60,6 +60,19 @@ def quantized_backend(scheme: WeightScheme, device: torch.device, dtype: torch.d
             return "scaled_mm"
         if ops.triton_available() and not ops.triton_disabled():
             return "triton_w8"
+    return "dequant"
+
+
+def int4_backend(scheme: WeightScheme, device: torch.device, cpu_kernels: bool) -> str:
+    """cpu_q4 with the C kernels; on CUDA the Triton W4A16 GEMM when its K tiles fit the groups
+    (a multiple of 32 columns, or one group per row); else the dequantizing twin."""
+    if cpu_kernels:
+        return "cpu_q4"
+    if device.type == "cuda" and ops.triton_available() and not ops.triton_disabled():
+        from stoker.kernels.w4a16_linear import MIN_BLOCK_K
+
+        if scheme.strategy != "group" or (scheme.group_size or 0) % MIN_BLOCK_K == 0:
+            return "triton_w4a16"
     return "dequant"
 
 
@@ -123,7 +136,7 @@ class LinearMethodChooser:
         if scheme is not None and scheme.dtype == "int4":
             from stoker.layers.int4_method import Int4LinearMethod
 
-            backend = "cpu_q4" if self.cpu_kernels else "dequant"
+            backend = int4_backend(scheme, self.device, self.cpu_kernels)
             return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
         if scheme is not None:
             from stoker.layers.quantized_method import QuantizedLinearMethod

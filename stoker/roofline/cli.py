@@ -71,7 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="feasible plans to print (default 10)")
     p.add_argument("--weight-dtypes", default=None,
                    help="weight dtypes to search (default: the ones stoker serve runs for the model: bf16,fp8,int8, "
-                        "bf16 for a MoE model; add int4 to price W4A16 engines)")
+                        "bf16 for a MoE model, int4 for an AWQ / GPTQ / W4A16 checkpoint; add int4 to price "
+                        "--quantization int4, printed with its measured quality cost)")
     p.add_argument("--json", action="store_true", help='print {"feasible": [...], "rejected": [...]}')
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="scheduler token budget per step: decode batch + prefill chunk (default 8192, vLLM's)")
@@ -242,7 +243,7 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from stoker.roofline import hardware, memory, planner, profiles
+    from stoker.roofline import hardware, memory, modelspec, planner, profiles
 
     if args.device_file:
         hardware.load_gpu_yaml(args.device_file)
@@ -289,6 +290,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"run ({best.replicas} replica{'s' if best.replicas > 1 else ''}): {planner.serve_command(args.model, best)}")
     else:
         print("\nno feasible plan: nothing in the search space meets the targets (reasons below)")
+    searched = {c.weight_dtype for c in result.feasible} | {r.weight_dtype for r in result.rejected}
+    if "int4" in searched:
+        print("\n" + planner.int4_note(modelspec.get_model_spec(args.model)))
     if result.rejected:
         print("\nrejected:")
         for r in result.rejected:

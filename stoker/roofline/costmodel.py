@@ -494,20 +494,25 @@ def mixed_step_cost(
     eff: Efficiencies | None = None,
     act_dtype: str = "bf16",
     with_floor: bool = True,
+    draft_tokens: int = 0,
+    draft_attended: int = 0,
 ) -> StepCost:
     """One step of a continuous-batching engine as it ran: prefill chunks (`prefill_tokens`
     tokens attending `prefill_attended` positions in all) beside `decode_seqs` decodes reading
-    `decode_context` cached tokens in all, weights read once. The server prices every step
-    with it (roofline/live.py), without the floor (`with_floor=False`: floor_ops empty, half
-    the work on the engine thread)."""
+    `decode_context` cached tokens in all, weights read once. Speculative decoding: the decodes
+    also verify `draft_tokens` drafted tokens attending `draft_attended` positions in all (the
+    context their decode reads): more tokens through the same weight read, no context setup.
+    The server prices every step with it (roofline/live.py), without the floor
+    (`with_floor=False`: floor_ops empty, half the work on the engine thread)."""
     m, g = _resolve(model, gpu)
-    tokens = prefill_tokens + decode_seqs
+    tokens = prefill_tokens + decode_seqs + draft_tokens
     if tokens < 1 or logits_rows < 0:
         raise ValueError("a step computes at least one token")
-    attn_ctx = (prefill_attended + decode_context) / tokens
-    # Prefill writes its tokens' K/V; decodes read theirs (a sliding-window layer at most its window,
-    # the mean context per sequence taken for every sequence).
-    kv_tokens = prefill_tokens + (decode_seqs * m.kv_context(decode_context / decode_seqs) if decode_seqs else decode_context)
+    attn_ctx = (prefill_attended + decode_context + draft_attended) / tokens
+    # Prefill and drafts write their tokens' K/V; decodes read theirs (a sliding-window layer at
+    # most its window, the mean context per sequence taken for every sequence).
+    kv_tokens = prefill_tokens + draft_tokens + (
+        decode_seqs * m.kv_context(decode_context / decode_seqs) if decode_seqs else decode_context)
     kvd = kv_dtype or "bf16"
     lnk = get_link(link) if isinstance(link, str) else (link or g.link)
     wd = normalize_dtype(weight_dtype)

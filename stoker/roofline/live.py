@@ -84,6 +84,7 @@ class WallModel:
         cost = mixed_step_cost(
             self.spec, self.device, prefill_tokens=shape.num_prefill_tokens, prefill_attended=shape.prefill_attended,
             decode_seqs=shape.num_decode_seqs, decode_context=shape.decode_context, logits_rows=shape.num_sampled,
+            draft_tokens=shape.num_draft_tokens, draft_attended=shape.draft_attended,
             weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype, tp=self.tp, eff=self.eff, act_dtype=self.act_dtype,
             with_floor=False,  # the verdict divides by the peaks; the floor would double the work per step
         )

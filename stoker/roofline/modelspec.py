@@ -8,7 +8,8 @@ Entry points (the fleet planner sizes memory with the first two):
 Throughput for a deployment is `costmodel.decode_tokens_per_s(...)`.
 
 Dtypes: bf16/fp16 2 bytes; fp8/int8 1 byte; int4 0.5 byte + one 16-bit scale per group of 128
-(GPTQ/AWQ's common group size); mxfp4 4.25 bits (4-bit E2M1 values + one 8-bit E8M0 scale per
+(GPTQ/AWQ's common group size; `weight_bytes("int4")` prices the spec's own int4 layout, a
+4-bit checkpoint's groups and zero points, as the engine holds it); mxfp4 4.25 bits (4-bit E2M1 values + one 8-bit E8M0 scale per
 block of 32, the OCP Microscaling format gpt-oss ships its experts in: (32 x 4 + 8) / 32 bits). Quantized checkpoints keep embeddings and lm_head in 16 bits
 (vLLM's FP8 and GPTQ/AWQ checkpoints leave them unquantized), so `weight_bytes` does too.
 """
@@ -24,11 +25,14 @@ from stoker.roofline.presets import ALIASES, PRESETS
 from stoker.roofline.text_config import is_multimodal, text_model_config
 
 INT4_GROUP_SIZE = 128
-# Stoker's int4 method on CPU (kernels/cpu/linear_q4.py, pack_q4_scales) holds, per output row
-# and group, a float16 scale (float32 where a scale is not exact in float16) and, for
-# asymmetric weights only, a float32 offset: 2 bytes symmetric (online int4, GGUF Q4_0), 6 not.
-ENGINE_INT4_GROUP_BYTES = 2.0
-ENGINE_INT4_ASYMMETRIC_GROUP_BYTES = 6.0
+# Stoker's int4 method (layers/int4_method.py; the cpu_q4 and triton_w4a16 backends alike) holds,
+# per output row and group, a scale in float16 where every scale of the layer is exact in it
+# (GPTQ's and AWQ's float16 scales, online int4's) else float32 (GGUF Q4_K's products of two
+# scales), and, for asymmetric weights only (AWQ, GPTQ sym false, compressed-tensors with zero
+# points, GGUF Q4_K / Q4_1), a float32 offset: 2 bytes symmetric with float16 scales, 6
+# asymmetric, 4 and 8 with float32 scales.
+INT4_SCALE_BYTES = {"fp16": 2.0, "fp32": 4.0}
+INT4_OFFSET_BYTES = 4.0
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
 NVFP4_BLOCK_SIZE = 16  # NVIDIA NVFP4: E2M1 values, one FP8 E4M3 scale per 16 (plus one FP32 per tensor)
 DTYPE_BYTES: dict[str, float] = {
@@ -132,6 +136,12 @@ class ModelSpec:
     # The dtype the checkpoint ships its projections in, where it ships them quantized ("fp8": DeepSeek-V3's
     # and Kimi-K2's block-FP8, quantization_config quant_method "fp8"); "" for a float checkpoint.
     checkpoint_dtype: str = ""
+    # The int4 layout `weight_bytes("int4")` prices: groups of `int4_group_size` input columns
+    # (None: per channel, one group of K) and, not symmetric, an offset per group. The default is
+    # `--quantization int4` (round-to-nearest, symmetric, groups of 128); an AWQ / GPTQ /
+    # compressed-tensors W4A16 checkpoint's quantization_config gives its own (checkpoint_int4).
+    int4_group_size: int | None = INT4_GROUP_SIZE
+    int4_symmetric: bool = True
     published_params: float | None = None
     source: str = ""
 
@@ -303,7 +313,11 @@ class ModelSpec:
 
     def weight_bytes(self, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
         """Bytes of all weights: transformer-block matmuls in `dtype` (plus one float32 scale per
-        output row when quantized to fp8/int8), embeddings, LM head, routers and norms in `rest_dtype`."""
+        output row when quantized to fp8/int8; int4: half a byte a weight plus the scales and
+        offsets of the spec's int4 layout, as the engine holds them: engine_int4_weight_bytes),
+        embeddings, LM head, routers and norms in `rest_dtype`."""
+        if normalize_dtype(dtype) == "int4" and not self.expert_dtype:
+            return self.engine_int4_weight_bytes(self.int4_group_size, rest_dtype, self.int4_symmetric)
         c = self.param_counts()
         quantized = c["attention"] + c["mlp"] + (0 if self.expert_dtype else c["experts"])
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
@@ -318,17 +332,19 @@ class ModelSpec:
             experts = (c["experts"] - biases) * self.expert_bytes_per_param(dtype) + biases * dtype_bytes(rest_dtype)
         return quantized * dtype_bytes(dtype) + scales + experts + rest * dtype_bytes(rest_dtype)
 
-    def engine_int4_weight_bytes(self, group_size: int | None, rest_dtype: str = "bf16", symmetric: bool = True) -> float:
+    def engine_int4_weight_bytes(self, group_size: int | None, rest_dtype: str = "bf16", symmetric: bool = True,
+                                 scale_dtype: str = "fp16") -> float:
         """Bytes of all weights as Stoker's int4 method holds them (layers/int4_method.py):
-        transformer-block matmuls at half a byte per weight plus a float16 scale (and, not
-        symmetric, a float32 offset) per output row and group of `group_size` columns (None:
-        per channel, one group of K); embeddings, LM head, routers and norms in `rest_dtype`. (`weight_bytes("int4")`
-        prices GPTQ/AWQ's 16-bit scales instead.) A dense model's projections only."""
+        transformer-block matmuls at half a byte per weight plus, per output row and group of
+        `group_size` columns (None: per channel, one group of K), a `scale_dtype` scale (fp16
+        where exact, else fp32) and, not symmetric, a float32 offset; embeddings, LM head,
+        routers and norms in `rest_dtype`. The engine's start-up log prints this beside the
+        bytes it holds (runner weights_summary). A dense model's projections only."""
         c = self.param_counts()
         quantized = c["attention"] + c["mlp"] + c["experts"]
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]
         groups = self.projection_rows if group_size is None else quantized / group_size
-        per_group = ENGINE_INT4_GROUP_BYTES if symmetric else ENGINE_INT4_ASYMMETRIC_GROUP_BYTES
+        per_group = INT4_SCALE_BYTES[normalize_dtype(scale_dtype)] + (0.0 if symmetric else INT4_OFFSET_BYTES)
         return quantized * 0.5 + groups * per_group + rest * dtype_bytes(rest_dtype)
 
     def decode_weight_bytes(self, batch: int, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
@@ -437,6 +453,7 @@ def spec_from_config(config: dict, name: str = "custom") -> ModelSpec:
             qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
             v_head_dim=int(config.get("v_head_dim") or 0),
             checkpoint_dtype=checkpoint_dtype(config),
+            **checkpoint_int4(config),
             published_params=config.get("published_params"),
             source=str(config.get("source", name)),
         )
@@ -473,9 +490,40 @@ def expert_dtype(config: dict) -> str:
 
 def checkpoint_dtype(config: dict) -> str:
     """"fp8" where quantization_config ships the projections in FP8 (DeepSeek's block-FP8:
-    quant_method "fp8", weight_block_size [128, 128]); "" otherwise (mxfp4 experts: expert_dtype)."""
+    quant_method "fp8", weight_block_size [128, 128]); "int4" where it ships them 4-bit (AWQ,
+    GPTQ, compressed-tensors W4A16: checkpoint_int4); "" otherwise (mxfp4 experts: expert_dtype)."""
     q = config.get("quantization_config") or {}
-    return "fp8" if str(q.get("quant_method", "")).lower() == "fp8" else ""
+    if str(q.get("quant_method", "")).lower() == "fp8":
+        return "fp8"
+    return "int4" if _int4_weights(q) is not None else ""
+
+
+def _int4_weights(q: dict) -> dict | None:
+    """A 4-bit quantization_config's weight scheme as compressed-tensors names it (group_size,
+    strategy, symmetric), or None: AWQ (zero points unless zero_point false), GPTQ (`sym`,
+    group_size -1 per channel), compressed-tensors' first 4-bit integer weight group."""
+    method = str(q.get("quant_method", "")).lower()
+    if method in ("awq", "gptq") and int(q.get("bits") or q.get("w_bit") or 0) == 4:
+        group = int(q.get("group_size") or q.get("q_group_size") or 0)
+        symmetric = not q.get("zero_point", True) if method == "awq" else bool(q.get("sym", True))
+        return {"group_size": group if group > 0 else None, "strategy": "group" if group > 0 else "channel",
+                "symmetric": symmetric}
+    if method == "compressed-tensors":
+        for g in (q.get("config_groups") or {}).values():
+            w = (g or {}).get("weights") or {}
+            if int(w.get("num_bits") or 0) == 4 and w.get("type", "int") == "int":
+                return w
+    return None
+
+
+def checkpoint_int4(config: dict) -> dict:
+    """ModelSpec's int4 layout fields from a 4-bit checkpoint's quantization_config (the engine
+    holds exactly its groups, and an offset per group when it has zero points); {} otherwise."""
+    w = _int4_weights(config.get("quantization_config") or {})
+    if w is None:
+        return {}
+    per_channel = w.get("strategy") == "channel" or not w.get("group_size")
+    return {"int4_group_size": None if per_channel else int(w["group_size"]), "int4_symmetric": bool(w.get("symmetric", True))}
 
 
 def qkv_bias(config: dict) -> bool:

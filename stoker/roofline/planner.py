@@ -170,10 +170,21 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
                      mem.total_bytes / GiB, cost, bound, kv.tokens, seqs)
 
 
-# The weight dtypes Stoker's engine serves well on GPUs (--quantization fp8|int8, or float): a plan
-# prints the `stoker serve` command that runs it, so int4 (served, but dequantized per call on
-# GPUs: no W4A16 GPU kernel yet) is only searched when asked.
+# The weight dtypes a default plan searches for a float checkpoint (--quantization fp8|int8, or
+# float): a plan prints the `stoker serve` command that runs it. int4 is served (W4A16 Triton GEMM
+# on GPUs, the C nibble kernel on CPUs) but online round-to-nearest int4 costs quality that 8-bit
+# does not (ONLINE_INT4_QUALITY), so for a float checkpoint it is searched only when asked, as
+# vLLM serves 4-bit only from a 4-bit checkpoint; a 4-bit checkpoint (AWQ, GPTQ,
+# compressed-tensors W4A16) is planned as it ships (servable_weight_dtypes).
 SERVABLE_WEIGHT_DTYPES = ("bf16", "fp8", "int8")
+# Measured, not assumed (docs/quantization.md, "Quality of online int4"; tests/model/test_int4.py):
+# teacher-forced over 256 positions against float32, on tiny random models (hidden 128, 2 layers),
+# the worst case for round-to-nearest (Gaussian weights, no outliers); calibrated checkpoints do better.
+ONLINE_INT4_QUALITY = ("online int4 (RTN, groups of 128) vs float: mean KL 0.18-0.22, top-1 agreement 0.42-0.51 "
+                       "on tiny random models, the worst case (8-bit: KL 5.8e-4-8.0e-4, top-1 0.95-0.97; "
+                       "docs/quantization.md)")
+# Triton W4A16 GEMM on GPUs: correct (twin-tested), its speed on a GPU not yet measured (issue 39).
+INT4_GPU_SPEED = "int4 runs a W4A16 Triton GEMM on GPUs, its GPU speed not yet measured (issue 39)"
 # A MoE model runs its experts unquantized: `--quantization fp8|int8` on one is refused when the
 # model is built (docs/moe.md, "Refused, by name"), so a MoE plan searches bf16 unless told otherwise.
 MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
@@ -181,10 +192,24 @@ MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
 
 def servable_weight_dtypes(m: ModelSpec) -> tuple[str, ...]:
     """The weight dtypes a default plan searches for `m`: what `stoker serve` runs for it. A checkpoint
-    shipped quantized (DeepSeek-V3's and Kimi-K2's block-FP8) is served as shipped (docs/mla.md)."""
+    shipped quantized (DeepSeek-V3's and Kimi-K2's block-FP8, docs/mla.md; AWQ / GPTQ / W4A16 int4)
+    is served as shipped."""
     if m.checkpoint_dtype:
         return (m.checkpoint_dtype,)
     return MOE_SERVABLE_WEIGHT_DTYPES if m.is_moe else SERVABLE_WEIGHT_DTYPES
+
+
+def int4_note(m: ModelSpec) -> str:
+    """What int4 weights cost for `m`, printed with a plan that searched them: the bytes (the
+    engine's layout: half a byte a weight, a scale and, asymmetric, an offset per group) against
+    bf16, and the quality: the measured figures for online int4, the checkpoint's own otherwise."""
+    group = f"group of {m.int4_group_size}" if m.int4_group_size else "output row (per channel)"
+    held = "a float16 scale" + ("" if m.int4_symmetric else " and a float32 offset")
+    quality = ("the checkpoint's own calibration (not measured here; calibrated AWQ / GPTQ beat RTN)"
+               if m.checkpoint_dtype == "int4" else ONLINE_INT4_QUALITY)
+    return (f"int4 weights: {m.weight_bytes('int4') / GiB:.1f} GiB vs {m.weight_bytes('bf16') / GiB:.1f} GiB bf16 "
+            f"(half a byte a weight + {held} per {group}, as the engine holds them); quality: {quality}; "
+            f"{INT4_GPU_SPEED}")
 
 
 def servable_kv_dtypes(m: ModelSpec) -> tuple[str, ...]:
@@ -279,14 +304,14 @@ def serve_command(model: str, c: Candidate) -> str:
     elif c.weight_dtype not in _ENGINE_QUANTIZATION:
         notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
     elif spec is not None and spec.checkpoint_dtype == c.weight_dtype:
-        pass  # served as the checkpoint ships it (block-FP8): its quantization_config says so, no flag
+        # served as the checkpoint ships it (block-FP8, AWQ / GPTQ int4): its quantization_config says so, no flag
+        if c.weight_dtype == "int4":
+            notes.append(INT4_GPU_SPEED)
     elif _ENGINE_QUANTIZATION[c.weight_dtype]:
         parts.append(f"--quantization {_ENGINE_QUANTIZATION[c.weight_dtype]}")
         if c.weight_dtype == "int4":
-            # Stoker's int4 runs the C nibble kernel on CPU; on a GPU it dequantizes per call
-            # (no W4A16 GPU kernel yet), slower than the plan's W4A16 pricing assumes.
-            notes.append("int4: Stoker dequantizes 4-bit weights per call on GPUs (no W4A16 GPU kernel yet); "
-                         "the price assumes one; quality: docs/quantization.md, 4-bit weights")
+            notes.append(f"{INT4_GPU_SPEED}; online int4 costs quality: mean KL 0.18-0.22 vs float on tiny random "
+                         "models (docs/quantization.md)")
     if c.kv_dtype == "fp8":
         parts.append("--kv-cache-dtype fp8")
     parts.append(f"--max-num-seqs {c.max_batch}")

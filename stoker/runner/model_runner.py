@@ -136,9 +136,11 @@ class ModelRunner:
         quantized = self.quant is not None and not self.quant.experts_only
         projections = self.quant.method if quantized else rest
         spec = spec_from_config(self.hf_config)
-        if quantized and self.quant.weights.dtype == "int4":  # 16-bit scale (+ offset if asymmetric) per group
+        if quantized and self.quant.weights.dtype == "int4":  # a scale (+ an offset if asymmetric) per group
             group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
-            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=self.quant.weights.symmetric)
+            scale_dtype, offsets = self._int4_scales_held()
+            predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=not offsets, scale_dtype=scale_dtype)
+            projections = f"int4 ({scale_dtype} scales{', float32 offsets' if offsets else ''})"
         else:
             predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
@@ -147,6 +149,14 @@ class ModelRunner:
         experts = f"{spec.expert_dtype} experts, " if spec.expert_dtype else ""
         return (f"{_size(predicted)} ({experts}{projections} projections, embeddings/norms/LM head {rest}; "
                 f"{by}, panel padding included)")
+
+    def _int4_scales_held(self) -> tuple[str, bool]:
+        """("fp16" | "fp32", offsets held?) of the int4 projections: what process_after_loading
+        chose from the loaded values (float16 scales where all of a layer's are exact; offsets
+        only where not all zero). A model whose layers chose differently is priced by the widest."""
+        layers = [m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4"]
+        wide = any(m.weight_scale.dtype == torch.float32 for m in layers)
+        return ("fp32" if wide else "fp16"), any(m.weight_offset is not None for m in layers)
 
     def describe(self) -> RunnerInfo:
         """This runner as plain values (the executor contract's `describe`)."""
@@ -303,8 +313,32 @@ class ModelRunner:
         inputs, logits = self.forward(step)
         result = self.sample(step, inputs, logits)
         if self.drafter is not None and result is not None:  # TP 1 (the config refuses more)
-            result.draft_token_ids = self.drafter.propose(step, inputs, result.sampled)
+            drafts = self.drafter.propose(step, inputs, result.sampled, self._draft_mask(step))
+            result.draft_token_ids = self._grammar_allowed(step, drafts)
         return result
+
+    def _draft_mask(self, step: StepMessage) -> Any:
+        """The grammars of the step's constrained sequences, for the draft's own argmax; None without any."""
+        if self.matchers is None:
+            return None
+        grammars = {seq_id: spec.params.structured_outputs for seq_id, spec in step.sampling.items()
+                    if spec.params.structured_outputs is not None}
+        if not grammars:
+            return None
+        from stoker.structured.draft_mask import DraftMask
+
+        return DraftMask(self.matchers, grammars)
+
+    def _grammar_allowed(self, step: StepMessage, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """A constrained sequence's proposals cut before the first its grammar refuses: verification
+        would reject that one and drop the rest, so they are not worth a verify position."""
+        if self.matchers is None:
+            return drafts
+        for seq_id, tokens in drafts.items():
+            grammar = step.sampling[seq_id].params.structured_outputs
+            if grammar is not None and tokens:
+                del tokens[self.matchers.allowed_prefix(seq_id, grammar, tokens):]
+        return drafts
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
@@ -376,10 +410,11 @@ class ModelRunner:
         of a sequence sees its output with drafts 0..j-1 appended (penalties, min_tokens, bad words)."""
         rows: list[SamplingRow] = []
         groups: list[VerifyGroup] = []
+        constrained = []  # (first row, seq_id, grammar spec, drafts): groups a grammar masks row by row
         for s in inputs.sampled:
             spec = step.sampling[s.seq_id]
-            if spec.params.structured_outputs is not None:  # the input processor refuses these
-                raise ValueError("structured outputs cannot be verified with draft tokens")
+            if spec.params.structured_outputs is not None:
+                constrained.append((len(rows), s.seq_id, spec.params.structured_outputs, s.draft_token_ids))
             prompt_ids, output_ids = spec.history_ids or ([], [])
             generator = self._generator(s.seq_id, spec)
             drafts = list(s.draft_token_ids)
@@ -388,7 +423,12 @@ class ModelRunner:
                 rows.append(SamplingRow(spec.params, prompt_ids, history, spec.num_output_tokens + j,
                                         generator, step.eos_token_ids, spec.bad_words_token_ids))
             groups.append(VerifyGroup(s.seq_id, s.draft_token_ids))
-        return verify(self.sampler, logits, rows, groups)
+        if constrained:
+            self.matchers.mask_drafts(logits, constrained)
+        kept = verify(self.sampler, logits, rows, groups)
+        for _, seq_id, grammar, _ in constrained:
+            self.matchers.accept_tokens(seq_id, grammar, kept[seq_id].token_ids)
+        return kept
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         seed = spec.params.seed

@@ -15,6 +15,7 @@ rows into tokens: `DraftModelDrafter` (a smaller checkpoint of the same vocabula
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from stoker.core.step import SampledTokens, SeqStep, StepMessage
 from stoker.layers.forward_context import ForwardContext, set_forward_context
 from stoker.runner.inputs import ModelInputs, prepare_inputs
 from stoker.spec_decode.draft_cache import DraftKVCache
+
+if TYPE_CHECKING:
+    from stoker.structured.draft_mask import DraftMask
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Drafter:
         self.block_size = config.cache_config.block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.draft_mask: DraftMask | None = None  # during a proposal for sequences with a grammar
 
     # ---- what a method provides
     def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> list[DraftRows]:
@@ -79,9 +84,27 @@ class Drafter:
             return 0
         return max(room, 0)
 
+    def greedy(self, inputs: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
+        """(S, V) draft logits of `inputs.sampled`'s rows -> (S,) drafts: the argmax, within each
+        sequence's grammar while a proposal for constrained sequences runs (structured/draft_mask.py)."""
+        if self.draft_mask is None:
+            return logits.argmax(dim=-1)
+        return self.draft_mask.argmax([s.seq_id for s in inputs.sampled], logits)
+
+    def propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens],
+                draft_mask: DraftMask | None = None) -> dict[int, list[int]]:
+        """seq_id -> its proposed tokens for the next step (sequences that sampled and have room);
+        `draft_mask`: the grammars of the sequences that carry one (rolled back after the loop)."""
+        self.draft_mask = draft_mask
+        try:
+            return self._propose(step, inputs, sampled)
+        finally:
+            self.draft_mask = None
+            if draft_mask is not None:
+                draft_mask.close()
+
     @torch.inference_mode()
-    def propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> dict[int, list[int]]:
-        """seq_id -> its proposed tokens for the next step (sequences that sampled and have room)."""
+    def _propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens]) -> dict[int, list[int]]:
         if not self.cache.is_allocated:  # the memory profile's forward runs before any cache
             return {}
         plans = [p for p in self.catch_up_rows(step, inputs, sampled) if p.token_ids]
@@ -147,4 +170,4 @@ class DraftModelDrafter(Drafter):
         if not inputs.sampled:
             return torch.empty(0, dtype=torch.int64), None
         logits = self.model.compute_logits(out[inputs.logits_indices])  # (S, vocab)
-        return logits.argmax(dim=-1), None
+        return self.greedy(inputs, logits), None

@@ -23,10 +23,21 @@ A spec with `enforce_after` (a reasoning end marker's token ids) gets no matcher
 sequence's sampled tokens hold that sequence: until then its row is left free (a `_Gate` follows
 the accepted tokens), and the grammar starts with the token after the marker. Specs without it
 never touch the gates.
+
+Speculative decoding (`mask_drafts`): a sequence verifying drafts d_0..d_{k-1} samples k + 1
+rows; row j must see the grammar's state after the output and d_0..d_{j-1}, as decoding without
+drafts would. The matcher walks the drafts, filling row j before accepting d_j, and stops at the
+first draft the grammar refuses: that draft's own row forbids it, so verification rejects it
+(greedy: it is not the masked argmax; sampled: its probability is 0) and the rows after it are
+never kept (left unmasked). The walk is then rolled back (`GrammarMatcher.rollback`): only the
+tokens verification kept advance the matcher (`accept_tokens`), so a rejected draft never
+touches the grammar's state. `allowed_prefix` is the same walk without masks: how many of a
+draft model's proposals the grammar allows (the rest would only be rejected).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from typing import Any
@@ -124,12 +135,74 @@ class GrammarMatchers:
         xgr = self.cache.xgr
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.cache.info.vocab_size)
         for row, seq_id, spec in rows:
-            matcher = self.matchers.get(seq_id)
-            if matcher is None:
-                matcher = self.matchers[seq_id] = xgr.GrammarMatcher(self.cache.compile(spec))
-                self.gates.pop(seq_id, None)
-            matcher.fill_next_token_bitmask(bitmask, row)
+            self.matcher_for(seq_id, spec).fill_next_token_bitmask(bitmask, row)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[r for r, _, _ in rows])
+
+    def mask_drafts(self, logits: torch.Tensor, groups: list[tuple[int, int, StructuredOutputs, tuple[int, ...]]]) -> None:
+        """Verification: mask `logits` (N, V) in place for the (first row, seq_id, spec, drafts)
+        groups that carry a grammar; a group owns rows first row .. first row + len(drafts)."""
+        xgr = self.cache.xgr
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.cache.info.vocab_size)  # (N, ceil(V / 32))
+        masked: list[int] = []
+        for first_row, seq_id, spec, drafts in groups:
+            matcher, start = self._judge(seq_id, spec, drafts)
+            if matcher is not None:
+                self._walk(matcher, drafts, start, bitmask, first_row, masked)
+        if masked:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)
+
+    def allowed_prefix(self, seq_id: int, spec: StructuredOutputs, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar allows from the sequence's state (unchanged)."""
+        matcher, start = self._judge(seq_id, spec, drafts)
+        return len(drafts) if matcher is None else self._walk(matcher, drafts, start, None, 0, [])
+
+    def _judge(self, seq_id: int, spec: StructuredOutputs, drafts: tuple[int, ...] | list[int]) -> tuple[Any, int]:
+        """The matcher that judges drafts[start:] and start: the sequence's own (made on first
+        use, as `mask` makes it); for a sequence whose marker is not out yet, a scratch matcher
+        from the draft after the one that completes the marker; (None, len) if none does."""
+        if seq_id in self.matchers or not spec.enforce_after or not self._waiting(seq_id, spec):
+            return self.matcher_for(seq_id, spec), 0
+        gate = copy.copy(self.gates[seq_id])  # the drafts may complete the marker; only kept tokens open the real gate
+        for j, token in enumerate(drafts):
+            gate.feed(token)
+            if gate.open:
+                return self.cache.xgr.GrammarMatcher(self.cache.compile(spec)), j + 1
+        return None, len(drafts)
+
+    @staticmethod
+    def _walk(matcher: Any, drafts: tuple[int, ...] | list[int], start: int, bitmask: torch.Tensor | None,
+              first_row: int, masked: list[int]) -> int:
+        """Fill row first_row + j (when `bitmask` is given) for j = start .. len(drafts), accepting
+        d_j after its row, up to the first draft refused or a stop token accepted; roll the
+        matcher back to where it was. -> how many leading drafts passed."""
+        advanced = 0
+        for j in range(start, len(drafts) + 1):
+            if matcher.is_terminated():  # a drafted stop token ended the grammar: the output ends there
+                break
+            if bitmask is not None:
+                matcher.fill_next_token_bitmask(bitmask, first_row + j)
+                masked.append(first_row + j)
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+        return start + advanced
+
+    def matcher_for(self, seq_id: int, spec: StructuredOutputs) -> Any:
+        """The sequence's matcher, made on first use (its grammar applies from now on)."""
+        matcher = self.matchers.get(seq_id)
+        if matcher is None:
+            matcher = self.matchers[seq_id] = self.cache.xgr.GrammarMatcher(self.cache.compile(spec))
+            self.gates.pop(seq_id, None)
+        return matcher
+
+    def accept_tokens(self, seq_id: int, spec: StructuredOutputs, tokens: list[int]) -> None:
+        """A verified run: the grammar starts at the token after the marker even mid-run."""
+        for token in tokens:
+            if seq_id not in self.matchers and not (spec.enforce_after and self._waiting(seq_id, spec)):
+                self.matcher_for(seq_id, spec)
+            self.accept(seq_id, token)
 
     def accept(self, seq_id: int, token: int) -> None:
         matcher = self.matchers.get(seq_id)

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
-from stoker.kernels import fused_moe, mla_decode_attention, store_kvcache, w8_linear  # noqa: E402
+from stoker.kernels import fused_moe, mla_decode_attention, store_kvcache, w4a16_linear, w8_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
@@ -125,6 +125,21 @@ def variants():
         yield (f"w8_linear {wtype} M{rows} group{group_k}", w8_linear._w8_linear_kernel,
                {"*": "bf16", "w_ptr": wtype, "scale_ptr": "fp32"},
                dict(HAS_BIAS=False, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+    # W4A16 at Llama-3-8B shapes: decode (split K) and prefill tiles; float16 scales without
+    # offsets (symmetric) and float32 scales with offsets (zero points, Q4_K minimums)
+    for rows, n, k, group, asym in ((1, 4096, 4096, 128, False), (1, 1024, 4096, 32, True), (16, 14336, 4096, 64, False),
+                                    (64, 4096, 14336, 128, True), (512, 4096, 4096, 32, False)):
+        tiles = w4a16_linear.tile_config(rows, n, k, group, 132)
+        warps = tiles.pop("num_warps")
+        split = tiles.pop("SPLIT_K")
+        yield (f"w4a16_linear M{rows} N{n} K{k} group{group}{' asym' if asym else ''} split{split}",
+               w4a16_linear._w4a16_linear_kernel,
+               {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32",
+                "out_ptr": "fp32" if split > 1 else "bf16"},
+               dict(HAS_OFFSET=asym, HAS_BIAS=False, PARTIAL=split > 1, DOT_FP32=False, PRECISION="tf32", **tiles), warps)
+    for split in (4, 16):
+        yield (f"w4a16_linear split sum split{split}", w4a16_linear._split_sum_kernel, {"*": "bf16", "partial_ptr": "fp32"},
+               dict(SPLIT_K=split, HAS_BIAS=True, BLOCK=w4a16_linear.SPLIT_SUM_BLOCK, RNE_BF16=False), 4)
     # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
     moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",
                "pair_weight_ptr": "fp32"}

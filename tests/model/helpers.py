@@ -138,3 +138,51 @@ def spec_llm(path: Path, spec: dict | None, **kw):
 def output_token_ids(llm, prompts, params) -> list[list[int]]:
     """Each prompt's first completion's token ids."""
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# Structured outputs with speculative decoding: a JSON schema, a regex and a choice, each on a
+# prompt that repeats text the grammar accepts, so n-gram and suffix drafts fire in the output.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+                                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                     "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED_REGEX = "[0-9]{3}-[a-z]{2,6}"
+STRUCTURED_CHOICE = ("yes please", "no thanks", "maybe later")
+
+
+def structured_cases() -> list[tuple[str, object]]:
+    """(prompt, StructuredOutputs) per kind."""
+    from stoker.structured.spec import StructuredOutputs
+
+    return [('{"name": "bob", "age": 41} ' * 4, StructuredOutputs.from_schema(STRUCTURED_SCHEMA)),
+            ("379-ingot 812-lo 379-ingot " * 3, StructuredOutputs(regex=STRUCTURED_REGEX)),
+            ("maybe later, yes please, no thanks. " * 3, StructuredOutputs(choice=STRUCTURED_CHOICE))]
+
+
+def check_structured_with_drafts(base, spec, max_tokens: int = 24, expect_accepted: bool = True):
+    """The three kinds in one batch, greedy: with drafts each output is valid under its grammar
+    and token for token the output without drafts; drafts were made (and accepted, unless the
+    drafter is random, as a random EAGLE-3 head is). -> the counters' before and after."""
+    import json
+    import re
+
+    import jsonschema
+
+    from stoker import SamplingParams
+
+    cases = structured_cases()
+    prompts = [p for p, _ in cases]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so) for _, so in cases]
+    before = spec.engine.stats().spec_decoding
+    got = spec.generate(prompts, params, use_tqdm=False)
+    after = spec.engine.stats().spec_decoding
+    want = base.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    texts = [o.outputs[0].text for o in got]
+    assert all(o.outputs[0].finish_reason == "stop" for o in got), texts
+    jsonschema.validate(json.loads(texts[0]), STRUCTURED_SCHEMA)
+    assert re.fullmatch(STRUCTURED_REGEX, texts[1]), texts[1]
+    assert texts[2] in STRUCTURED_CHOICE, texts[2]
+    assert after.num_drafts > before.num_drafts, "nothing was drafted"
+    if expect_accepted:
+        assert after.num_accepted_tokens > before.num_accepted_tokens, "no draft was accepted"
+    return before, after

@@ -12,7 +12,7 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.config import SpeculativeConfig
-from tests.model.helpers import output_token_ids, spec_llm
+from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -64,6 +64,17 @@ def test_a_different_draft_model_leaves_greedy_output_unchanged(base: LLM, other
     before = other.engine.stats().spec_decoding
     assert output_token_ids(other, MIXED, GREEDY) == output_token_ids(base, MIXED, GREEDY)
     assert other.engine.stats().spec_decoding.num_draft_tokens > before.num_draft_tokens
+
+
+def test_structured_outputs_a_model_drafting_for_itself_within_the_grammar(base: LLM, itself: LLM) -> None:
+    """The draft's argmax is masked by the same grammar (structured/draft_mask.py): it proposes
+    the target's masked argmax, so every draft passes, and the output is valid and lossless."""
+    before, after = check_structured_with_drafts(base, itself)
+    assert after.num_accepted_tokens - before.num_accepted_tokens == after.num_draft_tokens - before.num_draft_tokens
+
+
+def test_structured_outputs_with_another_draft_model(base: LLM, other: LLM) -> None:
+    check_structured_with_drafts(base, other, expect_accepted=False)
 
 
 def test_seeded_sampling_is_reproducible(itself: LLM) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import output_token_ids, spec_llm
+from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -94,6 +94,12 @@ def test_greedy_output_equals_decoding_without_drafts(base: LLM, eagle: LLM) -> 
     assert output_token_ids(eagle, PROMPTS, GREEDY) == output_token_ids(base, PROMPTS, GREEDY)
     after = eagle.engine.stats().spec_decoding
     assert after.num_drafts > before.num_drafts and after.num_draft_tokens > before.num_draft_tokens
+
+
+def test_structured_outputs_stay_valid_and_lossless(base: LLM, eagle: LLM) -> None:
+    """A random head's drafts are mostly refused by the grammar (cut before verification); the
+    ones verified are checked against the target's masked rows."""
+    check_structured_with_drafts(base, eagle, expect_accepted=False)
 
 
 def test_the_head_maps_draft_ids_into_the_target_vocabulary(eagle: LLM, head: Path) -> None:

@@ -123,8 +123,34 @@ def test_weight_bytes_are_the_packed_codes_plus_scales_and_offsets(tiny_checkpoi
     from stoker.roofline.modelspec import spec_from_config
 
     runner = llm.engine.executor.driver_runner
-    assert spec_from_config(runner.hf_config).engine_int4_weight_bytes(128, "float32") == runner.weight_bytes_held()
-    assert "int4 projections" in runner.weights_summary()
+    held = runner.weight_bytes_held()
+    assert spec_from_config(runner.hf_config).engine_int4_weight_bytes(128, "float32") == held
+    # and what the planner prices for this shape with --quantization int4 (roofline's int4)
+    assert spec_from_config(runner.hf_config).weight_bytes("int4", rest_dtype="float32") == held
+    assert "int4 (fp16 scales) projections" in runner.weights_summary()
+
+
+def test_an_asymmetric_checkpoint_is_priced_from_the_bytes_the_engine_holds(tiny_checkpoints, tmp_path) -> None:
+    """AWQ (zero points, float16 scales, groups of 32): the planner's spec of the checkpoint's
+    config.json prices half a byte a weight plus a float16 scale and a float32 offset per group,
+    and the float embedding and LM head (AWQ leaves lm_head unquantized) in the engine's float32:
+    to the byte what the engine holds (these shapes fill whole CPU panels: no padding)."""
+    from stoker.roofline.modelspec import get_model_spec
+
+    q = quantize_checkpoint(tiny_checkpoints("llama", **SHAPE), tmp_path / "awq", "awq")
+    llm = _llm(q)
+    layers = _int4_layers(llm)
+    assert layers and all(m.weight_offset is not None and m.weight_offset.dtype == torch.float32
+                          and m.weight_scale.dtype == torch.float16 for m in layers)
+    runner = llm.engine.executor.driver_runner
+    spec = get_model_spec(str(q))  # as `stoker plan` reads the folder
+    assert (spec.checkpoint_dtype, spec.int4_group_size, spec.int4_symmetric) == ("int4", 32, False)
+    held = runner.weight_bytes_held()
+    assert spec.weight_bytes("int4", rest_dtype="float32") == held
+    c = spec.param_counts()
+    quantized = c["attention"] + c["mlp"]
+    assert held == quantized // 2 + (quantized // 32) * (2 + 4) + (c["embedding"] + c["lm_head"] + c["norms"]) * 4
+    assert "int4 (fp16 scales, float32 offsets) projections" in runner.weights_summary()
 
 
 def test_k_not_whole_groups_is_refused_naming_the_layer(tiny_llama) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stoker import LLM, SamplingParams
-from stoker.engine.input_processor import InputError
-from tests.model.helpers import output_token_ids, spec_llm
+from tests.model.helpers import (STRUCTURED_CHOICE, STRUCTURED_REGEX, STRUCTURED_SCHEMA, check_structured_with_drafts,
+                                 output_token_ids, spec_llm, structured_cases)
 
 _make = spec_llm
 
@@ -136,13 +136,61 @@ def test_seeded_sampling_is_reproducible_and_n_completions_differ(spec: LLM) -> 
     assert a == b and a[0] != a[1] and all(len(t) == 32 for t in a)
 
 
-def test_structured_outputs_are_refused_by_name(spec: LLM) -> None:
+def test_structured_outputs_stay_valid_and_lossless(base: LLM, spec: LLM) -> None:
+    check_structured_with_drafts(base, spec)
+
+
+def test_sampled_structured_outputs_stay_valid(spec: LLM) -> None:
+    """Random rows: a draft the grammar forbids has probability 0 at its masked row, so it is
+    never accepted, and the replacement is drawn within the grammar."""
+    import json
+    import re
+
+    import jsonschema
+
+    cases = structured_cases()
+    before = spec.engine.stats().spec_decoding
+    for seed in range(2):
+        params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=so) for _, so in cases]
+        texts = [o.outputs[0].text for o in spec.generate([p for p, _ in cases], params, use_tqdm=False)]
+        jsonschema.validate(json.loads(texts[0]), STRUCTURED_SCHEMA)
+        assert re.fullmatch(STRUCTURED_REGEX, texts[1]) and texts[2] in STRUCTURED_CHOICE, texts
+    assert spec.engine.stats().spec_decoding.num_drafts > before.num_drafts
+
+
+def test_a_draft_the_grammar_forbids_is_rejected(base: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt repeats `{"name": "zed", ...}`: after `{"name": "` the n-gram drafts `zed`,
+    which the schema's enum forbids. No verified run may keep a draft at or after the first one
+    the grammar refuses, and the output stays what decoding without drafts gives."""
+    import json
+
     from stoker.structured.spec import StructuredOutputs
 
-    p = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(choice=("yes", "no")))
-    with pytest.raises(InputError, match="speculative") as info:
-        spec.generate(["hi"], p, use_tqdm=False)
-    assert info.value.param == "structured_outputs"
+    spec.engine.grammars()  # the runner's matchers exist from the first structured request on
+    matchers = spec.engine.executor.driver_runner.matchers
+    seen: list[list] = []  # per verify step: [drafts, how many the grammar allows, how many were kept]
+    mask_drafts, accept_tokens = matchers.mask_drafts, matchers.accept_tokens
+
+    def spy_mask(logits, groups):
+        seen.extend([list(drafts), matchers.allowed_prefix(seq_id, so, list(drafts)), None]
+                    for _, seq_id, so, drafts in groups)
+        mask_drafts(logits, groups)
+
+    def spy_accept(seq_id, so, tokens):
+        seen[-1][2] = len(tokens) - 1  # one request: one group per step
+        accept_tokens(seq_id, so, tokens)
+
+    monkeypatch.setattr(matchers, "mask_drafts", spy_mask)
+    monkeypatch.setattr(matchers, "accept_tokens", spy_accept)
+    params = SamplingParams(temperature=0, max_tokens=24,
+                            structured_outputs=StructuredOutputs.from_schema(STRUCTURED_SCHEMA))
+    prompt = ['{"name": "zed", "age": 7} ' * 4]
+    got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == output_token_ids(base, prompt, params)[0]
+    assert json.loads(got.text)["name"] in ("ann", "bob", "cy")
+    forbidden = [s for s in seen if s[1] < len(s[0])]
+    assert forbidden, seen  # the construction drafted what the grammar refuses
+    assert all(kept is not None and kept <= allowed for _, allowed, kept in seen), seen
 
 
 def test_the_config_is_refused_by_name(tiny_llama: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.roofline import device_file
-from tests.model.helpers import output_token_ids, spec_llm
+from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
 
 _make = spec_llm
 
@@ -45,6 +45,10 @@ def test_greedy_output_equals_decoding_without_drafts(base: LLM, suffix: LLM, pr
     drafts, accepted = sd.num_drafts - before.num_drafts, sd.num_accepted_tokens - before.num_accepted_tokens
     assert drafts > 0 and accepted > 0
     assert sd.num_draft_tokens - before.num_draft_tokens <= 4 * drafts
+
+
+def test_structured_outputs_stay_valid_and_lossless(base: LLM, suffix: LLM) -> None:
+    check_structured_with_drafts(base, suffix)
 
 
 def test_a_finished_output_drafts_for_the_next_request(tiny_llama: Path, base: LLM) -> None:

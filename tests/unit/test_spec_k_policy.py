@@ -92,7 +92,8 @@ def test_a_verify_chunk_is_priced_as_a_decode_plus_its_drafts() -> None:
     # both read their context once (10 + 20 positions); seq 0 computes 2 more tokens attending
     # 11 and 12 positions (the known token at position 9 attends 10, priced with the decode)
     assert (shape.num_prefill_tokens, shape.prefill_attended, shape.num_decode_seqs, shape.decode_context,
-            shape.num_sampled) == (2, 23, 2, 30, 4)
+            shape.num_sampled, shape.num_draft_tokens, shape.draft_attended) == (0, 0, 2, 30, 4, 2, 23)
+    assert shape.kind == "decode"
     price = _price()
     decode = price(SpecKPolicy.shape(_batch(64), 0))
     assert price(SpecKPolicy.shape(_batch(64), 1)) > decode  # verifying more is never cheaper

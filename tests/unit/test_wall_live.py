@@ -26,6 +26,28 @@ def test_step_shape_counts_what_the_step_computes() -> None:
     assert StepMessage([SeqStep(1, [5, 6], 0, [0], False)]).shape().kind == "prefill"
 
 
+def test_a_verify_step_is_a_decode_of_one_plus_k_tokens() -> None:
+    """Speculative decoding: the known token at position 99 and 3 drafts after it. The live wall
+    counts 4 tokens, one context read (not a 4-token prefill chunk), as the k policy plans it."""
+    from stoker.core.spec_k_policy import PlannedSeq, SpecKPolicy
+
+    verify = StepMessage([SeqStep(1, [5, 6, 7, 8], 99, [0], True, draft_token_ids=(6, 7, 8))])
+    shape = verify.shape()
+    assert shape == StepShape(num_prefill_tokens=0, prefill_attended=0, num_decode_seqs=1, decode_context=100,
+                              num_sampled=4, num_draft_tokens=3, draft_attended=101 + 102 + 103)
+    assert shape.kind == "decode" and shape.num_tokens == 4
+    assert SpecKPolicy.shape([PlannedSeq(100, 3)], 3) == shape  # what the policy priced is what ran
+    m, g = get_model_spec("llama-3-8b"), get_gpu("H100")
+    wall = WallModel(m, g, Efficiencies(), weight_dtype="bf16", kv_dtype="bf16")
+    decode = wall.judge(StepShape(0, 0, 1, 100, 1), 0.0)  # 0 s: the modelled wall, no measurement
+    v = wall.judge(shape, 0.0)
+    assert v.kind == "decode" and v.wall == "memory"  # batch 1, 4 tokens: still reading weights
+    assert decode.flops * 3.9 < v.flops < decode.flops * 4.1  # four tokens' matmuls
+    assert decode.predicted_s < v.predicted_s < 1.1 * decode.predicted_s  # one weight read, not four
+    as_prefill = wall.judge(StepShape(4, 4 * 99 + 10, 0, 0, 4), 0.0)  # how a verify step was priced before
+    assert v.bytes > as_prefill.bytes  # the context's K/V is read
+
+
 def test_a_pure_decode_step_costs_what_step_cost_says() -> None:
     m, g = get_model_spec("llama-3-8b"), get_gpu("H100")
     whole = step_cost(m, g, phase="decode", batch=8, context_len=1024)
