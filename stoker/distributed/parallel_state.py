@@ -132,6 +132,15 @@ class TensorParallelGroup:
             time.sleep(0.001)
         return True
 
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0, ranks in order; None elsewhere (the CPU group: small
+        control values, such as each rank's finished KV transfers)."""
+        if self.world_size == 1:
+            return [obj]
+        parts: list[Any] | None = [None] * self.world_size if self.is_first else None
+        dist.gather_object(obj, parts, dst=0, group=self.cpu_group)
+        return parts
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV blocks all ranks can hold)."""
         if self.world_size == 1:

@@ -171,6 +171,7 @@ class AsyncEngine:
         self._thread = thread or engine_executor()
         self._commands: collections.deque[Command] = collections.deque()
         self._wake = threading.Event()
+        engine.transfer_poll_wait = self._wait_for_command  # KV transfer polls end early when a request arrives
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0  # touched on the loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -428,6 +429,12 @@ class AsyncEngine:
                 getattr(self.observer, method)(*args)
             except Exception:  # metrics must never take the engine down
                 logger.exception("engine observer failed")
+
+    def _wait_for_command(self, timeout_s: float) -> None:
+        """Between two KV transfer polls (blocks leased, reads in flight): up to timeout_s, but
+        no longer than until a request, an abort or a stop arrives (the next loop turn takes it)."""
+        if self._wake.wait(timeout_s):
+            self._wake.clear()
 
     def _run(self) -> None:
         engine = self._engine

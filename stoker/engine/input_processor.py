@@ -57,6 +57,7 @@ class InputLimits:
     enable_chunked_prefill: bool
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may ask for a priority
     kv_transfer: bool = False  # --kv-transfer-config: requests may carry kv_transfer_params
+    tensor_parallel_size: int = 1  # a decode leg's remote engine must have the same (kv_transfer_params tp_size)
 
 
 class InputProcessor:
@@ -129,6 +130,13 @@ class InputProcessor:
             check(params.kv_transfer_params)
         except ValueError as exc:
             raise InputError(str(exc), "kv_transfer_params") from None
+        p = params.kv_transfer_params
+        tp = p.get("tp_size", 1) if p.get("do_remote_prefill") else self.limits.tensor_parallel_size
+        if tp != self.limits.tensor_parallel_size:
+            # each rank reads the same rank's heads of the prefill engine: other splits would need re-slicing
+            raise InputError(f"kv_transfer_params tp_size {tp}: the prefill engine's tensor-parallel size differs "
+                             f"from this engine's ({self.limits.tensor_parallel_size}); serve both engines with the "
+                             "same --tensor-parallel-size (heterogeneous TP is not supported)", "kv_transfer_params")
         if params.n != 1:
             raise InputError("kv_transfer_params: disaggregated prefill/decode serves one completion per request; "
                              "send n 1", "n")

@@ -107,6 +107,9 @@ class LLMEngine:
         # A KV connector's scheduler side (disaggregated prefill/decode: stoker/kv_transfer/), or None
         self.kv_connector = make_scheduler_connector(config, self.block_manager)
         self.scheduler.kv_connector = self.kv_connector
+        # How a transfer poll that heard of nothing waits before the next: a plain sleep offline; the
+        # serve loop (AsyncEngine) waits on its wake-up instead, so a request arriving meanwhile starts at once.
+        self.transfer_poll_wait: Any = time.sleep
         if self.host_kv is not None:  # evicted blocks go to host memory; admission looks there past the device hit
             self.scheduler.host_kv = self.host_kv
             self.block_manager.on_evict = self.host_kv.offer
@@ -125,7 +128,8 @@ class LLMEngine:
         self.input_limits = InputLimits(int(self.hf_config["vocab_size"]), self.max_model_len,
                                         self.max_num_batched_tokens, sched_cfg.enable_chunked_prefill,
                                         sched_cfg.policy == "priority",
-                                        kv_transfer=config.kv_transfer_config is not None)
+                                        kv_transfer=config.kv_transfer_config is not None,
+                                        tensor_parallel_size=config.parallel_config.tensor_parallel_size)
         self.input_processor = self.make_input_processor(self.tokenizer)
         self.spec_k_policy = build_k_policy(self)  # k chosen per step by the cost model (None: fixed k)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
@@ -325,7 +329,7 @@ class LLMEngine:
             raise StepFailed(next(iter(failures.values())), sorted(failures), [], engine_fault=False)
         if not (result.finished_recving or result.finished_sending):
             # a read in flight is polled every 2 ms; leases alone (a notification frees them) every 10 ms
-            time.sleep(0.002 if self.kv_connector.waiting_for_remote else 0.01)
+            self.transfer_poll_wait(0.002 if self.kv_connector.waiting_for_remote else 0.01)
         return []
 
     def _kv_load_failures(self) -> dict[str, BaseException]:

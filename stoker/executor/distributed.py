@@ -32,6 +32,7 @@ from stoker.core.step import StepMessage, StepResult
 from stoker.executor import launch
 from stoker.executor.collective_stats import CollectiveMonitor, calibrate
 from stoker.executor.contract import Executor, RunnerInfo, WorkerFailedError
+from stoker.kv_transfer.aggregate import FinishedAggregator, with_finished
 from stoker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -128,10 +129,15 @@ class DistributedExecutor(Executor):
             self.tp.broadcast_object(("init_cache", num_blocks))
             self.driver_runner.allocate_kv_cache(num_blocks)
             self.driver_runner.capture_cuda_graphs()
+            self.driver_runner.start_kv_connector()  # with a kv_transfer_config only (every rank starts its own)
 
         self._collective("allocating the KV cache", allocate)
+        if self.driver_runner.kv_connector is not None:
+            self.kv_finished = FinishedAggregator(self.tp.world_size)
 
     def execute(self, step: StepMessage) -> StepResult:
+        if self.driver_runner.kv_connector is not None:
+            return self._execute_with_connector(step)
         def forward() -> Any:
             self.tp.broadcast_object(("step", step.for_workers()))
             return self.driver_runner.forward(step)
@@ -148,6 +154,27 @@ class DistributedExecutor(Executor):
         assert result is not None
         self._collective("drafting", self.driver_runner.draft, step, inputs, result)
         return result
+
+    def _execute_with_connector(self, step: StepMessage) -> StepResult:
+        """A step with a KV connector (stoker/kv_transfer/): every rank starts its part of the
+        step's reads, runs the forward (none for a step of no sequences: a transfer poll), and
+        reports what ended on it; rank 0 gathers the reports before sampling (so a sampling
+        failure loses none) and merges them: a read or a lease ends once it has on every rank."""
+        connector = self.driver_runner.kv_connector
+
+        def forward_and_gather() -> Any:
+            self.tp.broadcast_object(("step", step.for_workers()))
+            connector.start_load_kv(step.kv_connector_meta)
+            out = self.driver_runner.forward(step) if step.seqs else None
+            return out, self.tp.gather_objects(connector.take_finished())
+
+        start = time.perf_counter()
+        out, parts = self._collective("a tensor-parallel step", forward_and_gather)
+        if step.seqs:
+            self.collectives.after_step(time.perf_counter() - start)
+        result = self.driver_runner.sample(step, *out) if step.seqs else StepResult()
+        assert result is not None
+        return with_finished(result, self.kv_finished.merge(parts))
 
     def release(self, seq_id: int) -> None:
         self.driver_runner.release(seq_id)  # sampling state lives on rank 0 only
@@ -186,6 +213,8 @@ class DistributedExecutor(Executor):
             return
         self._closing = True
         atexit.unregister(self.shutdown)
+        if getattr(self, "driver_runner", None) is not None:
+            self.driver_runner.close_kv_connector()
         if self.tp is not None and self._failure is None:
             try:
                 self.tp.broadcast_object(("shutdown", None))

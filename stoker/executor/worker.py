@@ -5,7 +5,9 @@ The loop takes one control message at a time from rank 0 (broadcast on the CPU g
     ("init", EngineConfig, hf_config, max_model_len)   build this rank's runner and shard
     ("num_blocks", tokens)                             profile; all ranks agree on the minimum
     ("init_cache", num_blocks)                         allocate this rank's KV cache
-    ("step", StepMessage)                              one forward (its collectives included)
+    ("step", StepMessage)                              one forward (its collectives included); with a
+                                                       KV connector, then this rank's finished transfers
+                                                       gathered to rank 0
     ("calibrate", None)                                the all-reduce microbenchmark (collective_stats)
     ("ping", None)                                     rank 0 checks that everyone is there
     ("shutdown", None)                                 leave the group and exit 0
@@ -95,11 +97,14 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
         kind, payload = tp.broadcast_object()
         if kind == "step":
             runner.execute(payload)
+            if runner.kv_connector is not None:  # rank 0 merges what each rank's transfers did
+                tp.gather_objects(runner.kv_connector.take_finished())
         elif kind == "num_blocks":
             tp.min_int(runner.determine_num_blocks(payload))
         elif kind == "init_cache":
             runner.allocate_kv_cache(payload)
             runner.capture_cuda_graphs()
+            runner.start_kv_connector()  # with a kv_transfer_config only: this rank's heads, its own agent
         elif kind == "calibrate":
             from stoker.executor.collective_stats import calibrate
 
@@ -111,6 +116,7 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
         elif kind == "ping":
             pass
         elif kind == "shutdown":
+            runner.close_kv_connector()
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             return

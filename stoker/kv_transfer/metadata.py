@@ -3,6 +3,8 @@
 Scheduler -> worker: `ConnectorMeta` in `StepMessage.kv_connector_meta` (the reads to start).
 Worker -> scheduler: `StepResult.finished_sending` / `finished_recving` (vLLM's names) and a
 `TransferReport` in `StepResult.kv_connector_output` (failed reads, each read's time and bytes).
+Under tensor parallelism each rank reports its own `RankFinished`; rank 0 merges them
+(aggregate.py) before the scheduler hears of them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,18 @@ class ConnectorMeta:
 @dataclass
 class TransferReport:
     failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> why its read failed
-    transfers: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes) per finished read
+    transfers: dict[str, tuple[float, int]] = field(default_factory=dict)  # request id -> (seconds, bytes) of its read
 
     def __bool__(self) -> bool:
         return bool(self.failed_recving or self.transfers)
+
+
+@dataclass(frozen=True)
+class RankFinished:
+    """What one rank's worker side saw end since its last report: request ids whose leased
+    blocks its reader is done with (sending), whose reads into this rank's heads arrived
+    (recving), and the failed reads' reasons and finished reads' figures (report)."""
+
+    sending: frozenset[str] = frozenset()
+    recving: frozenset[str] = frozenset()
+    report: TransferReport = field(default_factory=TransferReport)

@@ -149,7 +149,7 @@ class NixlSchedulerConnector(KVConnectorScheduler):
     def update_after_step(self, scheduler: Scheduler, result: StepResult) -> None:
         report: TransferReport | None = getattr(result, "kv_connector_output", None)
         if report is not None:
-            for seconds, num_bytes in report.transfers:
+            for seconds, num_bytes in report.transfers.values():
                 self.stats.xfer_time_seconds.observe(seconds)
                 self.stats.bytes_transferred.observe(num_bytes)
         for request_id in result.finished_sending:
@@ -221,9 +221,10 @@ def check_kv_transfer(config: Any) -> None:
     kv = config.kv_transfer_config
     if kv is None:
         return
-    if config.parallel_config.tensor_parallel_size > 1:
-        raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet (each rank "
-                         "would transfer its own heads); serve the prefill and decode engines at TP 1")
+    if config.parallel_config.nnodes > 1:
+        # every rank's side channel listens on the engine's side-channel host (port + rank): one node's
+        raise ValueError("--kv-transfer-config with --nnodes > 1 is not supported yet (each rank's NIXL side "
+                         "channel listens on the engine's side-channel host); serve each engine on one node")
 
 
 def make_scheduler_connector(config: Any, block_manager: BlockManager) -> NixlSchedulerConnector | None:

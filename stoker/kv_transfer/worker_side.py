@@ -7,6 +7,12 @@ and contiguous, so block b of a tensor is the byte range [base + b * block_bytes
 n (local, remote) regions, runs of consecutive block ids merged into one region. The pull
 model, as vLLM's NixlConnector: the decode engine READs; the read carries a notification
 naming the prefill engine's request, on which the prefill engine frees its blocks.
+
+Tensor parallelism (equal TP on both sides): every rank runs one of these over its own heads,
+with its own NIXL agent and its own side channel (the engine's port + rank). Rank r of a
+decode engine handshakes with rank r of the prefill engine and reads that rank's blocks; each
+rank reports what ended (`take_finished`) and rank 0 merges the ranks' reports
+(aggregate.py) before the scheduler hears of them.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import torch
 
 from stoker.core.step import StepMessage, StepResult
 from stoker.kv_transfer import compat
+from stoker.kv_transfer.aggregate import with_finished
 from stoker.kv_transfer.base import KVConnectorWorker
 from stoker.kv_transfer.config import KVTransferConfig
-from stoker.kv_transfer.metadata import ConnectorMeta, LoadSpec, TransferReport
+from stoker.kv_transfer.metadata import ConnectorMeta, LoadSpec, RankFinished, TransferReport
 from stoker.kv_transfer.side_channel import SideChannelServer, handshake
 from stoker.kv_transfer.transport import KVTransport, NixlTransport, Region
 
@@ -66,6 +73,7 @@ class NixlWorkerConnector(KVConnectorWorker):
                  compat_fields: dict[str, Any], transport: KVTransport | None = None, tp_rank: int = 0) -> None:
         self.config = config
         self.compat_fields = compat_fields
+        self.tp_rank = tp_rank
         tensors = [t for k, v in kv_caches for t in (k, v) if t.numel()]
         assert tensors and all(t.is_contiguous() for t in tensors), "the KV cache tensors must be contiguous"
         self.num_blocks = tensors[0].shape[0]
@@ -93,7 +101,7 @@ class NixlWorkerConnector(KVConnectorWorker):
 
     # ------------------------------------------------------------------ the holder's side
     def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {"engine_id": self.config.engine_id, "agent_metadata": self._metadata,
+        return {"engine_id": self.config.engine_id, "tp_rank": self.tp_rank, "agent_metadata": self._metadata,
                 "layout": {"regions": self.regions, "num_blocks": self.num_blocks},
                 "compat": self.compat_fields, "compat_hash": compat.compat_hash(self.compat_fields)}
 
@@ -120,7 +128,7 @@ class NixlWorkerConnector(KVConnectorWorker):
             del self.reads[request_id]
             if state == "DONE":
                 recving.add(request_id)
-                self.report.transfers.append((now - read.started, read.num_bytes))
+                self.report.transfers[request_id] = (now - read.started, read.num_bytes)
             else:
                 why = "the transfer failed" if state == "ERR" else f"no answer within {self.config.load_timeout_s:g} s"
                 self.report.failed_recving[request_id] = f"NIXL read: {why}"
@@ -131,19 +139,25 @@ class NixlWorkerConnector(KVConnectorWorker):
         sending = {n.decode() for n in self.transport.notifications()}
         return sending, recving
 
+    def take_finished(self) -> RankFinished:
+        """What ended on this rank since the last call (get_finished and the report)."""
+        sending, recving = self.get_finished()
+        report, self.report = self.report, TransferReport()
+        return RankFinished(frozenset(sending), frozenset(recving), report)
+
     def around_step(self, runner: ModelRunner, step: StepMessage) -> StepResult | None:
         """The runner's step with the connector around it: reads start before the forward,
-        completions ride back on the result (a step of no sequences only polls)."""
+        completions ride back on the result (a step of no sequences only polls). Under TP the
+        executor collects every rank's `take_finished` instead (executor/distributed.py)."""
         self.start_load_kv(step.kv_connector_meta)
-        result = runner.sample(step, *runner.forward(step)) if step.seqs else StepResult()
+        if step.seqs:
+            result = runner.sample(step, *runner.forward(step))
+        else:
+            result = StepResult() if runner.tp.is_first else None
         self.wait_for_save()
-        if result is None:
-            return None
-        sending, recving = self.get_finished()
-        result.finished_sending, result.finished_recving = frozenset(sending), frozenset(recving)
-        if self.report:
-            result.kv_connector_output, self.report = self.report, TransferReport()
-        return result
+        if result is None or runner.tp.world_size > 1:
+            return result
+        return with_finished(result, self.take_finished())
 
     def close(self) -> None:
         if self.side_channel is not None:
@@ -155,17 +169,18 @@ class NixlWorkerConnector(KVConnectorWorker):
         peer = self.peers.get(load.remote_engine_id)
         if peer is not None:
             return peer
+        port = load.remote_port + self.tp_rank  # the same rank of the prefill engine holds the same heads
         try:
-            reply = handshake(load.remote_host, load.remote_port, {"engine_id": self.config.engine_id})
+            reply = handshake(load.remote_host, port, {"engine_id": self.config.engine_id, "tp_rank": self.tp_rank})
         except OSError as exc:
             raise RuntimeError(f"cannot reach the prefill engine's NIXL side channel at {load.remote_host}:"
-                               f"{load.remote_port} ({exc})") from None
+                               f"{port} ({exc})") from None
         difference = compat.first_difference(self.compat_fields, reply.get("compat") or {})
         if difference is not None:
             raise RuntimeError(difference)
-        if reply.get("engine_id") != load.remote_engine_id:
-            raise RuntimeError(f"the side channel at {load.remote_host}:{load.remote_port} is engine "
-                               f"{reply.get('engine_id')!r}, not {load.remote_engine_id!r}")
+        if reply.get("engine_id") != load.remote_engine_id or reply.get("tp_rank", 0) != self.tp_rank:
+            raise RuntimeError(f"the side channel at {load.remote_host}:{port} is engine {reply.get('engine_id')!r} "
+                               f"rank {reply.get('tp_rank', 0)}, not {load.remote_engine_id!r} rank {self.tp_rank}")
         name = self.transport.add_peer(base64.b64decode(reply["agent_metadata"]))
         layout = reply["layout"]
         peer = _Peer(name, [tuple(r) for r in layout["regions"]], int(layout["num_blocks"]))

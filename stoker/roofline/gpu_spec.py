@@ -41,6 +41,14 @@ LINKS: dict[str, Interconnect] = {
         # RoCE, "about 4.6x faster than the TCP protocol": ~41 GB/s for 8 NICs, ~5.2 GB/s per GPU's NIC.
         Interconnect("tcp", 5.2, "network", "TCP over a 400 Gb/s NIC per GPU: 190 GB/s / 4.6 / 8 NICs, "
                      "github.com/kvcache-ai/Mooncake README, Transfer Engine performance"),
+        # Two engines on one host, KV in host memory (NIXL over UCX on the loopback device: Stoker's CPU pair).
+        # No published figure fits a shared VM: the rate is this project's measured in-process memory copy (the
+        # ceiling of any loopback transport) of 64 MiB, beyond the 32 MiB L3 as a prompt's KV read from a cold
+        # cache is: one thread, best of 21, on the 2-vCPU AMD EPYC (Zen 4) VM, 2026-11-26
+        # (benchmarks/kv_transfer_cpu.py; docs/benchmarks.md, "KV transfer").
+        Interconnect("loopback", 6.5, "network", "host memory copy on one machine, measured: 6.5 GB/s, torch copy of "
+                     "64 MiB on one thread of a 2-vCPU AMD EPYC Zen 4 VM (benchmarks/kv_transfer_cpu.py, "
+                     "docs/benchmarks.md KV transfer)"),
         Interconnect("infinity-fabric", 448.0, "nvlink", f"MI300X Infinity Fabric 896 GB/s ({_FACTS})"),
         Interconnect("none", 0.0, "none", "no GPU-GPU link (MIG slice or single device)"),
     )

@@ -79,6 +79,26 @@ def test_a_request_with_params_on_an_engine_without_a_connector_is_refused(tiny_
     assert info.value.param == "kv_transfer_params"
 
 
-def test_tensor_parallel_disaggregation_is_refused_before_any_worker_starts(tiny_checkpoints: Any) -> None:
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        LLM(str(tiny_checkpoints("llama")), tensor_parallel_size=2, kv_transfer_config=kv())
+def test_a_decode_leg_from_a_prefill_engine_of_another_tp_size_is_refused_by_name() -> None:
+    """Equal TP only: each rank reads the same rank's heads of the prefill engine."""
+    from stoker.engine.input_processor import InputError, InputLimits, InputProcessor
+
+    limits = InputLimits(vocab_size=100, max_model_len=64, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                         kv_transfer=True, tensor_parallel_size=2)
+    proc = InputProcessor(None, limits, None, lambda: None)
+    leg = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "p", "remote_host": "localhost",
+           "remote_port": 5600}
+    for tp in (1, 4):
+        with pytest.raises(InputError, match=f"tp_size {tp}.*--tensor-parallel-size") as info:
+            proc.process("r", prompt_token_ids=[1, 2], params=SamplingParams(kv_transfer_params={**leg, "tp_size": tp}))
+        assert info.value.param == "kv_transfer_params"
+    ok = proc.process("r", prompt_token_ids=[1, 2], params=SamplingParams(kv_transfer_params={**leg, "tp_size": 2}))
+    assert ok.params.kv_transfer_params["tp_size"] == 2
+    # a prefill leg names no tp_size: its response carries this engine's
+    proc.process("r", prompt_token_ids=[1, 2], params=SamplingParams(kv_transfer_params={"do_remote_decode": True}))
+
+
+def test_a_connector_across_nodes_is_refused_before_any_worker_starts(tiny_checkpoints: Any) -> None:
+    with pytest.raises(ValueError, match="--nnodes"):
+        LLM(str(tiny_checkpoints("llama")), tensor_parallel_size=2, nnodes=2, master_port=free_port(),
+            kv_transfer_config=kv())

@@ -66,7 +66,7 @@ def test_a_remote_prefill_waits_with_its_blocks_then_runs_its_last_token() -> No
     assert load.remote_request_id == "p1" and conn.build_connector_meta() is None  # each read starts once
     assert sched.schedule().is_empty  # still waiting: never scheduled before its read arrives
     run_step(sched, SchedulerOutput(), finished_recving=frozenset({"d1"}),
-             kv_connector_output=TransferReport(transfers=[(0.01, 4096)]))
+             kv_connector_output=TransferReport(transfers={"d1": (0.01, 4096)}))
     assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 9
     plan = sched.schedule()
     (s,) = plan.scheduled
@@ -240,3 +240,23 @@ def test_the_scheduler_side_is_torch_free() -> None:
     assert_torch_free(["stoker.kv_transfer.config", "stoker.kv_transfer.params", "stoker.kv_transfer.metadata",
                        "stoker.kv_transfer.base", "stoker.kv_transfer.compat", "stoker.kv_transfer.stats",
                        "stoker.kv_transfer.scheduler_side", "stoker.kv_transfer.side_channel"])
+
+
+def test_tensor_parallel_ranks_end_a_read_or_a_lease_together() -> None:
+    """TP=2: each rank reads its own heads and is notified for its own; the scheduler hears of a
+    read once both parts arrived (failed if either failed, but only once both ended: a rank
+    still reading writes into the blocks) and of a lease's end once both readers notified."""
+    from stoker.kv_transfer.aggregate import FinishedAggregator
+    from stoker.kv_transfer.metadata import RankFinished
+
+    agg = FinishedAggregator(world_size=2)
+    out = agg.merge([RankFinished(recving=frozenset({"a"}), sending=frozenset({"p"}),
+                                  report=TransferReport(transfers={"a": (0.02, 100)})),
+                     RankFinished(report=TransferReport(failed_recving={"b": "NIXL read: boom"}))])
+    assert not out.recving and not out.sending and not out.report and agg.pending() == 3
+    out = agg.merge([RankFinished(), RankFinished(recving=frozenset({"a"}), sending=frozenset({"p"}),
+                                                  report=TransferReport(transfers={"a": (0.05, 100)}))])
+    assert out.recving == {"a"} and out.sending == {"p"} and out.report.transfers == {"a": (0.05, 200)}
+    out = agg.merge([RankFinished(recving=frozenset({"b"}), report=TransferReport(transfers={"b": (0.01, 100)})),
+                     RankFinished()])
+    assert not out.recving and out.report.failed_recving == {"b": "rank 1: NIXL read: boom"} and agg.pending() == 0

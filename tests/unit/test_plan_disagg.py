@@ -45,6 +45,7 @@ def test_transfer_refuses_a_link_that_moves_nothing() -> None:
 def test_links_carry_their_rdma_flag_and_source() -> None:
     assert get_link("ib-ndr").rdma and get_link("roce-400g").rdma
     assert not get_link("tcp").rdma and "Mooncake" in get_link("tcp").source
+    assert not get_link("loopback").rdma and "measured" in get_link("loopback").source  # one host: no NIC at all
 
 
 def test_pays_when_prefill_chunks_break_the_aggregated_itl() -> None:
