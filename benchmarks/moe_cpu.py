@@ -4,6 +4,7 @@ replaced and against HF transformers' experts, and a MoE model's decode against 
     nice -n 5 python benchmarks/moe_cpu.py                  # both parts, 3 rounds, medians
     nice -n 5 python benchmarks/moe_cpu.py --part layer --json out.json
     nice -n 5 python benchmarks/moe_cpu.py --part layer --threads 1   # one core, on a loaded machine
+                                                          # (adds a CPU-time table)
 
 Part "layer": one Mixtral-ish reduced layer (E 8, top-2, H 1024, I 1536; float32, random
 weights, softmax top-k routing of random logits) at 1, 8, 64 and 512 tokens; the routed
@@ -54,20 +55,25 @@ QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_hea
                      norm_topk_prob=True, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-def time_calls(fn: Callable[[], Any], budget_s: float = 0.4, min_calls: int = 3) -> tuple[float, float]:
-    """(median, fastest) seconds of one call: one warm-up, then calls until `budget_s` (at least
-    min_calls, at most 50). The fastest call says what the code can do when the other processes
-    leave both cores free; the median what it did here."""
+def time_calls(fn: Callable[[], Any], budget_s: float = 0.4, min_calls: int = 3) -> tuple[float, float, float]:
+    """(median, fastest, median CPU time) seconds of one call: one warm-up, then calls until
+    `budget_s` (at least min_calls, at most 50). The fastest call says what the code can do when
+    the other processes leave both cores free; the median what it did here. The CPU time (the
+    process's, time.process_time) is what a call costs while it holds a core: on one thread,
+    the time the scheduler gave the other processes of a shared machine is not in it (their
+    share of the memory bandwidth still is)."""
     fn()
     times: list[float] = []
+    cpu: list[float] = []
     start = time.perf_counter()
     while len(times) < min_calls or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if len(times) >= 50:
             break
-    return statistics.median(times), min(times)
+    return statistics.median(times), min(times), statistics.median(cpu)
 
 
 def layer_peers(num_tokens: int, seed: int = 0) -> dict[str, Callable[[], torch.Tensor]]:
@@ -123,22 +129,26 @@ def layer_peers(num_tokens: int, seed: int = 0) -> dict[str, Callable[[], torch.
     return peers
 
 
-def run_layer(rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """ms per call: {tokens: {peer: [median of each round]}}, and the same with each round's fastest call."""
+def run_layer(rounds: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """ms per call: {tokens: {peer: [median of each round]}}, the same with each round's fastest
+    call, and with each round's median CPU time."""
     results: dict[str, dict[str, list[float]]] = {}
     fastest: dict[str, dict[str, list[float]]] = {}
+    cpu_ms: dict[str, dict[str, list[float]]] = {}
     with torch.no_grad():
         for t in TOKENS:
             peers = layer_peers(t)
             per = results.setdefault(str(t), {n: [] for n in peers})
             best = fastest.setdefault(str(t), {n: [] for n in peers})
+            cpu = cpu_ms.setdefault(str(t), {n: [] for n in peers})
             for _ in range(rounds):
                 for name, fn in peers.items():  # interleaved: every peer once per round
-                    median, low = time_calls(fn)
+                    median, low, cpu_median = time_calls(fn)
                     per[name].append(median * 1e3)
                     best[name].append(low * 1e3)
+                    cpu[name].append(cpu_median * 1e3)
             print(f"  {t} tokens: " + ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in per.items()), file=sys.stderr)
-    return results, fastest
+    return results, fastest, cpu_ms
 
 
 def read_bandwidth_gbs() -> float:
@@ -217,8 +227,11 @@ def main() -> None:
     print(f"{report['cpu']} ({report['isa']}; C kernels built for {report['kernel_build']}), "
           f"{report['threads']} threads, {report['date']}, {args.rounds} rounds")
     if args.part in ("layer", "both"):
-        report["layer_ms"], report["layer_fastest_ms"] = run_layer(args.rounds)
-        for what, key in (("median call", "layer_ms"), ("fastest call", "layer_fastest_ms")):
+        report["layer_ms"], report["layer_fastest_ms"], report["layer_cpu_ms"] = run_layer(args.rounds)
+        tables = [("median call", "layer_ms"), ("fastest call", "layer_fastest_ms")]
+        if report["threads"] == 1:  # with more threads the process's CPU time sums them (and their spinning)
+            tables.append(("median CPU time", "layer_cpu_ms"))
+        for what, key in tables:
             layer = report[key]
             names = list(next(iter(layer.values())))
             print(f"\nOne layer's routed experts, ms per call: each round's {what}, median (min-max) of "

@@ -188,3 +188,22 @@ def test_mxfp4_experts_match_the_twin_on_the_dequantized_weights(num_experts: in
     # SiLU without biases too (the kernel's other activation)
     plain = cpu_moe.fused_moe_mxfp4(x, b13_blocks, b13_scales, b2_blocks, b2_scales, weights, ids)
     torch.testing.assert_close(plain, reference.fused_moe(x, dq13, dq2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_experts_are_the_stacked_panels_in_huge_pages_where_linux_has_them() -> None:
+    """pack_experts writes each expert's panels into one (possibly huge-page) buffer: the same
+    values as stacking pack_linear_weight; empty_huge is a plain contiguous tensor to its users."""
+    from stoker.kernels.cpu import huge_pages
+
+    w13, w2 = experts(3, 40, 32)
+    p13, p2 = cpu_moe.pack_experts(w13, w2, silu_fused=cpu_linear.gate_up_fusable(32))
+    assert torch.equal(p13, torch.stack([cpu_linear.pack_linear_weight(w, gate_up=cpu_linear.gate_up_fusable(32))
+                                         for w in w13]))
+    assert torch.equal(p2, torch.stack([cpu_linear.pack_linear_weight(w) for w in w2]))
+    big = huge_pages.empty_huge((2, huge_pages.MIN_BYTES // 8), torch.float32)
+    assert big.shape == (2, huge_pages.MIN_BYTES // 8) and big.dtype == torch.float32 and big.is_contiguous()
+    big.fill_(2.0)
+    assert float(big.sum()) == 2.0 * big.numel()
+    if huge_pages._madvise() is not None:
+        assert big.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert huge_pages.empty_huge((5,), torch.int64).shape == (5,)  # small: a plain tensor

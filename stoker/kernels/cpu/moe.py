@@ -12,6 +12,7 @@ import torch
 
 from stoker.kernels.cpu import linear as cpu_linear
 from stoker.kernels.cpu.common import _as_rows, _checked_library
+from stoker.kernels.cpu.huge_pages import empty_huge
 
 
 #: the activations moe.c applies after the gate/up GEMM (its ACT_* enum)
@@ -20,10 +21,18 @@ ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, silu_fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 (E, 2I, H) [gate; up], w2 (E, H, I) -> (E, P13, H, NR), (E, P2, I, NR) panels;
-    gate_up-interleaved w13 when silu_fused (I a multiple of NR / 2)."""
-    packed13 = torch.stack([cpu_linear.pack_linear_weight(w, gate_up=silu_fused) for w in w13])
-    packed2 = torch.stack([cpu_linear.pack_linear_weight(w) for w in w2])
-    return packed13, packed2
+    gate_up-interleaved w13 when silu_fused (I a multiple of NR / 2). In huge pages where the
+    system allows (huge_pages.py: the kernel streams them, and at 1-64 tokens that stream is
+    most of a call), one expert packed at a time."""
+    packed = []
+    for stacked, gate_up in ((w13, silu_fused), (w2, False)):
+        first = cpu_linear.pack_linear_weight(stacked[0], gate_up=gate_up)
+        out = empty_huge((stacked.shape[0], *first.shape), first.dtype)
+        out[0] = first
+        for e in range(1, stacked.shape[0]):
+            out[e] = cpu_linear.pack_linear_weight(stacked[e], gate_up=gate_up)
+        packed.append(out)
+    return packed[0], packed[1]
 
 
 def pack_expert_bias(bias: torch.Tensor) -> torch.Tensor:
