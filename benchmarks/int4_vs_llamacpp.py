@@ -55,6 +55,7 @@ _CONVERT = textwrap.dedent("""
     src = sys.argv.pop(1)
     sys.path[:0] = [src, src + "/gguf-py"]
     if importlib.util.find_spec("sentencepiece") is None:
+        import transformers  # noqa: F401  (its import-time availability checks must not meet the stub)
         stub = types.ModuleType("sentencepiece")
         stub.SentencePieceProcessor = object
         sys.modules["sentencepiece"] = stub
@@ -65,23 +66,29 @@ _CONVERT = textwrap.dedent("""
 """)
 
 
-def make_files(work: Path, build: Path, src: Path) -> dict[str, Path]:
-    """The HF checkpoint, its W4A16 copy and the GGUF files (reused when already in `work`)."""
+def make_gguf_files(work: Path, build: Path, src: Path, types: tuple[str, ...] | list[str] = GGUF_TYPES) -> dict[str, Path]:
+    """The float32 HF checkpoint and its GGUF files of `types` (reused when already in `work`)."""
     hf = work / "hf"
     if not (hf / "config.json").exists():
         make_tiny_checkpoint(hf, "llama", **INT4_DECODE_MODEL)
     files = {"hf": hf}
-    files["w4a16"] = work / "w4a16-g32"
-    if not (files["w4a16"] / "config.json").exists():
-        quantize_checkpoint(hf, files["w4a16"], "ct-w4a16-group")  # groups of 32, symmetric
     f16 = work / "f16.gguf"
     if not f16.exists():
         subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(hf), "--outtype", "f16", "--outfile", str(f16)],
                        check=True, capture_output=True)
-    for t in GGUF_TYPES:
+    for t in types:
         files[t] = work / f"{t}.gguf"
         if not files[t].exists():
             subprocess.run([str(build / "bin" / "llama-quantize"), str(f16), str(files[t]), t], check=True, capture_output=True)
+    return files
+
+
+def make_files(work: Path, build: Path, src: Path) -> dict[str, Path]:
+    """The HF checkpoint, its W4A16 copy and the GGUF files (reused when already in `work`)."""
+    files = make_gguf_files(work, build, src)
+    files["w4a16"] = work / "w4a16-g32"
+    if not (files["w4a16"] / "config.json").exists():
+        quantize_checkpoint(files["hf"], files["w4a16"], "ct-w4a16-group")  # groups of 32, symmetric
     return files
 
 

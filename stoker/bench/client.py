@@ -51,6 +51,7 @@ class RequestResult:
     prompt_tokens: int | None = None  # from usage.prompt_tokens when the server sends it
     output_tokens: int | None = None  # from usage.completion_tokens when the server sends it
     num_chunks: int = 0  # content chunks received
+    http_status: int | None = None  # None: no response arrived
     generated_text: str = ""
 
     def fail(self, reason: str, message: str) -> RequestResult:
@@ -128,7 +129,17 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, spec:
     sent = time.perf_counter()
     result.start = sent - t0
     try:
-        await _stream(session, endpoint, body, sent, result, counters)
+        try:
+            await _stream(session, endpoint, body, sent, result, counters)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if result.http_status is not None:
+                raise
+            # No answer at all: the pooled kept-alive connection was one the server had closed
+            # (llama-server closes each after a streamed response without saying so). The
+            # request never reached a handler; send it once more, on a new connection.
+            sent = time.perf_counter()
+            result.start = sent - t0
+            await _stream(session, endpoint, body, sent, result, counters)
     except asyncio.TimeoutError:
         result.fail(TIMEOUT, "request timed out (see --request-timeout)")
     except aiohttp.ClientPayloadError as exc:
@@ -144,6 +155,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, spec:
 async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes, sent: float,
                   result: RequestResult, counters: LiveCounters | None) -> None:
     async with session.post(endpoint.url, data=body, headers=endpoint.headers) as resp:
+        result.http_status = resp.status
         if resp.status != 200:
             text = await resp.text(errors="replace")
             result.fail(f"http_{resp.status}", text.strip() or resp.reason or "")

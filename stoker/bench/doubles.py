@@ -15,6 +15,10 @@ bottleneck, not the double. Behaviours (`mode`):
   hang       200 headers, then nothing until the client gives up
   mixed      cycles instant, http_error, sse_error, empty, hang per request
 
+With `close_reused=True` a kept-alive connection's second request is read and the connection
+closed without an answer, as llama-server does after a streamed response (its HTTP library
+does not keep those connections, and does not say so): the client must resend on a new one.
+
 Run standalone: `python -m stoker.bench.doubles --mode instant --port 0` prints
 `READY <port>` once listening.
 """
@@ -65,6 +69,7 @@ class DoubleServer:
     token_delay_s: float = 0.0  # > 0: sleep between chunks (a slow-decoding server)
     max_running: int = 0  # > 0: at most this many streams at once, others queue (a batch cap)
     chunk_writes: bool = False  # True: one socket write (and event-loop turn) per token, as servers do
+    close_reused: bool = False  # True: a connection's second request is dropped, the connection closed
     stats: Counter[str] = field(default_factory=Counter)
     _cache: dict[tuple[bool, int, bool], bytes] = field(default_factory=dict)
     _n: int = 0
@@ -121,6 +126,7 @@ class DoubleServer:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        served = 0
         try:
             while True:
                 try:
@@ -134,6 +140,10 @@ class DoubleServer:
                     if h.lower().startswith("content-length:"):
                         length = int(h.split(":", 1)[1])
                 body = await reader.readexactly(length) if length else b""
+                if self.close_reused and served:
+                    self.stats["dropped_on_reused_connection"] += 1
+                    return
+                served += 1
                 keep = await self._respond(method, path, body, writer)
                 if not keep:
                     return

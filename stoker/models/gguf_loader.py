@@ -2,7 +2,8 @@
 
 `read_gguf_config(path)` synthesizes the config.json fields Stoker's models read from the
 file's metadata ({arch}.embedding_length, .block_count, .attention.head_count, ...), for the
-architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2 and qwen3;
+architectures llama (Llama, and Mistral, which llama.cpp writes as llama; Mixtral: llama with
+experts), qwen2, qwen3, qwen2moe and qwen3moe;
 `GGUFTensors` gives the file's tensors under HF names, as safetensors' `safe_open` does, so
 `models/loader.load_weights` reads it like any checkpoint:
 
@@ -21,6 +22,11 @@ architectures llama (Llama, and Mistral, which llama.cpp writes as llama), qwen2
   * q/k rows of llama-architecture files put back in HF's order (llama.cpp's converter
     interleaves each head's rotary halves, models/gguf_names.py);
   * `rope_freqs.weight` (Llama 3.1's rope scaling) read into the config (models/gguf_rope.py);
+  * a MoE layer's stacked experts (blk.N.ffn_*_exps, (E, N, K)) as the per-expert tensors of
+    an HF checkpoint (models/gguf_names.expert_names), each expert's slice read on its own:
+    float types as they are, symmetric int8 blocks (Q8_0, Q6_K, Q5_0) as `weight` and
+    `weight_scale` for the quantized MoE method (layers/moe_quant.py), whose int8 groups of K
+    per expert row are the blocks' own; other types are refused by name (quantization/gguf.py);
   * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
@@ -46,7 +52,13 @@ from stoker.quantization import gguf_blocks
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# GGUF architecture -> the HF model_type of its MoE family (llama with experts: Mixtral)
+_MOE_TYPES = {"llama": ("mixtral", "MixtralForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+              "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+# llama.cpp's llama_expert_gating_func_type: the softmax router is the one these families use
+_GATING_SOFTMAX = 1
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -110,8 +122,14 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     tensors = {t.name: t for t in reader.tensors}
     rope_freqs = tensors.pop(gguf_names.ROPE_FREQS, None)
     for name, t in tensors.items():
-        gguf_names.hf_name(name)  # refuses a tensor the model has no place for
-        gguf_types.check_type(name, _type_name(t))
+        if gguf_names.is_experts(name):
+            gguf_types.check_expert_type(name, _type_name(t))
+        else:
+            gguf_names.hf_name(name, arch)  # refuses a tensor the model has no place for
+            gguf_types.check_type(name, _type_name(t))
+            if _BLOCK_ROUTER in name and _type_name(t) not in gguf_types.FLOAT_TYPES:
+                raise ValueError(f"GGUF tensor {name} (a MoE router) is {_type_name(t)}; Stoker's router runs in "
+                                 f"float32 and takes {', '.join(gguf_types.FLOAT_TYPES)}")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -125,7 +143,8 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "intermediate_size": int(get("feed_forward_length", required=not any(map(gguf_names.is_experts, tensors)))
+                                 or 0),
         "vocab_size": vocab,
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -144,6 +163,9 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         cfg["eos_token_id"] = list(dict.fromkeys(eog)) if len(set(eog)) > 1 else eog[0]
     if arch == "qwen2":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "qwen2moe":
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    cfg.update(_moe_config(arch, get, tensors, cfg, path))
     cfg.update(_rope_scaling(get, path))
     if rope_freqs is not None:
         if "rope_scaling" in cfg:
@@ -155,8 +177,11 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     # Weight types, per HF module, for quantization/gguf.py
     types: dict[str, list[str]] = {}
     for name, t in tensors.items():
-        if len(t.shape) == 2 and name != "token_embd.weight":
-            types[gguf_names.hf_name(name).rpartition(".")[0]] = [name, _type_name(t)]
+        if gguf_names.is_experts(name):  # one entry per expert: the chooser asks per checkpoint module
+            for expert in gguf_names.expert_names(name, arch, int(t.shape[-1])):
+                types[expert.rpartition(".")[0]] = [name, _type_name(t)]
+        elif len(t.shape) == 2 and name != "token_embd.weight" and _BLOCK_ROUTER not in name:
+            types[gguf_names.hf_name(name, arch).rpartition(".")[0]] = [name, _type_name(t)]
     embd_type = _type_name(embd)
     tied = "output.weight" not in tensors
     if tied and embd_type not in gguf_types.FLOAT_TYPES:
@@ -167,6 +192,51 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         cfg["quantization_config"] = {"quant_method": "gguf", "tensors": types}
     cfg["gguf_architecture"] = arch
     return cfg
+
+
+_BLOCK_ROUTER = f".{gguf_names.ROUTER}."
+_SHARED_EXPERT_GATE = ".shared_expert_gate.weight"
+
+
+def _moe_config(arch: str, get: Any, tensors: dict[str, Any], cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The HF MoE config fields a file with expert tensors stands for (none without): the
+    family (Mixtral for llama), the expert count and width read off the tensors (E, I, H), the
+    top-k, the dense layers (`mlp_only_layers`: those with no experts), Qwen2-MoE's shared
+    expert width, and top-k renormalisation as llama.cpp computes it (qwen3moe and Mixtral
+    renormalise, qwen2moe does not)."""
+    gates = {int(n.split(".")[1]): t for n, t in tensors.items() if n.endswith(".ffn_gate_exps.weight")}
+    if not gates:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF file {path} is {arch} but has no expert tensors (blk.N.ffn_gate_exps.weight)")
+        return {}
+    shapes = {tuple(int(d) for d in reversed(t.shape.tolist())) for t in gates.values()}  # (E, I, H)
+    if len(shapes) != 1:
+        raise ValueError(f"GGUF file {path}: the experts differ in shape between layers ({sorted(shapes)}); "
+                         "Stoker needs one")
+    num_experts, inter, _ = shapes.pop()
+    if int(get("expert_count", num_experts)) != num_experts:
+        raise ValueError(f"GGUF {arch}.expert_count {get('expert_count')} differs from the {num_experts} experts "
+                         f"the tensors hold ({path})")
+    if (gating := get("expert_gating_func")) not in (None, _GATING_SOFTMAX):
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating} is not softmax; Stoker's {arch} router is")
+    if get("expert_weights_scale") not in (None, 0.0, 1.0):
+        raise ValueError(f"GGUF {arch}.expert_weights_scale {get('expert_weights_scale')} is not supported")
+    model_type, architecture = _MOE_TYPES[arch]
+    dense = [i for i in range(cfg["num_hidden_layers"]) if i not in gates]
+    out: dict[str, Any] = {"architectures": [architecture], "model_type": model_type,
+                           "num_experts_per_tok": int(get("expert_used_count", required=True))}
+    if arch == "llama":
+        if dense:
+            raise ValueError(f"GGUF file {path}: layers {dense[:4]} have no experts; a Mixtral model has them in every layer")
+        return {**out, "num_local_experts": num_experts, "intermediate_size": inter}
+    out.update(num_experts=num_experts, moe_intermediate_size=inter, decoder_sparse_step=1, mlp_only_layers=dense,
+               norm_topk_prob=arch == "qwen3moe")
+    if dense and not cfg["intermediate_size"]:
+        raise ValueError(f"GGUF file {path} has dense layers {dense[:4]} but no {arch}.feed_forward_length")
+    if arch == "qwen2moe":
+        shared = next((t for n, t in tensors.items() if n.endswith(".ffn_gate_shexp.weight")), None)
+        out["shared_expert_intermediate_size"] = 0 if shared is None else int(shared.shape[-1])
+    return out
 
 
 def _rope_scaling(get: Any, path: str | Path) -> dict[str, Any]:
@@ -216,13 +286,18 @@ class GGUFTensors:
         self.schemes = self._schemes(model)
         # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
         self.entries: dict[str, tuple[Any, str]] = {}
+        # HF name of one expert's slice of a stacked experts tensor -> that expert's index
+        self.expert_of: dict[str, int] = {}
         # HF module -> its GGUF tensor decoded whole and handed to the method (load_affine_weights):
         # 4-bit types, and every int8 tensor of a projection whose method holds offsets (Q5_K, Q5_1)
         self.affine: dict[str, Any] = {}
         for t in self.reader.tensors:
             if t.name == gguf_names.ROPE_FREQS:  # read into the config's rope_scaling (read_gguf_config)
                 continue
-            hf = gguf_names.hf_name(t.name)
+            if gguf_names.is_experts(t.name):
+                self._add_experts(t)
+                continue
+            hf = gguf_names.hf_name(t.name, self.arch)
             module = hf.rpartition(".")[0]
             if t.name == "token_embd.weight":
                 self.entries[hf] = (t, "float" if _type_name(t) in gguf_types.FLOAT_TYPES else "dequant")
@@ -241,18 +316,39 @@ class GGUFTensors:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
         self._decoded: dict[str, tuple[torch.Tensor, torch.Tensor, set[str]]] = {}
 
+    def _add_experts(self, t: Any) -> None:
+        """Each expert's slice of a stacked experts tensor under its per-expert HF name: float,
+        or (symmetric int8 blocks) `weight` and `weight_scale` for the quantized MoE method."""
+        for expert, hf in enumerate(gguf_names.expert_names(t.name, self.arch, int(t.shape[-1]))):
+            module = hf.rpartition(".")[0]
+            if _type_name(t) in gguf_types.FLOAT_TYPES:
+                self.entries[hf] = (t, "float")
+            elif module not in self.schemes:
+                raise ValueError(f"GGUF tensor {t.name} ({_type_name(t)}) matches no MoE layer of the model")
+            else:
+                self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
+                self.expert_of[f"{module}.weight_scale"] = expert
+            self.expert_of[hf] = expert
+
     def _schemes(self, model: torch.nn.Module) -> dict[str, Any]:
         """HF module -> the WeightScheme its weight is held in: its own type's, or for a shard
         of a merged projection its run's (quantization/gguf.py shard_runs: the finest group of
         its same-family siblings, affine when one of them is)."""
         from stoker.layers.linear import Linear
+        from stoker.layers.moe import FusedMoE
         from stoker.models.packed import checkpoint_module_name
 
         if not self.types:
             return {}
         config = gguf_types.gguf_quant_config({"tensors": self.types})
         schemes: dict[str, Any] = {}
+        leaves = list(getattr(model, "expert_params", {}))
         for name, layer in model.named_modules():
+            if isinstance(layer, FusedMoE):  # one scheme for all of a layer's experts, as the chooser holds them
+                names = [f"{name}.{e}.{leaf}" for e in range(layer.global_num_experts) for leaf in leaves]
+                if all(n in self.types for n in names) and not config.is_ignored(names[0]):
+                    schemes.update(dict.fromkeys(names, config.weights_for(names)))
+                continue
             if not isinstance(layer, Linear):
                 continue
             names = [checkpoint_module_name(model, name, shard) for shard in layer.shard_offsets] or [name]
@@ -278,6 +374,10 @@ class GGUFTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         t, what = self.entries[name]
         dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (K) first
+        if name in self.expert_of:  # one expert's slice: (N, K) of (E, N, K)
+            dims = dims[1:]
+        if len(dims) == 1 and name.endswith(_SHARED_EXPERT_GATE):
+            dims = (1, dims[0])
         if what == "scale":
             return dims[0], dims[1] // self.schemes[name.rpartition(".")[0]].group_size
         return dims
@@ -285,13 +385,16 @@ class GGUFTensors:
     def get_tensor(self, name: str) -> torch.Tensor:
         t, what = self.entries[name]
         module = name.rpartition(".")[0]
+        expert = self.expert_of.get(name)
         if what == "float":
-            out = self._float(t)
+            out = self._float(t, expert)
+            if out.dim() == 1 and name.endswith(_SHARED_EXPERT_GATE):  # a (H,) gate: HF's Linear(H, 1)
+                out = out.reshape(1, -1)
         elif what == "dequant":
             out = gguf_blocks.dequantize(self._raw(t), _type_name(t))
         else:  # weight and scale come from one decode, kept until both have been read
             if module not in self._decoded:
-                self._decoded[module] = (*self._decode(t, self.schemes[module].group_size), set())
+                self._decoded[module] = (*self._decode(t, self.schemes[module].group_size, expert), set())
             q, scale, taken = self._decoded[module]
             out = q if what == "q" else scale
             taken.add(what)
@@ -347,18 +450,20 @@ class GGUFTensors:
         return AffineInt8(q.to(torch.int8), scale, offset, gguf_blocks.GROUP_K[kind])
 
     # -- decoding
-    def _raw(self, t: Any) -> torch.Tensor:
-        return torch.from_numpy(np.array(t.data))  # (N, bytes per row) uint8, copied out of the read-only map
+    def _raw(self, t: Any, expert: int | None = None) -> torch.Tensor:
+        # (N, bytes per row) uint8 (of one expert of an (E, N, bytes) tensor), copied out of the read-only map
+        return torch.from_numpy(np.array(t.data if expert is None else t.data[expert]))
 
-    def _float(self, t: Any) -> torch.Tensor:
-        data = torch.from_numpy(np.array(t.data))  # copied out of the read-only map
+    def _float(self, t: Any, expert: int | None = None) -> torch.Tensor:
+        data = torch.from_numpy(np.array(t.data if expert is None else t.data[expert]))  # copied out of the map
         if _type_name(t) == "BF16":  # GGUFReader gives BF16 rows as raw bytes: (N, 2 K) uint8
-            return data.view(torch.bfloat16).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+            dims = tuple(int(d) for d in reversed(t.shape.tolist()))
+            return data.view(torch.bfloat16).reshape(dims if expert is None else dims[1:])
         return data
 
-    def _decode(self, t: Any, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, t: Any, group: int, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         kind = _type_name(t)
-        q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t))
+        q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t, expert))
         own = gguf_blocks.GROUP_K[kind]
         if group != own:  # a coarser shard of a merged projection: each scale repeated, exact
             scale = scale.repeat_interleave(own // group, dim=1)

@@ -1,7 +1,12 @@
 """GGUF tensor names -> Hugging Face names, and llama.cpp's Q/K row order undone.
 
 llama.cpp's names (gguf-py's tensor_mapping, as convert_hf_to_gguf.py writes them) for the
-dense decoder families Stoker reads from GGUF: llama (Llama, Mistral), qwen2, qwen3.
+decoder families Stoker reads from GGUF: llama (Llama, Mistral; Mixtral, whose sparse block is
+`block_sparse_moe`), qwen2, qwen3, qwen2moe and qwen3moe (their sparse block is `mlp`).
+
+A MoE layer's experts are one 3-D tensor per projection in a GGUF file (`blk.N.ffn_gate_exps`:
+(E, I, H) in torch order, the converter's stack of the per-expert tensors); `expert_names`
+gives the per-expert HF names it stands for, in expert order.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # qwen2moe's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# The sparse block's router and its experts' leaf names, per GGUF architecture
+ROUTER = "ffn_gate_inp"
+_MOE_BLOCK = {"llama": "block_sparse_moe"}  # others: "mlp"
+_EXPERT_LEAVES = {
+    "llama": {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
+    "qwen": {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
 }
 # Not weights: Llama 3's rope scaling as per-dimension frequency factors (models/gguf_rope.py)
 ROPE_FREQS = "rope_freqs.weight"
@@ -34,16 +50,37 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; a name with no
-    counterpart is refused (the loader would otherwise drop a tensor the file says it needs)."""
+    counterpart is refused (the loader would otherwise drop a tensor the file says it needs).
+    Expert tensors have many (`expert_names`)."""
     m = _BLOCK_NAME.fullmatch(name)
+    if m and m.group(2) == ROUTER:
+        return f"model.layers.{m.group(1)}.{_MOE_BLOCK.get(arch, 'mlp')}.gate.{m.group(3)}"
     if m and m.group(2) in _BLOCK:
         return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_NAME.fullmatch(name)
     if m and m.group(1) in _GLOBAL:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in Stoker's llama / qwen2 / qwen3 models")
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in Stoker's llama / qwen2 / qwen3 / qwen2moe / "
+                     "qwen3moe models")
+
+
+def is_experts(name: str) -> bool:
+    """Whether `name` is a MoE layer's stacked experts (blk.N.ffn_{gate,up,down}_exps.weight)."""
+    m = _BLOCK_NAME.fullmatch(name)
+    return bool(m and m.group(2) in _EXPERT_LEAVES["qwen"] and m.group(3) == "weight")
+
+
+def expert_names(name: str, arch: str, num_experts: int) -> list[str]:
+    """blk.3.ffn_gate_exps.weight -> [model.layers.3.mlp.experts.{e}.gate_proj.weight for each
+    expert e] (Mixtral: block_sparse_moe.experts.{e}.w1): the checkpoint names of its slices."""
+    m = _BLOCK_NAME.fullmatch(name)
+    if not is_experts(name) or m is None:
+        raise ValueError(f"GGUF tensor {name!r} is not a MoE layer's experts")
+    leaf = _EXPERT_LEAVES["llama" if arch == "llama" else "qwen"][m.group(2)]
+    block = f"model.layers.{m.group(1)}.{_MOE_BLOCK.get(arch, 'mlp')}.experts"
+    return [f"{block}.{e}.{leaf}.weight" for e in range(num_experts)]
 
 
 def permuted_heads(name: str, num_heads: int, num_kv_heads: int) -> int | None:

@@ -178,15 +178,16 @@ class LinearMethodChooser:
         # the Triton kernel applies hidden_act itself and adds no expert biases (gpt-oss has both)
         triton_moe = (self.device.type == "cuda" and ops.triton_available() and not ops.triton_disabled()
                       and not layer.custom_activation and not layer.has_bias)
-        if self.quant is not None and self.quant.weights.dtype == "int4" and self._experts_quantized(name, layer):
-            raise QuantizationError(f"int4 Mixture-of-Experts experts ({name}) are not supported yet; "
-                                    "quantize this model with --quantization int8 or fp8, or run it unquantized")
         if self.quant is not None and self.quant.experts_only:
             method = self._mxfp4(name, layer)
         elif self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
-            w = self.quant.weights
+            # the checkpoint's scheme; a GGUF file's is its expert tensors' own (their finest group)
+            w = self.quant.weights_for(self._expert_module_names(name, layer))
+            if w.dtype == "int4":
+                raise QuantizationError(f"int4 Mixture-of-Experts experts ({name}) are not supported yet; "
+                                        "quantize this model with --quantization int8 or fp8, or run it unquantized")
             group = w.group_size if w.strategy == "group" else w.block[1] if w.strategy == "block" and w.block else None
             # the kernel reads one scale per K tile: a group of K that is not a multiple of 16 does not tile
             triton_groups = group is None or group % 16 == 0
@@ -194,7 +195,7 @@ class LinearMethodChooser:
             self._say_weight_only(backend)
             fuse = (backend == "cpu_q8" and layer.is_silu and not layer.has_bias
                     and cpu_linear.gate_up_fusable(layer.intermediate_size))
-            method = QuantizedMoEMethod(self.quant.weights, self.quant.online, backend, fuse)
+            method = QuantizedMoEMethod(w, self.quant.online, backend, fuse)
         elif self.cpu_kernels:
             fuse = layer.is_silu and not layer.has_bias and cpu_linear.gate_up_fusable(layer.intermediate_size)
             method = PackedCpuMoEMethod(fuse)
@@ -218,8 +219,7 @@ class LinearMethodChooser:
         """Whether the config quantizes this layer's experts: all of them, or none (then they load
         as floats); an ignore list that splits them is refused, as for a merged projection."""
         assert self.quant is not None
-        leaves = list(getattr(self.model, "expert_params", {})) or ["weight"]
-        names = [f"{name}.{e}.{leaf}" for e in range(layer.num_experts) for leaf in leaves]  # checkpoint module names
+        names = self._expert_module_names(name, layer)
         ignored = [self.quant.is_ignored(n) for n in names]
         if any(ignored) and not all(ignored):
             raise QuantizationError(
@@ -234,6 +234,11 @@ class LinearMethodChooser:
                 "run with --tensor-parallel-size 1, or quantize a float checkpoint online (--quantization)"
             )
         return True
+
+    def _expert_module_names(self, name: str, layer: FusedMoE) -> list[str]:
+        """The checkpoint module names of this layer's experts ({name}.{e}.gate_proj, ...)."""
+        leaves = list(getattr(self.model, "expert_params", {})) or ["weight"]
+        return [f"{name}.{e}.{leaf}" for e in range(layer.num_experts) for leaf in leaves]
 
     def _say_weight_only(self, backend: str) -> None:
         assert self.quant is not None

@@ -17,6 +17,12 @@ type maps exactly onto a Stoker method (quantization/gguf_blocks.py decodes them
   anything else    refused, naming the tensor and its type (no float fallback, which would
                    hide the weight bytes): Q2_K, Q3_K, the IQ types, TQ, MXFP4 ...
 
+MoE experts (one 3-D tensor per projection, models/gguf_loader.py) run on Stoker's MoE methods:
+float types on the float one, the symmetric int8 types (Q8_0, Q6_K, Q5_0: int8 codes and one
+scale per group of K per expert row, exactly the quantized MoE method's int8 groups,
+layers/moe_quant.py) on the int8 one, a layer's gate, up and down at their finest group; the
+4- and 5-bit affine types have no MoE method and are refused by name (`check_expert_type`).
+
 A merged projection (q/k/v, gate/up) runs as one GEMM with one method when its shards share a
 representation family: int8 shards of different group sizes run at the finest group (16 beside
 32, the coarse scales repeated: exact), affine when any shard is (a symmetric shard's offsets
@@ -31,6 +37,7 @@ the runner reads it through `resolve` here rather than config.resolve.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +48,7 @@ INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q5_K": 32, "Q5_1": 32}  # co
 INT8_AFFINE = ("Q5_K", "Q5_1")  # with an offset per group
 INT4_GROUPS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32}  # columns of K per scale and offset
 SUPPORTED = "F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0"
+EXPERT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q6_K", "Q5_0")  # float, or int8 without offsets
 
 
 def check_type(tensor: str, kind: str) -> None:
@@ -49,6 +57,15 @@ def check_type(tensor: str, kind: str) -> None:
         return
     raise QuantizationError(f"GGUF tensor {tensor} is {kind}, which has no exact Stoker method (a float fallback "
                             f"would hide the weight bytes); supported types: {SUPPORTED}")
+
+
+def check_expert_type(tensor: str, kind: str) -> None:
+    """Refuse a MoE experts tensor whose type no MoE method holds exactly, by name."""
+    check_type(tensor, kind)
+    if kind not in EXPERT_TYPES:
+        raise QuantizationError(f"GGUF tensor {tensor} is {kind}: Mixture-of-Experts experts in {kind} have no exact "
+                                f"Stoker method yet (int4 and affine int8 experts are not supported); supported "
+                                f"expert types: {', '.join(EXPERT_TYPES)}")
 
 
 def family(kind: str) -> str:
@@ -82,8 +99,13 @@ class GGUFQuantConfig(QuantConfig):
     # (hf module name, gguf tensor name, type) per 2-D weight of the file
     tensors: tuple[tuple[str, str, str], ...] = ()
 
+    @functools.cached_property
+    def _by_module(self) -> dict[str, tuple[str, str]]:
+        # a MoE file lists every expert's modules: thousands of names, looked up per expert
+        return {m: (t, k) for m, t, k in self.tensors}
+
     def _types(self, module_names: list[str]) -> list[tuple[str, str]]:
-        found = {m: (t, k) for m, t, k in self.tensors}
+        found = self._by_module
         missing = [m for m in module_names if m not in found]
         if missing:
             raise QuantizationError(f"the GGUF file has no weight for {', '.join(missing)}")
@@ -124,7 +146,7 @@ class GGUFQuantConfig(QuantConfig):
     @property
     def description(self) -> str:
         counts: dict[str, int] = {}
-        for _, _, kind in self.tensors:
+        for _, kind in set((t, k) for _, t, k in self.tensors):  # a MoE file's experts share one tensor
             counts[kind] = counts.get(kind, 0) + 1
         return "gguf (" + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())) + ")"
 

@@ -6,7 +6,10 @@ reference transformers runs.
 Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1 blocks come from `gguf.quants.quantize`; the gguf package
 cannot quantize K-quants, so Q6_K, Q5_K and Q4_K blocks are written here (`quantize_q6_k`,
 `quantize_k_affine`, the layouts of ggml's block_q6_K, block_q5_K and block_q4_K, checked
-against `gguf.quants.dequantize` by the tests). `llama_cpp_types` gives the type of each
+against `gguf.quants.dequantize` by the tests). A MoE checkpoint's per-expert tensors are
+stacked into one (E, N, K) tensor per layer and projection (blk.N.ffn_gate_exps, ...), each
+expert's rows encoded on their own, as the converter stacks them and llama-quantize encodes
+them row by row. `llama_cpp_types` gives the type of each
 tensor as llama.cpp's llama-quantize assigns them in its Q4_K_M, Q4_K_S and Q5_K_M files.
 """
 
@@ -27,8 +30,14 @@ _BLOCK = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# A MoE checkpoint's per-expert tensors: model.layers.N.{mlp|block_sparse_moe}.experts.E.LEAF.weight
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -164,6 +173,14 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     if with_tokenizer:
         tok = json.loads((src / "tokenizer.json").read_text())
@@ -179,8 +196,21 @@ def write_gguf(src: Path, dst: Path, types: dict[str, str], arch: str, dequantiz
         if chat_template:
             writer.add_chat_template(chat_template)
     dequantized: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, leaf) -> expert -> encoded rows
     for name, t in tensors.items():
         kind = next((k for pat, k in types.items() if re.search(pat, name)), "F32" if t.dim() == 1 else "F32")
+        if (m := _EXPERT.fullmatch(name)) is not None:
+            data = encode(t.numpy(), kind)
+            if dequantized_dst is not None:
+                deq = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(t.shape)
+                dequantized[name] = torch.from_numpy(deq.copy())
+            stack = experts.setdefault((int(m.group(1)), m.group(3)), {})
+            stack[int(m.group(2))] = data
+            if len(stack) == num_experts:  # all of this layer's experts: one (E, N, bytes) tensor
+                writer.add_tensor(f"blk.{m.group(1)}.{_EXPERT_GGUF[m.group(3)]}.weight",
+                                  np.ascontiguousarray(np.stack([stack[e] for e in range(num_experts)])),
+                                  raw_dtype=gguf.GGMLQuantizationType[kind])
+            continue
         w = t.numpy()
         data = encode(w, kind) if t.dim() == 2 else w.astype(np.float32 if kind == "F32" else np.float16)
         if dequantized_dst is not None:

@@ -180,3 +180,15 @@ def test_roofline_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
                      "--model-config", "llama-3-8b"]) == 2
         assert sum(srv.stats.values()) == sent_before  # refused before any load was sent
     assert "unknown GPU" in capsys.readouterr().err
+
+
+def test_a_kept_alive_connection_the_server_dropped_is_resent_once() -> None:
+    """llama-server closes each connection after a streamed response without saying so; the
+    next request on the pooled connection gets no answer and is sent again on a new one, so
+    every request succeeds and none is served twice."""
+    with DoubleServer("instant", close_reused=True) as srv:
+        out = _run(srv, n=4, max_tokens=3, max_concurrency=1)
+        dropped, served = srv.stats["dropped_on_reused_connection"], srv.stats["instant"]
+    assert [r.success for r in out.results] == [True] * 4 and served == 4
+    assert dropped >= 1  # the pooled connection was reused (and dropped) at least once
+    assert all(r.http_status == 200 for r in out.results)
