@@ -33,8 +33,7 @@ def packed(n: int, k: int, group: int, symmetric: bool, half_scales: bool, seed:
 
 
 # (n, k, group, symmetric, float16 scales): whole and partial panels, one and several blocks per group
-CASES = [(17, 128, 32, True, True), (200, 384, 128, False, False), (130, 192, 64, True, False),
-         (333, 256, 128, False, True), (95, 96, 32, False, False)]
+CASES = [(17, 128, 32, True, True), (130, 192, 64, True, False), (333, 256, 128, False, True), (95, 96, 32, False, False)]
 
 
 @pytest.mark.parametrize("n, k, group, symmetric, half_scales", CASES)
@@ -44,7 +43,7 @@ def test_equals_its_twin_bit_for_bit_for_every_batch_size(n, k, group, symmetric
     bias = cpu_linear.pack_linear_weight(torch.randn(n))
     xs = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
     xs[3, :32] = 0  # an all-zero block: scale 0, values 0
-    for m in (1, 2, 3, 9):
+    for m in (1, 2, 9):  # one row tile, two, several with a partial one
         out = cpu_q4.linear_q4_a8(xs[:m], p, ps, po, group, n, bias)
         assert torch.equal(out, reference.linear_packed_q4_a8(xs[:m], p, ps, po, group, n, bias))
     # W4A8 is W4A16 up to the activations' rounding (half a step of amax / 127 per value)
