@@ -62,12 +62,13 @@ from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 GGUF_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
 # Run by the converter's interpreter: the BPE pre-tokenizer named, sentencepiece stubbed if absent.
 _CONVERT = textwrap.dedent("""
-    import importlib.util, runpy, sys, types
+    import importlib.machinery, importlib.util, runpy, sys, types
     src = sys.argv.pop(1)
     sys.path[:0] = [src, src + "/gguf-py"]
     if importlib.util.find_spec("sentencepiece") is None:
         stub = types.ModuleType("sentencepiece")
         stub.SentencePieceProcessor = object
+        stub.__spec__ = importlib.machinery.ModuleSpec("sentencepiece", None)  # transformers find_spec()s it
         sys.modules["sentencepiece"] = stub
     import conversion.base as base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
