@@ -82,7 +82,8 @@ class ModelRunner:
         lora = config.lora_config
         self.tp.expert_parallel = config.parallel_config.enable_expert_parallel  # read by the MoE blocks at build
         self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
-        if activations != "auto" and not any(getattr(getattr(m, "method", None), "kind", None) == "int4" for m in self.model.modules()):
+        int4_layers = (m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4")
+        if activations != "auto" and next(int4_layers, None) is None:
             raise ValueError(f"--activation-dtype {activations} is for int4 weights; this model has no int4 projection "
                              f"(its weights are {self.quant.description}): use --activation-dtype auto")
         self.expert_load_reader = ExpertLoadReader(self.model)
