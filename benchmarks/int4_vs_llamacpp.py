@@ -16,11 +16,22 @@ imports before it looks for a tokenizer.model, is stubbed when not installed.
 Peers, all in this process or spawned from it, interleaved: per repeat and thread count, every
 Stoker configuration (the median engine step of 32 batch-1 decode steps after a 64-token
 prompt: quantized_cpu.decode_steps) and then `llama-bench -p 0 -n 64 -r 1` on every file
-(tokens/s of 64 generated tokens). Reported: the median over repeats. Stoker runs:
+(tokens/s of 64 generated tokens). Reported: the median over repeats, and for Stoker the median
+process CPU time of a step (on a shared machine the wall time also holds the waits for a core;
+the CPU time does not, though memory contention still inflates it). Stoker runs:
 float32 and --quantization int8 on the HF checkpoint, int4 W4A16 groups of 32 (a
 compressed-tensors checkpoint written from it: float32 scales), and the Q4_0 and Q8_0 GGUF
 files themselves (Stoker's GGUF loader: Q4_0 is int4 groups of 32 with float16 scales, the LM
-head is the file's Q6_K, int8 groups of 16).
+head is the file's Q6_K, int8 groups of 16), the Q4_0 file again with `--activation-dtype int8`
+(W4A8: the int4 projections take int8 activations per block of 32, as llama.cpp's Q4_0 x Q8_0
+does; the Q6_K head and the rest are unchanged).
+
+On this project's machine (the lead's llama.cpp build; a quiet machine makes the ratios mean
+something, `uptime` before and after):
+
+    .venv/bin/python benchmarks/int4_vs_llamacpp.py --llama-cpp /work/llamacpp/build \
+        --llama-cpp-src /work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        --repeats 3 --threads 1 --workdir /tmp/int4-bench --json int4.json
 """
 
 from __future__ import annotations
@@ -51,13 +62,14 @@ from stoker.testing.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 GGUF_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
 # Run by the converter's interpreter: the BPE pre-tokenizer named, sentencepiece stubbed if absent.
 _CONVERT = textwrap.dedent("""
-    import importlib.util, runpy, sys, types
+    import importlib.machinery, importlib.util, runpy, sys, types
     src = sys.argv.pop(1)
     sys.path[:0] = [src, src + "/gguf-py"]
     if importlib.util.find_spec("sentencepiece") is None:
         import transformers  # noqa: F401  (its import-time availability checks must not meet the stub)
         stub = types.ModuleType("sentencepiece")
         stub.SentencePieceProcessor = object
+        stub.__spec__ = importlib.machinery.ModuleSpec("sentencepiece", None)  # transformers find_spec()s it
         sys.modules["sentencepiece"] = stub
     import conversion.base as base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
@@ -113,19 +125,23 @@ def main() -> None:
         work = args.workdir or Path(d)
         work.mkdir(parents=True, exist_ok=True)
         files = make_files(work, args.llama_cpp, args.llama_cpp_src)
-        configs = {"float32": (files["hf"], None), "int8 (--quantization int8)": (files["hf"], "int8"),
-                   "int4 W4A16 g32 (compressed-tensors)": (files["w4a16"], None),
-                   "int4 GGUF Q4_0 file": (files["Q4_0"], None), "int8 GGUF Q8_0 file": (files["Q8_0"], None)}
-        llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q)
-                for name, (p, q) in configs.items()}
+        configs = {"float32": (files["hf"], None, "auto"), "int8 (--quantization int8)": (files["hf"], "int8", "auto"),
+                   "int4 W4A16 g32 (compressed-tensors)": (files["w4a16"], None, "auto"),
+                   "int4 GGUF Q4_0 file": (files["Q4_0"], None, "auto"),
+                   "int4 GGUF Q4_0 file, W4A8 (--activation-dtype int8)": (files["Q4_0"], None, "int8"),
+                   "int8 GGUF Q8_0 file": (files["Q8_0"], None, "auto")}
+        llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q,
+                          activation_dtype=a) for name, (p, q, a) in configs.items()}
         held = {name: llm.engine.executor.driver_runner.weight_bytes_held() for name, llm in llms.items()}
         stoker: dict[tuple[str, int], list[float]] = {}
+        stoker_cpu: dict[tuple[str, int], list[float]] = {}  # process CPU seconds of each step
         llama: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.repeats):
             for t in threads:
                 torch.set_num_threads(t)
                 for name, llm in llms.items():
-                    stoker.setdefault((name, t), []).append(1 / decode_steps(llm, 1, input_len=64, steps=32))
+                    cpu = stoker_cpu.setdefault((name, t), [])
+                    stoker.setdefault((name, t), []).append(1 / decode_steps(llm, 1, input_len=64, steps=32, cpu_times=cpu))
                 for g in GGUF_TYPES:
                     llama.setdefault((g, t), []).append(llama_bench(args.llama_cpp, files[g], t))
                 done = {n: round(v[(n, t)][-1], 1) for v in (stoker, llama) for n, tt in v if tt == t}
@@ -134,7 +150,8 @@ def main() -> None:
         gc.collect()
         sizes = {g: files[g].stat().st_size for g in GGUF_TYPES}
     rows = [{"engine": "Stoker", "weights": n, "threads": t, "tokens_per_s": statistics.median(v), "runs": [round(x, 1) for x in v],
-             "weight_MB": held[n] / 1e6} for (n, t), v in stoker.items()]
+             "weight_MB": held[n] / 1e6, "cpu_ms_per_step": 1e3 * statistics.median(stoker_cpu[(n, t)])}
+            for (n, t), v in stoker.items()]
     rows += [{"engine": "llama.cpp", "weights": g, "threads": t, "tokens_per_s": statistics.median(v), "runs": [round(x, 1) for x in v],
               "weight_MB": sizes[g] / 1e6} for (g, t), v in llama.items()]
     out = {"machine": f"{cpu_model()}, Stoker ISA build {cpu_linear.target()}", "torch": torch.__version__,
@@ -143,11 +160,12 @@ def main() -> None:
     for t in threads:
         base = next(r["tokens_per_s"] for r in rows if r["weights"] == "float32" and r["threads"] == t)
         q4_0 = next(r["tokens_per_s"] for r in rows if r["weights"] == "Q4_0" and r["threads"] == t)
-        print(f"\n## {t} thread(s)\n\n| engine | weights | MB held / file | tokens/s | vs Stoker float32 | vs llama.cpp Q4_0 | runs |\n"
-              "|---|---|---|---|---|---|---|")
+        print(f"\n## {t} thread(s)\n\n| engine | weights | MB held / file | tokens/s | vs Stoker float32 | vs llama.cpp Q4_0 "
+              "| CPU ms a step | runs |\n|---|---|---|---|---|---|---|---|")
         for r in (r for r in rows if r["threads"] == t):
+            cpu = f"{r['cpu_ms_per_step']:.1f}" if "cpu_ms_per_step" in r else ""
             print(f"| {r['engine']} | {r['weights']} | {r['weight_MB']:.0f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['tokens_per_s'] / base:.2f}x | {r['tokens_per_s'] / q4_0:.2f}x | {r['runs']} |")
+                  f"{r['tokens_per_s'] / base:.2f}x | {r['tokens_per_s'] / q4_0:.2f}x | {cpu} | {r['runs']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

@@ -104,8 +104,9 @@ def bench_kernels(repeats: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- 2. decode
-def decode_steps(llm: LLM, batch: int, input_len: int, steps: int) -> float:
-    """Median seconds of a pure-decode engine step with `batch` sequences in flight."""
+def decode_steps(llm: LLM, batch: int, input_len: int, steps: int, cpu_times: list[float] | None = None) -> float:
+    """Median seconds of a pure-decode engine step with `batch` sequences in flight; `cpu_times`
+    gets each measured step's process CPU seconds (what a shared machine's waits leave out)."""
     rng = random.Random(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     engine = llm.engine
@@ -114,11 +115,14 @@ def decode_steps(llm: LLM, batch: int, input_len: int, steps: int) -> float:
         engine.add_request(engine.input_processor.process(f"d{batch}-{i}", None, params, ids))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()  # prefill (and the first token)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    if cpu_times is not None:
+        cpu_times.extend(cpu[2:])
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()

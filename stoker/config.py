@@ -16,6 +16,9 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 # --kv-cache-dtype: "auto" keeps the model dtype; "fp8" is E4M3 (vLLM's "fp8" and "fp8_e4m3").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --activation-dtype: what int4 projections multiply their weights by. "auto" keeps the model
+# dtype (W4A16); "int8" quantizes the activations per block of 32 (llama.cpp's Q8_0: W4A8).
+ACTIVATION_DTYPES = ("auto", "int8")
 _DEVICES = ("auto", "cpu", "cuda")
 # A sensible CPU default: 1 GiB of KV. A float32 model with hidden 512 and 8 layers
 # stores 32 KiB per token, so this holds ~32k tokens.
@@ -35,10 +38,14 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     quantization: str | None = None  # None: float weights, or whatever the checkpoint is quantized as
+    activation_dtype: str = "auto"  # ACTIVATION_DTYPES: "int8" runs int4 projections as W4A8
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation_dtype {self.activation_dtype!r} is not supported; choose one of "
+                             f"{', '.join(ACTIVATION_DTYPES)} (int8: int4 weights times int8 activations, W4A8)")
         _positive("max_model_len", self.max_model_len)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(

@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
                    help="quantize the weights at load: fp8/int8 one scale per output channel, int4 (Stoker's own) "
                         "symmetric 4-bit with one scale per group of 128 columns (a pre-quantized checkpoint needs no flag)")
+    g.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
+                   help="what int4 projections multiply: auto (the model dtype, W4A16) or int8 (W4A8: activations "
+                        "quantized per block of 32 as llama.cpp's Q8_0, integer dot products; CPU float32 only, "
+                        "logits move by more than W4A16's rounding, docs/quantization.md)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', \'{"method": "suffix", ...}\', or '
@@ -119,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         quantization=args.quantization,
+        activation_dtype=args.activation_dtype,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -49,6 +49,7 @@ class LLM:
         kv_offloading_size: float | None = None,
         kv_offloading_backend: str = "native",
         quantization: str | None = None,
+        activation_dtype: str = "auto",
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -64,7 +65,8 @@ class LLM:
         if kv_transfer_config is not None and not isinstance(kv_transfer_config, KVTransferConfig):
             kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)  # vLLM's keys (docs/disaggregation.md)
         config = EngineConfig(
-            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
+            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization,
+                                     activation_dtype=activation_dtype),
             cache_config=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

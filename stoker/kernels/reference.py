@@ -512,6 +512,63 @@ def linear_packed_q4(
     return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
+def quantize_q8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float32 -> (M, K) int8 values in [-127, 127] and (M, K / block) float32 scales d,
+    x ~ a * d per block of `block` columns (llama.cpp's Q8_0): d = amax|x| * (1 / 127),
+    a = round-half-even(x * (1 / d)), 0 where amax is 0 (linear_q4_a8.h's q8_quantize_rows)."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    amax = blocks.abs().amax(dim=2)
+    d = amax * (torch.tensor(1.0) / torch.tensor(127.0))  # float32 constant, as C's 1.0f / 127.0f
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(d))
+    a = torch.round(blocks * inv.unsqueeze(2)).clamp(-127, 127)
+    return a.to(torch.int8).reshape(x.shape), d
+
+
+def linear_packed_q4_a8(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 (kernels/cpu/linear_q4.pack_q4_weight)
+    scales: torch.Tensor,  # (G, P * NR) float16 or float32
+    offsets: torch.Tensor | None,  # (G, P * NR) float32 o' = o + 8 s, or None (all zero)
+    group_k: int,  # a multiple of 32
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:
+    """Twin of kernels/cpu/linear_q4.linear_q4_a8 (W4A8), bit for bit: x quantized per block of
+    32 (quantize_q8_blocks), exact integer dot products per block, then the float sums in
+    linear_q4_a8.h's order, each one IEEE mul or add:
+    A_g = sum_b float(I_b) * d_b, y = sum_g A_g * s_g + o'_g * X_g, + bias."""
+    from stoker.kernels.cpu.linear_q4 import Q8_BLOCK, unpack_q4_panels
+
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    codes = unpack_q4_panels(packed).permute(1, 0, 2).reshape(k, num_panels * nr)  # (K, P * NR) q - 8
+    rows = x.reshape(-1, k).float()
+    a, d = quantize_q8_blocks(rows, Q8_BLOCK)  # (M, K), (M, B)
+    num_blocks = k // Q8_BLOCK
+    # |I| <= 32 * 8 * 127 < 2^15: exact in float64, and in float32 after
+    ints = torch.einsum("mbk,bkn->mbn", a.double().view(-1, num_blocks, Q8_BLOCK),
+                        codes.double().view(num_blocks, Q8_BLOCK, -1)).float()  # (M, B, P * NR)
+    sums = a.view(-1, num_blocks, Q8_BLOCK).sum(dim=2, dtype=torch.int32).float()  # (M, B) S_b
+    per_group = group_k // Q8_BLOCK
+    out = torch.zeros(rows.shape[0], num_panels * nr)
+    for g in range(k // group_k):
+        acc = torch.zeros_like(out)
+        xg = torch.zeros(rows.shape[0], 1)
+        for b in range(g * per_group, (g + 1) * per_group):
+            acc = acc + ints[:, b] * d[:, b : b + 1]
+            xg = xg + d[:, b : b + 1] * sums[:, b : b + 1]
+        out = out + acc * scales[g].float()
+        if offsets is not None:
+            out = out + offsets[g] * xg
+    if bias is not None:
+        out = out + bias
+    if silu_and_mul:
+        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
+        return (F.silu(gate) * up).reshape(*x.shape[:-1], num_panels * nr // 2)[..., : out_features // 2]
+    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+
+
 def int4_linear(
     x: torch.Tensor,  # (..., K)
     q: torch.Tensor,  # (N, K) uint8 codes in [0, 15]

@@ -13,6 +13,9 @@ Backends, chosen once at build (models/method_chooser.py):
            converted in registers, scales and offsets applied once per group; scales held in
            float16 where exact, offsets dropped where zero (symmetric): 4.5 bits a weight for
            GGUF Q4_0 and symmetric checkpoints with 16-bit scales, as Q4_0 itself.
+           With `activations="int8"` (--activation-dtype int8, W4A8) the same panels go
+           through linear_q4_a8.h instead: x quantized to int8 per block of 32 (llama.cpp's
+           Q8_0), integer dot products, one float multiply per block (groups a multiple of 32).
   triton_w4a16  CUDA with Triton (group sizes that are multiples of 32, or per channel):
            the W4A16 GEMM (kernels/w4a16_linear.py) on the packed codes as loaded, scales
            in float16 where exact, offsets o' = o + 8 s dropped where zero, as cpu_q4.
@@ -53,9 +56,12 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     kind = "int4"
 
     def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False,
-                 name: str = "projection") -> None:
+                 name: str = "projection", activations: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown int4 backend {backend!r}")
+        if activations not in ("auto", "int8") or (activations == "int8" and backend != "cpu_q4"):
+            raise ValueError(f"{name}: int4 activations {activations!r} on backend {backend!r}; int8 (W4A8) needs cpu_q4")
+        self.activations = activations
         if scheme.dtype != "int4":
             raise ValueError(f"Int4LinearMethod holds int4 weights, not {scheme.dtype}")
         self.scheme = scheme
@@ -73,7 +79,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
 
     def describe(self) -> str:
         group = f"group {self.scheme.group_size}" if self.scheme.strategy == "group" else "per channel"
-        return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'} via {self.backend}"
+        w4a8 = " W4A8 (int8 activations)" if self.activations == "int8" else ""
+        return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'}{w4a8} via {self.backend}"
 
     def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an int4 projection runs only after models.loader.load_weights")
@@ -90,6 +97,9 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
                              "choose a group size (or tensor_parallel_size) whose groups are not split")
         if k % 2:
             raise ValueError(f"{self.name}: int4 weights pack two columns to a byte; {k} input columns is odd")
+        if self.activations == "int8" and self.group_k % 32:
+            raise ValueError(f"{self.name}: --activation-dtype int8 quantizes activations in blocks of 32 columns, which "
+                             f"int4 groups of {self.group_k} do not hold whole; use --activation-dtype auto")
         groups = k // self.group_k
         n = layer.out_features
         layer.weight = nn.Parameter(torch.zeros(n, k // 2, dtype=torch.uint8), requires_grad=False)
@@ -256,7 +266,7 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
             if layer.bias is not None:
                 layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
-            self.kernel = linear_q4.linear_q4
+            self.kernel = linear_q4.linear_q4_a8 if self.activations == "int8" else linear_q4.linear_q4
             self._forward = self._cpu_q4
         elif self.backend == "triton_w4a16":
             from stoker.kernels.w4a16_linear import hold_scales, w4a16_linear

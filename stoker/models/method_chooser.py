@@ -137,7 +137,13 @@ class LinearMethodChooser:
             from stoker.layers.int4_method import Int4LinearMethod
 
             backend = int4_backend(scheme, self.device, self.cpu_kernels)
-            return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name)
+            activations = self.quant.activation_dtype
+            if activations != "auto" and backend != "cpu_q4":
+                raise QuantizationError(
+                    f"--activation-dtype {activations} (W4A8) runs on the CPU kernels with a float32 model; {name} runs "
+                    f"on {self.device} in {str(self.dtype).removeprefix('torch.')} ({backend}): use --activation-dtype auto")
+            return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name,
+                                    activations)
         if scheme is not None:
             from stoker.layers.quantized_method import QuantizedLinearMethod
 

@@ -93,6 +93,8 @@ class QuantConfig:
     weights: WeightScheme
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left in the model dtype
     kv_cache_fp8: bool = False  # the checkpoint's scheme quantizes the KV cache to FP8
+    # --activation-dtype: "int8" runs the int4 projections as W4A8 (layers/int4_method.py)
+    activation_dtype: str = "auto"
 
     @property
     def online(self) -> bool:

@@ -7,6 +7,7 @@ gathers the logits on rank 0, which alone samples (`execute` returns None elsewh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -70,11 +71,21 @@ class ModelRunner:
             self.quant = gguf_quant.resolve(hf_config, config.model_config.quantization)
         else:
             self.quant = quant_config.resolve(hf_config, config.model_config.quantization)
+        activations = config.model_config.activation_dtype
+        if activations != "auto":  # W4A8: the int4 projections' choice, made with their method
+            if self.quant is None:
+                raise ValueError(f"--activation-dtype {activations} is for int4 weights; this model's weights are float "
+                                 "(load an int4 checkpoint or a Q4_0 / Q4_K GGUF file, or add --quantization int4)")
+            self.quant = dataclasses.replace(self.quant, activation_dtype=activations)
         if self.device.type == "cpu":
             logger.info("%s", cpu_runtime.describe())
         lora = config.lora_config
         self.tp.expert_parallel = config.parallel_config.enable_expert_parallel  # read by the MoE blocks at build
         self.model = build_model(hf_config, max_position, self.dtype, self.device, self.quant, self.tp)
+        int4_layers = (m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4")
+        if activations != "auto" and next(int4_layers, None) is None:
+            raise ValueError(f"--activation-dtype {activations} is for int4 weights; this model has no int4 projection "
+                             f"(its weights are {self.quant.description}): use --activation-dtype auto")
         self.expert_load_reader = ExpertLoadReader(self.model)
         if config.parallel_config.enable_expert_parallel and not self.expert_load_reader.is_moe:
             # refused, not ignored: the flag would change nothing, and the user believes it did

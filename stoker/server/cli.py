@@ -98,7 +98,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     kwargs = engine_kwargs(args)
     accepted = inspect.signature(LLM.__init__).parameters
-    defaults = {"tensor_parallel_size": 1, "kv_cache_dtype": "auto", "quantization": None}
+    defaults = {"tensor_parallel_size": 1, "kv_cache_dtype": "auto", "quantization": None, "activation_dtype": "auto"}
     for name in list(kwargs):
         if name not in accepted:
             value = kwargs.pop(name)

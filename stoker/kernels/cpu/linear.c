@@ -37,7 +37,8 @@
  * At larger M the panel is dequantized once into a per-thread float buffer and the float tiles
  * run on it: the same w values, so the same results, without widening once per row tile.
  *
- * 4-bit weights (stoker_linear_q4): linear_q4.h, included at the end of this file.
+ * 4-bit weights (stoker_linear_q4): linear_q4.h, included at the end of this file; with int8
+ * activations (stoker_linear_q4_a8, W4A8): linear_q4_a8.h, after it.
  *
  * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
@@ -390,6 +391,7 @@ int stoker_linear_q8(const float *x, int64_t ldx, const void *wt, int64_t ldw, i
 }
 
 #include "linear_q4.h"
+#include "linear_q4_a8.h"
 
 int stoker_linear_nr(void) { return NR; }
 

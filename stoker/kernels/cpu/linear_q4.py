@@ -1,6 +1,7 @@
 """Python entry points of the 4-bit linear kernel (linear_q4.h, built into linear.c's library):
 the panels it reads (`pack_q4_weight`, `pack_q4_scales`, their inverse `unpack_q4_panels`)
-and `linear_q4`; argument checks, then one ctypes call.
+and `linear_q4` (W4A16) and `linear_q4_a8` (W4A8: the activations quantized to int8 per
+block of 32, linear_q4_a8.h); argument checks, then one ctypes call.
 
 The kernel computes x @ W^T + bias for W = q * s + o (quantization/int4.py) regrouped per
 group g of K: y = sum_g s_g * (x_g . (q_g - 8)) + o'_g * sum(x_g) with o' = o + 8 s, which
@@ -16,6 +17,7 @@ from stoker.kernels.cpu.common import _checked_library
 from stoker.kernels.cpu.linear import _run_linear, pack_linear_weight, pack_scales, panel_width
 
 ROWS_PER_BLOCK = 8  # rows of K per int32 lane (one nibble each)
+Q8_BLOCK = 32  # W4A8: columns of K per int8 activation block (llama.cpp's Q8_0), one scale each
 
 
 def pack_q4_weight(q: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
@@ -66,14 +68,37 @@ def linear_q4(
     silu_and_mul: bool = False,
 ) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
     """x @ W^T + bias with W = q * scale + offset per group (linear_q4.h, stoker_linear_q4)."""
-    lib = _checked_library()
+    return _run_q4("stoker_linear_q4", ROWS_PER_BLOCK, x, packed, scales, offsets, group_k, out_features, bias, silu_and_mul)
+
+
+def linear_q4_a8(
+    x: torch.Tensor,  # (..., K) float32
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 panels (pack_q4_weight)
+    scales: torch.Tensor,  # (G, P * NR) float16 or float32 (pack_q4_scales)
+    offsets: torch.Tensor | None,  # (G, P * NR) float32 o' = o + 8 s, or None (pack_q4_scales)
+    group_k: int,  # columns of K per group, a multiple of 32
+    out_features: int,
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
+    """W4A8: as `linear_q4` on the same panels, with x quantized to int8 per block of 32
+    columns (llama.cpp's Q8_0) and integer dot products (linear_q4_a8.h, stoker_linear_q4_a8;
+    twin: reference.linear_packed_q4_a8)."""
+    return _run_q4("stoker_linear_q4_a8", Q8_BLOCK, x, packed, scales, offsets, group_k, out_features, bias, silu_and_mul)
+
+
+def _run_q4(symbol: str, group_multiple: int, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+            offsets: torch.Tensor | None, group_k: int, out_features: int, bias: torch.Tensor | None,
+            silu_and_mul: bool) -> torch.Tensor:
+    """The argument checks of both 4-bit entry points, then one ctypes call of `symbol`."""
+    kernel = getattr(_checked_library(), symbol)
     num_panels, k, half = packed.shape
     nr = 2 * half
     if packed.dtype != torch.uint8 or not packed.is_contiguous() or nr != panel_width():
         raise ValueError(f"linear_q4 needs contiguous uint8 panels of {panel_width() // 2} bytes a row, got "
                          f"{tuple(packed.shape)} {packed.dtype}")
-    if group_k <= 0 or k % group_k or group_k % ROWS_PER_BLOCK:
-        raise ValueError(f"linear_q4: group_k {group_k} must divide K = {k} and be a multiple of {ROWS_PER_BLOCK}")
+    if group_k <= 0 or k % group_k or group_k % group_multiple:
+        raise ValueError(f"{symbol.removeprefix('stoker_')}: group_k {group_k} must divide K = {k} and be a multiple of {group_multiple}")
     groups = (k // group_k, num_panels * nr)
     if scales.shape != groups or scales.dtype not in (torch.float16, torch.float32) or not scales.is_contiguous():
         raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype}, expected contiguous {groups} float16 or float32")
@@ -81,13 +106,13 @@ def linear_q4(
         raise ValueError(f"offsets {tuple(offsets.shape)} {offsets.dtype}, expected contiguous {groups} float32 or None")
 
     def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
-        status = lib.stoker_linear_q4(
+        status = kernel(
             rows.data_ptr(), stride, packed.data_ptr(), k * half, scales.data_ptr(), int(scales.dtype == torch.float16),
             None if offsets is None else offsets.data_ptr(), num_panels * nr, group_k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], out_features, k,
             int(silu_and_mul), torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise MemoryError("linear_q4: could not allocate its buffers")
+            raise MemoryError(f"{symbol.removeprefix('stoker_')}: could not allocate its buffers")
 
     return _run_linear(x, packed, out_features, bias, silu_and_mul, call, nr)
