@@ -260,3 +260,51 @@ def test_tensor_parallel_ranks_end_a_read_or_a_lease_together() -> None:
     out = agg.merge([RankFinished(recving=frozenset({"b"}), report=TransferReport(transfers={"b": (0.01, 100)})),
                      RankFinished()])
     assert not out.recving and out.report.failed_recving == {"b": "rank 1: NIXL read: boom"} and agg.pending() == 0
+
+
+@pytest.mark.parametrize("read", ["arrives", "fails"])
+def test_a_host_tier_hit_loads_first_blocks_and_the_read_covers_only_the_rest(read: str) -> None:
+    """Claims at admission, each block once: device prefix hit, then the host tier, then the
+    remote engine. A failed read (policy recompute) keeps the host-loaded blocks as a device hit."""
+    from stoker.core.host_kv_pool import HostKVPool
+
+    sched, conn, _ = make()
+    bm = sched.block_manager
+    pool = HostKVPool(8, BS, bytes_per_block=64)
+    sched.host_kv, bm.on_evict = pool, pool.offer
+    warm = Sequence("warm", list(range(8)) + [99, 98], SamplingParams(max_tokens=1))
+    sched.add(warm)
+    run_step(sched, sched.schedule())
+    sched.finish(warm, SequenceStatus.FINISHED_LENGTH)  # its 2 full blocks cached on the device
+    filler = Sequence("fill", [200 + i for i in range(63)], SamplingParams(max_tokens=1))
+    sched.add(filler)
+    plan = sched.schedule()  # takes all 16 blocks: the 2 cached ones are evicted, saved to host
+    assert len(plan.kv_host_saves) == 2
+    run_step(sched, plan)
+    sched.finish(filler, SequenceStatus.FINISHED_LENGTH)
+    seq = remote_seq(list(range(8)) + [50, 51, 52], [4, 5, 6])
+    sched.add(seq)
+    plan = sched.schedule()
+    table = bm.get_block_table(seq)
+    assert plan.is_empty and seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert [dst for _, dst in plan.kv_host_loads] == table[:2] and seq.num_computed_tokens == 8
+    (load,) = conn.build_connector_meta().loads
+    assert load.remote_block_ids == (6,) and load.local_block_ids == (table[2],)  # blocks 0-1 came from host
+    assert conn.stats.external_prefix_cache_queries == 3 and pool.stats().hit_blocks == 2
+    run_step(sched, plan)  # the admission step (its host loads) came back
+    if read == "arrives":
+        run_step(sched, SchedulerOutput(), finished_recving=frozenset({"d1"}))
+        plan = sched.schedule()
+        (s,) = plan.scheduled
+        assert s.start_pos == 10 and s.num_tokens == 1
+    else:
+        run_step(sched, SchedulerOutput(), kv_connector_output=TransferReport(failed_recving={"d1": "boom"}))
+        plan = sched.schedule()
+        (s,) = plan.scheduled
+        assert s.start_pos == 8 and s.num_tokens == 3 and seq.num_cached_tokens == 8  # host hit kept
+        assert not plan.kv_host_loads and conn.build_connector_meta() is None
+    run_step(sched, plan)
+    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    bm.check_integrity()
+    pool.check_integrity()
+    assert bm.num_free_blocks == 16 and pool.is_idle and not conn.has_pending()
