@@ -115,7 +115,12 @@ def test_a_decode_engine_loads_its_host_tier_hit_and_reads_only_the_rest(tiny_ll
     mib = 1 / 1024  # GiB: 128 host blocks of the tiny llama's 8 KiB
     faults = {"faults": {"drop_reads": True}} if fault else {}
     prefill = LLM(str(tiny_llama), kv_transfer_config=kv(kv_lease_duration=0.2), kv_offloading_size=mib, **kw)
-    decode = LLM(str(tiny_llama), kv_transfer_config=kv(**faults), kv_offloading_size=mib, **kw)
+    # the decode engine as vLLM / llm-d spell it: a MultiConnector of NIXL and the host tier
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+        kv(**faults), {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}]}}
+    decode = LLM(str(tiny_llama), kv_transfer_config=multi, **kw)
+    assert decode.engine.config.cache_config.kv_offloading_size == mib
     local = LLM(str(tiny_llama), **kw)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     try:

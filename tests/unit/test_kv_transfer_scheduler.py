@@ -239,7 +239,8 @@ def test_the_scheduler_side_is_torch_free() -> None:
 
     assert_torch_free(["stoker.kv_transfer.config", "stoker.kv_transfer.params", "stoker.kv_transfer.metadata",
                        "stoker.kv_transfer.base", "stoker.kv_transfer.compat", "stoker.kv_transfer.stats",
-                       "stoker.kv_transfer.scheduler_side", "stoker.kv_transfer.side_channel"])
+                       "stoker.kv_transfer.scheduler_side", "stoker.kv_transfer.side_channel",
+                       "stoker.kv_transfer.multi"])
 
 
 def test_tensor_parallel_ranks_end_a_read_or_a_lease_together() -> None:
@@ -308,3 +309,30 @@ def test_a_host_tier_hit_loads_first_blocks_and_the_read_covers_only_the_rest(re
     bm.check_integrity()
     pool.check_integrity()
     assert bm.num_free_blocks == 16 and pool.is_idle and not conn.has_pending()
+
+
+def test_vllm_spellings_of_nixl_beside_the_host_tier() -> None:
+    from stoker.kv_transfer.multi import merge_offloading_size, resolve
+
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30}}
+    for order in ([nixl, offload], [offload, nixl]):  # the claims do not depend on the order
+        cfg, gib = resolve({"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "e1",
+                            "kv_connector_extra_config": {"connectors": order}})
+        assert cfg is not None and cfg.kv_role == "kv_consumer" and cfg.engine_id == "e1" and gib == 8.0
+    assert resolve(offload) == (None, 8.0)
+    cfg, gib = resolve('{"kv_connector": "NixlConnector"}')
+    assert cfg is not None and gib is None
+    multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [nixl, nixl]}}
+    with pytest.raises(ValueError, match="lists a connector twice"):
+        resolve(multi)
+    with pytest.raises(ValueError, match="connector 'LMCacheConnectorV1' is not supported"):
+        resolve({**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "LMCacheConnectorV1"}]}})
+    with pytest.raises(ValueError, match="cpu_bytes_to_use"):
+        resolve({"kv_connector": "OffloadingConnector"})
+    with pytest.raises(ValueError, match="keys num_cpu_blocks"):
+        resolve({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}})
+    with pytest.raises(ValueError, match="given twice"):
+        merge_offloading_size(4.0, 8.0)
+    assert merge_offloading_size(8.0, 8.0) == merge_offloading_size(None, 8.0) == merge_offloading_size(8.0, None) == 8.0
