@@ -336,3 +336,22 @@ def test_vllm_spellings_of_nixl_beside_the_host_tier() -> None:
     with pytest.raises(ValueError, match="given twice"):
         merge_offloading_size(4.0, 8.0)
     assert merge_offloading_size(8.0, 8.0) == merge_offloading_size(None, 8.0) == merge_offloading_size(8.0, None) == 8.0
+
+
+def test_the_external_prefix_cache_is_exported_once_beside_the_host_tier() -> None:
+    from stoker.core.host_kv_pool import HostKVStats
+    from stoker.kv_transfer.metrics import kv_transfer_metrics
+    from stoker.kv_transfer.stats import KVTransferStats
+    from stoker.server.observe.host_kv_metrics import host_kv_metrics
+
+    host = HostKVStats(8, 2, query_tokens=40, hit_tokens=32, lookup_blocks=2, hit_blocks=2, saved_blocks=2,
+                       loaded_blocks=2, saved_bytes=128, loaded_bytes=128, evicted_blocks=0, skipped_saves=0)
+    remote = KVTransferStats(external_prefix_cache_queries=8, external_prefix_cache_hits=8)
+    families = [*host_kv_metrics(host, [], [], remote_hit_tokens=remote.external_prefix_cache_hits),
+                *kv_transfer_metrics(remote, [], [], external_prefix_cache=False)]
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))
+    by_name = {f.name: f.samples[0].value for f in families}
+    assert by_name["vllm:external_prefix_cache_queries"] == 40 and by_name["vllm:external_prefix_cache_hits"] == 40
+    alone = {f.name: f.samples[0].value for f in kv_transfer_metrics(remote, [], [])}
+    assert alone["vllm:external_prefix_cache_hits"] == 8
