@@ -114,7 +114,8 @@ def test_a_decode_engine_loads_its_host_tier_hit_and_reads_only_the_rest(tiny_ll
     kw = {"max_model_len": 128, "num_gpu_blocks_override": 10, "block_size": 16}
     mib = 1 / 1024  # GiB: 128 host blocks of the tiny llama's 8 KiB
     faults = {"faults": {"drop_reads": True}} if fault else {}
-    prefill = LLM(str(tiny_llama), kv_transfer_config=kv(kv_lease_duration=0.2), kv_offloading_size=mib, **kw)
+    lease = 0.2 if fault else 60.0  # a dropped read never notifies: its lease must expire within the test
+    prefill = LLM(str(tiny_llama), kv_transfer_config=kv(kv_lease_duration=lease), kv_offloading_size=mib, **kw)
     # the decode engine as vLLM / llm-d spell it: a MultiConnector of NIXL and the host tier
     multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
         kv(**faults), {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
