@@ -30,8 +30,8 @@ from stoker.kv_transfer.config import KVTransferConfig
 
 OFFLOADING = "OffloadingConnector"
 MULTI = "MultiConnector"
-_MULTI_KEYS = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config", "kv_buffer_device"}
-_OFFLOADING_KEYS = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config", "kv_buffer_device"}
+_MULTI_KEYS = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config"}
+_OFFLOADING_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config"}
 
 
 def _load(values: Any) -> dict[str, Any]:
@@ -75,6 +75,9 @@ def resolve(values: Any) -> tuple[KVTransferConfig | None, float | None]:
     if connector != MULTI:
         return KVTransferConfig.from_dict(values), None
     _unknown(values, _MULTI_KEYS, "kv_transfer_config (MultiConnector)")
+    if values.get("kv_role", "kv_both") != "kv_both":
+        raise ValueError(f"MultiConnector kv_role must be kv_both (each child's kv_role says what it does), "
+                         f"got {values['kv_role']!r}")
     children = (values.get("kv_connector_extra_config") or {}).get("connectors")
     extra_keys = set(values.get("kv_connector_extra_config") or {}) - {"connectors"}
     if extra_keys:

@@ -333,6 +333,8 @@ def test_vllm_spellings_of_nixl_beside_the_host_tier() -> None:
         resolve({"kv_connector": "OffloadingConnector"})
     with pytest.raises(ValueError, match="keys num_cpu_blocks"):
         resolve({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}})
+    with pytest.raises(ValueError, match="kv_role must be kv_both"):
+        resolve({**multi, "kv_role": "kv_consumer"})
     with pytest.raises(ValueError, match="given twice"):
         merge_offloading_size(4.0, 8.0)
     assert merge_offloading_size(8.0, 8.0) == merge_offloading_size(None, 8.0) == merge_offloading_size(8.0, None) == 8.0
