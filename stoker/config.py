@@ -339,10 +339,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N), got {self.device!r}")
-        if self.kv_transfer_config is not None and self.cache_config.kv_offloading_size is not None:
-            # Both would claim the blocks past a prompt's device prefix hit; one connector at a time.
-            raise ValueError("kv_offloading_size (the host KV tier) cannot be combined with kv_transfer_config yet; "
-                             "serve a disaggregated pair without --kv-offloading-size")
         if self.speculative_config is not None:
             self.speculative_config.check_tensor_parallel(self.parallel_config.tensor_parallel_size)
             if self.kv_transfer_config is not None and self.speculative_config.drafts_in_runner:

@@ -196,7 +196,7 @@ class Scheduler:
             num_computed = seq.num_computed_tokens + len(cached) * bm.block_size + num_loaded
             remaining = seq.num_tokens - num_computed
             if self.kv_connector is not None:  # the rest of its prompt may come from a remote engine
-                admitted = self._admit_remote(seq, cached, num_computed)
+                admitted = self._admit_remote(seq, cached, host_slots, num_computed, out)
                 if admitted is not None:
                     if admitted:
                         continue
@@ -264,20 +264,30 @@ class Scheduler:
             self.host_kv.end_step()  # the step's host copies ran: its saves may be loaded, its slots reused
 
     # ------------------------------------------------------------------ KV connector
-    def _admit_remote(self, seq: Sequence, cached: list[int], num_computed: int) -> bool | None:
+    def _admit_remote(self, seq: Sequence, cached: list[int], host_slots: list[int], num_computed: int,
+                      out: SchedulerOutput) -> bool | None:
         """Admit seq to wait for its prompt's remote K/V (blocks for the whole prompt, no
         budget: no step computes them). None when it computes locally; False when its
-        blocks do not fit yet."""
+        blocks do not fit yet.
+
+        Claims in order, each block once: the device prefix hit `cached` (shared blocks), then
+        the host tier's hit `host_slots` (fresh blocks loaded from host memory this step), then
+        the remote engine for the rest (`num_computed` counts the first two, so the connector
+        claims only the blocks past them and its read fills only those)."""
         num_external, load_async = self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
         if not load_async:
             return None
         bm = self.block_manager
-        if not bm.can_allocate(seq, num_external, cached):
+        num_loaded = len(host_slots) * bm.block_size
+        if not bm.can_allocate(seq, num_loaded + num_external, cached):
             return False
         self.waiting.popleft()
         bm.record_prefix_query(seq.num_tokens, len(cached) * bm.block_size)
-        bm.allocate(seq, num_external, cached)
-        self.kv_connector.update_state_after_alloc(seq, bm.get_block_table(seq), len(cached))
+        if self.host_kv is not None:  # allocates, and plans the loads of the host hits (before the read starts)
+            self.host_kv.admit(seq, num_external, cached, host_slots, bm, out.kv_host_loads)
+        else:
+            bm.allocate(seq, num_external, cached)
+        self.kv_connector.update_state_after_alloc(seq, bm.get_block_table(seq), len(cached) + len(host_slots))
         return True
 
     def resume(self, seq: Sequence) -> None:

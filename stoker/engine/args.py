@@ -48,7 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                         'per step by the cost model unless "dynamic": false (docs/spec_decode.md)')
     g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
                    help='disaggregated prefill/decode as JSON, vLLM\'s keys: \'{"kv_connector": "NixlConnector", '
-                        '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}\' (docs/disaggregation.md)')
+                        '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}\', or vLLM\'s MultiConnector of a '
+                        'NixlConnector and an OffloadingConnector (the host KV tier; docs/kv_offloading.md)')
     lo = parser.add_argument_group("LoRA (vLLM's flags)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on top of the model (docs/lora.md)")
     lo.add_argument("--max-loras", type=int, default=1, help="adapters in the compute slots at once (one step mixes at most these)")
@@ -84,11 +85,11 @@ def _speculative_config(text: str) -> dict[str, Any]:
 
 def _kv_transfer_config(text: str) -> dict[str, Any]:
     """--kv-transfer-config's JSON object, checked now (a bad flag fails before the model loads)."""
-    from stoker.kv_transfer.config import KVTransferConfig
+    from stoker.kv_transfer.multi import resolve
 
     try:
         values = json.loads(text)
-        KVTransferConfig.from_dict(values)
+        resolve(values)  # NixlConnector, OffloadingConnector, or vLLM's MultiConnector of both
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     except ValueError as exc:

@@ -9,6 +9,8 @@ from typing import Any
 
 from stoker.lora.request import LoRARequest
 from stoker.kv_transfer.config import KVTransferConfig
+from stoker.kv_transfer.multi import merge_offloading_size
+from stoker.kv_transfer.multi import resolve as resolve_kv_transfer_config
 from stoker.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                            SpeculativeConfig)
 from stoker.engine.llm_engine import LLMEngine
@@ -63,7 +65,9 @@ class LLM:
         elif speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(speculative_config).__name__}")
         if kv_transfer_config is not None and not isinstance(kv_transfer_config, KVTransferConfig):
-            kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)  # vLLM's keys (docs/disaggregation.md)
+            # vLLM's keys (docs/disaggregation.md); a MultiConnector or OffloadingConnector names the host tier too
+            kv_transfer_config, offloading_gib = resolve_kv_transfer_config(kv_transfer_config)
+            kv_offloading_size = merge_offloading_size(kv_offloading_size, offloading_gib)
         config = EngineConfig(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization,
                                      activation_dtype=activation_dtype),

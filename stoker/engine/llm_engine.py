@@ -255,7 +255,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.kv_connector is not None and self.kv_connector.has_pending():
-                return self._transfer_step()
+                return self._transfer_step(plan)
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any sequence: the KV cache is smaller than one "
                                    "request needs; raise kv_cache_memory_bytes or lower max_model_len")
@@ -316,12 +316,16 @@ class LLMEngine:
         """Reads in flight or blocks leased to remote readers: the loop steps to hear of them."""
         return self.kv_connector is not None and self.kv_connector.has_pending()
 
-    def _transfer_step(self) -> list[RequestOutput]:
+    def _transfer_step(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Nothing to compute but KV transfers to hear of: a step of no sequences starts the
-        reads and polls for their end (and sleeps a little when nothing ended, not to spin)."""
+        reads and polls for their end (and sleeps a little when nothing ended, not to spin).
+        It carries the plan's host-tier copies: a request admitted to wait for its remote K/V
+        loads its host hit (and the blocks it took from the free list are saved) in this step."""
         assert self.kv_connector is not None
-        result = self.executor.execute(StepMessage([], kv_connector_meta=self.kv_connector.build_connector_meta()))
-        self.scheduler.update_after_step(SchedulerOutput(), result)
+        result = self.executor.execute(StepMessage([], kv_host_saves=tuple(plan.kv_host_saves),
+                                                   kv_host_loads=tuple(plan.kv_host_loads),
+                                                   kv_connector_meta=self.kv_connector.build_connector_meta()))
+        self.scheduler.update_after_step(plan, result)
         failures = self._kv_load_failures()
         if failures:
             for request_id in failures:

@@ -164,8 +164,9 @@ class DistributedExecutor(Executor):
 
         def forward_and_gather() -> Any:
             self.tp.broadcast_object(("step", step.for_workers()))
+            self.driver_runner.copy_host_kv(step)  # before the reads: a block a read fills may be saved first
             connector.start_load_kv(step.kv_connector_meta)
-            out = self.driver_runner.forward(step) if step.seqs else None
+            out = self.driver_runner.forward(step, host_kv_copied=True) if step.seqs else None
             return out, self.tp.gather_objects(connector.take_finished())
 
         start = time.perf_counter()

@@ -26,8 +26,8 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_local_blocks: int) -> None:
-        """seq was given block_ids; the first num_local_blocks came from the local prefix cache,
-        the rest are to be filled from the remote engine."""
+        """seq was given block_ids; the first num_local_blocks came from the local prefix cache
+        (then the host KV tier, loaded this step), the rest are to be filled from the remote engine."""
 
     @abstractmethod
     def build_connector_meta(self) -> Any:

@@ -10,7 +10,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from stoker.kv_transfer.stats import Histogram, KVTransferStats
 
 
-def kv_transfer_metrics(s: KVTransferStats, labels: list[str], value: list[str]) -> Iterator[Metric]:
+def kv_transfer_metrics(s: KVTransferStats, labels: list[str], value: list[str],
+                        external_prefix_cache: bool = True) -> Iterator[Metric]:
+    """external_prefix_cache False: a host KV tier exports that pair, with these hits added
+    (server/observe/host_kv_metrics.py), so each family is exported once."""
     def histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
         m = HistogramMetricFamily(name, doc, labels=labels)
         m.add_metric(value, h.cumulative(), h.total)
@@ -27,10 +30,11 @@ def kv_transfer_metrics(s: KVTransferStats, labels: list[str], value: list[str])
     yield counter("vllm:nixl_num_kv_expired_reqs",
                   "Requests whose KV blocks no reader took before the lease ran out (counted on the prefill engine)",
                   s.num_kv_expired_reqs)
-    yield counter("vllm:external_prefix_cache_queries", "Prompt tokens asked of a remote engine's KV cache",
-                  s.external_prefix_cache_queries)
-    yield counter("vllm:external_prefix_cache_hits", "Prompt tokens read from a remote engine's KV cache",
-                  s.external_prefix_cache_hits)
+    if external_prefix_cache:
+        yield counter("vllm:external_prefix_cache_queries", "Prompt tokens asked of a remote engine's KV cache",
+                      s.external_prefix_cache_queries)
+        yield counter("vllm:external_prefix_cache_hits", "Prompt tokens read from a remote engine's KV cache",
+                      s.external_prefix_cache_hits)
     g = GaugeMetricFamily("stoker:kv_leased_blocks", "KV blocks held for remote readers", labels=labels)
     g.add_metric(value, s.num_leased_blocks)
     yield g

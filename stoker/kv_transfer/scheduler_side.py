@@ -2,12 +2,14 @@
 and the blocks leased to remote readers. [no torch]
 
 Decode engine (the reader): a request whose kv_transfer_params say do_remote_prefill takes its
-local prefix-cache hit, gets fresh blocks for the rest of its prompt and waits in
+local prefix-cache hit (and, with a host KV tier, the host hit past it: core/host_kv_pool.py),
+gets fresh blocks for the rest of its prompt and waits in
 WAITING_FOR_REMOTE_KV (outside the scheduler's queues, so it is never scheduled) while the
 worker side READs the prefill engine's blocks into them. When the read arrives the prompt is
 computed but its last token, which the first decode step recomputes to get logits (as vLLM
 does). A failed read is recomputed locally (kv_load_failure_policy "recompute") or fails the
-request ("fail").
+request ("fail"); either way the blocks it held before the read (the device hit and the blocks
+loaded from the host tier) stay in the prefix cache, so a recompute starts past them.
 
 Prefill engine (the holder): a request sent with do_remote_decode finishes after its one token
 but keeps its blocks under a lease; the reader's notification (finished_sending) or the
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 class _Waiting:
     seq: Sequence
     spec: LoadSpec
+    num_local_blocks: int  # its first blocks, not read: the device prefix hit, then the host tier's
     aborted: bool = False  # aborted while its read writes into its blocks: freed when the read ends
 
 
@@ -95,7 +98,7 @@ class NixlSchedulerConnector(KVConnectorScheduler):
                         spec.remote_host, spec.remote_port, tuple(spec.remote_block_ids[num_local_blocks:]),
                         tuple(block_ids[num_local_blocks:]))
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
-        self.waiting_for_remote[seq.seq_id] = _Waiting(seq, load)
+        self.waiting_for_remote[seq.seq_id] = _Waiting(seq, load, num_local_blocks)
         self._to_load.append(load)
 
     def build_connector_meta(self) -> ConnectorMeta | None:
@@ -201,6 +204,11 @@ class NixlSchedulerConnector(KVConnectorScheduler):
         del self.waiting_for_remote[seq.seq_id]
         self._local.add(seq.seq_id)
         self.stats.num_failed_transfers += 1
+        # The blocks before the read hold valid K/V (the host tier's were loaded in the step that
+        # admitted it, before the read started): hashed into the prefix cache, so a recompute takes
+        # them as a device hit instead of loading or computing them again. The read's blocks are not.
+        seq.num_computed_tokens = w.num_local_blocks * self.bm.block_size
+        self.bm.cache_full_blocks(seq)
         self.bm.free(seq)
         if w.aborted:
             return

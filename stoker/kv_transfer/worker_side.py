@@ -149,9 +149,10 @@ class NixlWorkerConnector(KVConnectorWorker):
         """The runner's step with the connector around it: reads start before the forward,
         completions ride back on the result (a step of no sequences only polls). Under TP the
         executor collects every rank's `take_finished` instead (executor/distributed.py)."""
+        runner.copy_host_kv(step)  # before the reads: a block a read fills may be one this step saves to host
         self.start_load_kv(step.kv_connector_meta)
         if step.seqs:
-            result = runner.sample(step, *runner.forward(step))
+            result = runner.sample(step, *runner.forward(step, host_kv_copied=True))
         else:
             result = StepResult() if runner.tp.is_first else None
         self.wait_for_save()

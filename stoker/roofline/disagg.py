@@ -28,8 +28,11 @@ disaggregated deployments"; without it "expect 200-500x performance degradation 
 Token (TTFT) -- observed ~98s TTFT with TCP vs ~200-500ms with RDMA". Shorter prompts are prefilled
 on the decode side anyway by Dynamo's conditional disaggregation (its vLLM worker's
 `--max-local-prefill-length`, default 1000 tokens), so they never cross the link.
+Equal TP only: both pools are searched per (KV dtype, TP) and paired only where the TP sizes match,
+because Stoker's servers refuse a decode leg whose tp_size differs from the prefill server's (as
+vLLM's NixlConnector first did), so an unequal pair would be a plan nobody can serve.
 Not modelled: the transfer's per-block descriptors and handshake, queueing, a prefill pool with
-prefix caching, TP changes between pools beyond the stream count.
+prefix caching.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class Layout:
     decode_gpus: int = 0
     kv_transfer_ms: float = 0.0
     itl_prefill_share_ms: float = 0.0  # aggregated: what prefill chunks add to every decode step
+    tp: int = 1  # per replica; disaggregated: both pools' (Stoker serves equal TP only)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -163,9 +167,9 @@ def _families(m: ModelSpec, g: GPUSpec, lnk: Interconnect, t: PlanTargets, weigh
 
 
 def decode_pool(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, link: Interconnect, eff: Efficiencies,
-                weight_dtypes: tuple[str, ...], kv_dtypes: tuple[str, ...]) -> dict[str, _Pool]:
-    """The fewest-GPU decode pool per KV dtype meeting the ITL budget with pure decode steps."""
-    best: dict[str, _Pool] = {}
+                weight_dtypes: tuple[str, ...], kv_dtypes: tuple[str, ...]) -> dict[tuple[str, int], _Pool]:
+    """The fewest-GPU decode pool per (KV dtype, TP) meeting the ITL budget with pure decode steps."""
+    best: dict[tuple[str, int], _Pool] = {}
     seq = t.prompt_len + t.output_len
     for tp, wd, kvd, kv in _families(m, g, link, t, weight_dtypes, kv_dtypes):
         for b in BATCHES:
@@ -178,36 +182,37 @@ def decode_pool(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, link: Interconnect,
             rate = b / itl
             pool = _Pool(math.ceil(t.target_tokens_per_s / rate), tp, wd, kvd, b, 0.0, itl)
             pool = replace(pool, rate=pool.replicas * rate)
-            cur = best.get(kvd)
+            cur = best.get((kvd, tp))
             if cur is None or (pool.gpus, -pool.rate) < (cur.gpus, -cur.rate):
-                best[kvd] = pool
+                best[(kvd, tp)] = pool
     return best
 
 
 def prefill_pool(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, link: Interconnect, eff: Efficiencies,
                  weight_dtypes: tuple[str, ...], kv_dtypes: tuple[str, ...], kv_link: Interconnect,
-                 decode_tp: dict[str, int]) -> dict[str, tuple[_Pool, KVTransfer]]:
-    """The fewest-GPU prefill pool per KV dtype whose TTFT (the prompt's chunks + the KV transfer to a
-    decode replica of TP decode_tp[kv dtype]) meets the budget and that keeps up with the request rate."""
-    best: dict[str, tuple[_Pool, KVTransfer]] = {}
+                 decode_keys: set[tuple[str, int]]) -> dict[tuple[str, int], tuple[_Pool, KVTransfer]]:
+    """The fewest-GPU prefill pool per (KV dtype, TP) in decode_keys -- a decode pool of the same KV dtype
+    and the same TP exists -- whose TTFT (the prompt's chunks + the KV transfer to that decode replica)
+    meets the budget and that keeps up with the request rate."""
+    best: dict[tuple[str, int], tuple[_Pool, KVTransfer]] = {}
     prompt_rate = t.target_tokens_per_s / t.output_len * t.prompt_len  # prompt tokens/s to prefill
     step_tokens = max(t.max_num_batched_tokens, t.prompt_len)  # a whole prompt per step at least
     for tp, wd, kvd, kv in _families(m, g, link, t, weight_dtypes, kv_dtypes):
-        if kvd not in decode_tp or kv.tokens < step_tokens:  # a step's prompts must fit its KV blocks
+        if (kvd, tp) not in decode_keys or kv.tokens < step_tokens:  # a step's prompts must fit its KV blocks
             continue
         kw = dict(weight_dtype=wd, kv_dtype=kvd, tp=tp, link=link, eff=eff)
         alone = chunked_prefill_s(m, g, prompt_tokens=t.prompt_len, prompt_len=t.prompt_len,
                                   chunk_tokens=min(t.max_num_batched_tokens, t.prompt_len), **kw)  # type: ignore[arg-type]
-        xfer = kv_transfer(m, t.prompt_len, kvd, kv_link, tp_prefill=tp, tp_decode=decode_tp[kvd], eff=eff)
+        xfer = kv_transfer(m, t.prompt_len, kvd, kv_link, tp_prefill=tp, tp_decode=tp, eff=eff)
         if t.ttft_p50_ms is not None and (alone + xfer.time_s) * 1e3 > t.ttft_p50_ms:
             continue
         per_replica = step_tokens / chunked_prefill_s(m, g, prompt_tokens=step_tokens, prompt_len=t.prompt_len,
                                                       chunk_tokens=step_tokens, **kw)  # type: ignore[arg-type]
         replicas = math.ceil(prompt_rate / per_replica)
         pool = _Pool(replicas, tp, wd, kvd, step_tokens, replicas * per_replica, alone)
-        cur = best.get(kvd)
+        cur = best.get((kvd, tp))
         if cur is None or (pool.gpus, pool.latency_s) < (cur[0].gpus, cur[0].latency_s):
-            best[kvd] = (pool, xfer)
+            best[(kvd, tp)] = (pool, xfer)
     return best
 
 
@@ -227,7 +232,7 @@ def compare_layouts(model: ModelSpec | str, gpu: GPUSpec | str, targets: PlanTar
     free = replace(targets, max_gpus=1 << 20)
     decode = decode_pool(m, g, free, link=lnk, eff=eff, weight_dtypes=wds, kv_dtypes=kvds)
     prefill = prefill_pool(m, g, free, link=lnk, eff=eff, weight_dtypes=wds, kv_dtypes=kvds, kv_link=klnk,
-                           decode_tp={k: p.tp for k, p in decode.items()})
+                           decode_keys=set(decode))
     dis, dis_reason, xfer = _disaggregated(targets, decode, prefill, m, klnk, eff)
     verdict, reason = _verdict(targets, klnk, agg, agg_reason, dis, dis_reason, xfer)
     return LayoutComparison(agg, agg_reason, dis, dis_reason, xfer, verdict, reason)
@@ -248,20 +253,24 @@ def _aggregated(m: ModelSpec, g: GPUSpec, t: PlanTargets, lnk: Interconnect, wds
                                max_batch=c.max_batch, link=lnk, eff=eff)
     desc = f"{c.replicas} x TP{c.tp} {c.weight_dtype}/{c.kv_dtype} KV, batch {c.max_batch}"
     return Layout("aggregated", c.gpus, desc, c.tokens_per_s, ttft * 1e3, c.tpot_ms,
-                  itl_prefill_share_ms=max(0.0, c.tpot_ms - alone * 1e3)), ""
+                  itl_prefill_share_ms=max(0.0, c.tpot_ms - alone * 1e3), tp=c.tp), ""
 
 
-def _disaggregated(t: PlanTargets, decode: dict[str, _Pool], prefill: dict[str, tuple[_Pool, KVTransfer]],
+def _disaggregated(t: PlanTargets, decode: dict[tuple[str, int], _Pool],
+                   prefill: dict[tuple[str, int], tuple[_Pool, KVTransfer]],
                    m: ModelSpec, klnk: Interconnect, eff: Efficiencies) -> tuple[Layout | None, str, KVTransfer | None]:
     if not decode:
         return None, "no decode pool meets the ITL budget (or the KV of one sequence does not fit)", None
     if not prefill:
-        kvd, d = min(decode.items(), key=lambda kv: kv[1].gpus)
+        (kvd, _), d = min(decode.items(), key=lambda kv: kv[1].gpus)
         xfer = kv_transfer(m, t.prompt_len, kvd, klnk, tp_prefill=d.tp, tp_decode=d.tp, eff=eff)
         return None, (f"no prefill pool meets the TTFT budget once the KV transfer is added "
-                      f"({xfer.time_s * 1e3:.1f} ms per prompt over {klnk.name})"), xfer
+                      f"({xfer.time_s * 1e3:.1f} ms per prompt over {klnk.name}; both pools at the same TP, "
+                      "as Stoker's servers refuse unequal TP)"), xfer
+    # Same key, same TP on both pools: the only pairs a Stoker prefill and decode server will serve.
     options = [(decode[k], *prefill[k]) for k in prefill]
     d, p, xfer = min(options, key=lambda o: (o[0].gpus + o[1].gpus, o[1].latency_s + o[2].time_s))
+    assert d.tp == p.tp, "pools are paired by (KV dtype, TP)"
     gpus = d.gpus + p.gpus
     if gpus > t.max_gpus:
         return None, (f"needs {gpus} GPUs ({p.describe('prefill')}; {d.describe('decode')}) > --max-gpus "
@@ -275,7 +284,7 @@ def _disaggregated(t: PlanTargets, decode: dict[str, _Pool], prefill: dict[str, 
     # The split serves what its tighter pool allows: decode's output tokens/s, or prefill's prompts x output.
     capacity = min(d.rate, p.rate / t.prompt_len * t.output_len)
     return Layout("disaggregated", gpus, desc, capacity, ttft * 1e3, d.latency_s * 1e3, p.gpus, d.gpus,
-                  xfer.time_s * 1e3), "", xfer
+                  xfer.time_s * 1e3, tp=d.tp), "", xfer
 
 
 def _verdict(t: PlanTargets, klnk: Interconnect, agg: Layout | None, agg_reason: str, dis: Layout | None,

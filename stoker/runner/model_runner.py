@@ -364,14 +364,24 @@ class ModelRunner:
         return drafts
 
     @torch.inference_mode()
-    def forward(self, step: StepMessage) -> tuple[ModelInputs, torch.Tensor | None]:
-        """The forward (every rank, in lockstep: it holds the collectives) -> (N, vocab) float32
-        logits of the rows that sample (1 + len(drafts) per sampling sequence), on rank 0; None on
-        the other ranks or when none samples."""
-        if step.kv_host_saves or step.kv_host_loads:  # host KV tier: before anything writes a block
+    def copy_host_kv(self, step: StepMessage) -> None:
+        """The step's host KV tier copies (saves, then loads), before anything writes a block: the
+        forward's K/V, and a KV connector's reads (they start after these: a block a read fills may
+        be one this step saves to host first)."""
+        if step.kv_host_saves or step.kv_host_loads:
             if self.host_kv is None:
                 raise ValueError("the step copies host KV blocks, but this runner has no host tier (--kv-offloading-size)")
             self.host_kv.run(self.kv_caches, step.kv_host_saves, step.kv_host_loads)
+            if step.kv_host_saves and step.kv_connector_meta is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # a NIXL read is not ordered on the stream
+
+    @torch.inference_mode()
+    def forward(self, step: StepMessage, *, host_kv_copied: bool = False) -> tuple[ModelInputs, torch.Tensor | None]:
+        """The forward (every rank, in lockstep: it holds the collectives) -> (N, vocab) float32
+        logits of the rows that sample (1 + len(drafts) per sampling sequence), on rank 0; None on
+        the other ranks or when none samples. host_kv_copied: the caller ran copy_host_kv already."""
+        if not host_kv_copied:
+            self.copy_host_kv(step)
         if step.kv_copies:
             self.copy_blocks(step.kv_copies)
         inputs = prepare_inputs(step, self.block_size, self.device)

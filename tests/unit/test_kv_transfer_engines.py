@@ -6,11 +6,13 @@ latent cache (one tensor per layer). The decode engine computes one prompt token
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
 
 from stoker import LLM, SamplingParams
+from stoker.core.sequence import Sequence
 from tests.server.conftest import free_port
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -102,3 +104,60 @@ def test_a_connector_across_nodes_is_refused_before_any_worker_starts(tiny_check
     with pytest.raises(ValueError, match="--nnodes"):
         LLM(str(tiny_checkpoints("llama")), tensor_parallel_size=2, nnodes=2, master_port=free_port(),
             kv_transfer_config=kv())
+
+
+@pytest.mark.parametrize("fault", [None, "drop_reads"], ids=["read", "read-fails-recompute"])
+def test_a_decode_engine_loads_its_host_tier_hit_and_reads_only_the_rest(tiny_llama: Any, fault: str | None) -> None:
+    """--kv-offloading-size beside a NixlConnector: the decode engine's host tier holds the
+    prompt's first 2 blocks (evicted from its device cache), so it loads those and READs only the
+    third; a failed read (policy recompute) computes the rest past the host hit, which it keeps."""
+    kw = {"max_model_len": 128, "num_gpu_blocks_override": 10, "block_size": 16}
+    mib = 1 / 1024  # GiB: 128 host blocks of the tiny llama's 8 KiB
+    faults = {"faults": {"drop_reads": True}} if fault else {}
+    lease = 0.2 if fault else 60.0  # a dropped read never notifies: its lease must expire within the test
+    prefill = LLM(str(tiny_llama), kv_transfer_config=kv(kv_lease_duration=lease), kv_offloading_size=mib, **kw)
+    # the decode engine as vLLM / llm-d spell it: a MultiConnector of NIXL and the host tier
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+        kv(**faults), {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}]}}
+    decode = LLM(str(tiny_llama), kv_transfer_config=multi, **kw)
+    assert decode.engine.config.cache_config.kv_offloading_size == mib
+    local = LLM(str(tiny_llama), **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        ids = [(7 * i) % 200 + 3 for i in range(40)]  # 3 blocks: 2 full, one part
+        run(decode, "warm", ids[:32] + [1, 2], SamplingParams(max_tokens=1))  # caches ids' first 2 blocks
+        for n in range(2):  # 8 of the 10 device blocks each: the warm prefix is evicted, to host
+            run(decode, f"fill{n}", [(13 * i + n) % 200 + 3 for i in range(120)], SamplingParams(max_tokens=1))
+        e = decode.engine
+        assert not e.block_manager.find_cached_prefix(Sequence("probe", ids, greedy))
+        first = run(prefill, "p", ids, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        hits, computed = e.host_kv.stats().hit_blocks, e.stats().prompt_tokens
+        out = run(decode, "d", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                   kv_transfer_params=first.kv_transfer_params))
+        assert out.outputs[0].token_ids == run(local, "l", ids, greedy).outputs[0].token_ids
+        assert e.host_kv.stats().hit_blocks - hits == 2
+        stats = e.stats().kv_transfer
+        assert stats.external_prefix_cache_hits == 40 - 32  # the remote engine claimed the third block only
+        if fault:
+            assert stats.num_failed_transfers == 1
+            assert e.stats().prompt_tokens - computed == 40 - 32  # computed past the host hit, kept
+        else:
+            assert stats.num_failed_transfers == 0 and stats.xfer_time_seconds.count == 1
+            assert stats.bytes_transferred.total == e.host_kv.bytes_per_block  # one block of K/V over NIXL
+            assert e.stats().prompt_tokens - computed == 1
+        deadline = time.monotonic() + 10
+        while prefill.engine.has_pending_kv_transfers() and time.monotonic() < deadline:
+            prefill.engine.step()  # the notification, or the lease's expiry when the read was dropped
+        assert prefill.engine.stats().kv_transfer.num_kv_expired_reqs == (1 if fault else 0)
+        saved = prefill.engine.host_kv.stats().saved_blocks
+        for n in range(2):  # the prefill engine still offloads: its released prompt blocks go to host when evicted
+            run(prefill, f"fill{n}", [(13 * i + n) % 200 + 3 for i in range(120)], SamplingParams(max_tokens=1))
+        assert prefill.engine.host_kv.stats().saved_blocks - saved >= 2
+        for llm in (prefill, decode):
+            assert not llm.engine.has_pending_kv_transfers() and llm.engine.block_manager.num_free_blocks == 10
+            llm.engine.check_integrity()  # both tiers
+            assert llm.engine.host_kv.is_idle
+    finally:
+        for llm in (prefill, decode, local):
+            llm.shutdown()

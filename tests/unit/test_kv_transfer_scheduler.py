@@ -239,7 +239,8 @@ def test_the_scheduler_side_is_torch_free() -> None:
 
     assert_torch_free(["stoker.kv_transfer.config", "stoker.kv_transfer.params", "stoker.kv_transfer.metadata",
                        "stoker.kv_transfer.base", "stoker.kv_transfer.compat", "stoker.kv_transfer.stats",
-                       "stoker.kv_transfer.scheduler_side", "stoker.kv_transfer.side_channel"])
+                       "stoker.kv_transfer.scheduler_side", "stoker.kv_transfer.side_channel",
+                       "stoker.kv_transfer.multi"])
 
 
 def test_tensor_parallel_ranks_end_a_read_or_a_lease_together() -> None:
@@ -260,3 +261,99 @@ def test_tensor_parallel_ranks_end_a_read_or_a_lease_together() -> None:
     out = agg.merge([RankFinished(recving=frozenset({"b"}), report=TransferReport(transfers={"b": (0.01, 100)})),
                      RankFinished()])
     assert not out.recving and out.report.failed_recving == {"b": "rank 1: NIXL read: boom"} and agg.pending() == 0
+
+
+@pytest.mark.parametrize("read", ["arrives", "fails"])
+def test_a_host_tier_hit_loads_first_blocks_and_the_read_covers_only_the_rest(read: str) -> None:
+    """Claims at admission, each block once: device prefix hit, then the host tier, then the
+    remote engine. A failed read (policy recompute) keeps the host-loaded blocks as a device hit."""
+    from stoker.core.host_kv_pool import HostKVPool
+
+    sched, conn, _ = make()
+    bm = sched.block_manager
+    pool = HostKVPool(8, BS, bytes_per_block=64)
+    sched.host_kv, bm.on_evict = pool, pool.offer
+    warm = Sequence("warm", list(range(8)) + [99, 98], SamplingParams(max_tokens=1))
+    sched.add(warm)
+    run_step(sched, sched.schedule())
+    sched.finish(warm, SequenceStatus.FINISHED_LENGTH)  # its 2 full blocks cached on the device
+    filler = Sequence("fill", [200 + i for i in range(63)], SamplingParams(max_tokens=1))
+    sched.add(filler)
+    plan = sched.schedule()  # takes all 16 blocks: the 2 cached ones are evicted, saved to host
+    assert len(plan.kv_host_saves) == 2
+    run_step(sched, plan)
+    sched.finish(filler, SequenceStatus.FINISHED_LENGTH)
+    seq = remote_seq(list(range(8)) + [50, 51, 52], [4, 5, 6])
+    sched.add(seq)
+    plan = sched.schedule()
+    table = bm.get_block_table(seq)
+    assert plan.is_empty and seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert [dst for _, dst in plan.kv_host_loads] == table[:2] and seq.num_computed_tokens == 8
+    (load,) = conn.build_connector_meta().loads
+    assert load.remote_block_ids == (6,) and load.local_block_ids == (table[2],)  # blocks 0-1 came from host
+    assert conn.stats.external_prefix_cache_queries == 3 and pool.stats().hit_blocks == 2
+    run_step(sched, plan)  # the admission step (its host loads) came back
+    if read == "arrives":
+        run_step(sched, SchedulerOutput(), finished_recving=frozenset({"d1"}))
+        plan = sched.schedule()
+        (s,) = plan.scheduled
+        assert s.start_pos == 10 and s.num_tokens == 1
+    else:
+        run_step(sched, SchedulerOutput(), kv_connector_output=TransferReport(failed_recving={"d1": "boom"}))
+        plan = sched.schedule()
+        (s,) = plan.scheduled
+        assert s.start_pos == 8 and s.num_tokens == 3 and seq.num_cached_tokens == 8  # host hit kept
+        assert not plan.kv_host_loads and conn.build_connector_meta() is None
+    run_step(sched, plan)
+    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    bm.check_integrity()
+    pool.check_integrity()
+    assert bm.num_free_blocks == 16 and pool.is_idle and not conn.has_pending()
+
+
+def test_vllm_spellings_of_nixl_beside_the_host_tier() -> None:
+    from stoker.kv_transfer.multi import merge_offloading_size, resolve
+
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30}}
+    for order in ([nixl, offload], [offload, nixl]):  # the claims do not depend on the order
+        cfg, gib = resolve({"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "e1",
+                            "kv_connector_extra_config": {"connectors": order}})
+        assert cfg is not None and cfg.kv_role == "kv_consumer" and cfg.engine_id == "e1" and gib == 8.0
+    assert resolve(offload) == (None, 8.0)
+    cfg, gib = resolve('{"kv_connector": "NixlConnector"}')
+    assert cfg is not None and gib is None
+    multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [nixl, nixl]}}
+    with pytest.raises(ValueError, match="lists a connector twice"):
+        resolve(multi)
+    with pytest.raises(ValueError, match="connector 'LMCacheConnectorV1' is not supported"):
+        resolve({**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "LMCacheConnectorV1"}]}})
+    with pytest.raises(ValueError, match="cpu_bytes_to_use"):
+        resolve({"kv_connector": "OffloadingConnector"})
+    with pytest.raises(ValueError, match="keys num_cpu_blocks"):
+        resolve({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}})
+    with pytest.raises(ValueError, match="kv_role must be kv_both"):
+        resolve({**multi, "kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="given twice"):
+        merge_offloading_size(4.0, 8.0)
+    assert merge_offloading_size(8.0, 8.0) == merge_offloading_size(None, 8.0) == merge_offloading_size(8.0, None) == 8.0
+
+
+def test_the_external_prefix_cache_is_exported_once_beside_the_host_tier() -> None:
+    from stoker.core.host_kv_pool import HostKVStats
+    from stoker.kv_transfer.metrics import kv_transfer_metrics
+    from stoker.kv_transfer.stats import KVTransferStats
+    from stoker.server.observe.host_kv_metrics import host_kv_metrics
+
+    host = HostKVStats(8, 2, query_tokens=40, hit_tokens=32, lookup_blocks=2, hit_blocks=2, saved_blocks=2,
+                       loaded_blocks=2, saved_bytes=128, loaded_bytes=128, evicted_blocks=0, skipped_saves=0)
+    remote = KVTransferStats(external_prefix_cache_queries=8, external_prefix_cache_hits=8)
+    families = [*host_kv_metrics(host, [], [], remote_hit_tokens=remote.external_prefix_cache_hits),
+                *kv_transfer_metrics(remote, [], [], external_prefix_cache=False)]
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))
+    by_name = {f.name: f.samples[0].value for f in families}
+    assert by_name["vllm:external_prefix_cache_queries"] == 40 and by_name["vllm:external_prefix_cache_hits"] == 40
+    alone = {f.name: f.samples[0].value for f in kv_transfer_metrics(remote, [], [])}
+    assert alone["vllm:external_prefix_cache_hits"] == 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -132,3 +133,19 @@ def test_bad_section_flags_are_one_clear_error(extra: list[str], message: str, c
 def test_bad_request_rate(capsys) -> None:
     assert main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--request-rate", "0"]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("targets", [
+    LONG,  # searched freely, the cheapest pair here is prefill TP2 + decode TP4
+    PlanTargets(target_tokens_per_s=20000, ttft_p50_ms=1000, tpot_ms=30, prompt_len=8192, output_len=512, max_gpus=128),
+])
+def test_pools_pair_only_at_equal_tp_since_the_servers_refuse_unequal(targets: PlanTargets) -> None:
+    c = compare_layouts("llama-3-70b", "H100", targets, kv_link="ib-ndr")
+    dis = c.disaggregated
+    assert dis is not None and c.transfer is not None
+    pools = re.findall(r"(prefill|decode) (\d+) x TP(\d+)", dis.description)
+    assert [role for role, _, _ in pools] == ["prefill", "decode"]
+    (_, n_p, tp_p), (_, n_d, tp_d) = pools
+    assert tp_p == tp_d == str(dis.tp)
+    assert (int(n_p) * dis.tp, int(n_d) * dis.tp) == (dis.prefill_gpus, dis.decode_gpus)
+    assert c.transfer.streams == min(dis.tp, 8)  # 8 KV heads

@@ -5,6 +5,9 @@ beside the device cache's `vllm:prefix_cache_*`, so a dashboard tells the tiers 
 transfers and the CPU pool are its offloading connector's `vllm:kv_offload_*` families (the
 flat store/load counters, and the older `total_bytes` with its `transfer_type` label). Block
 counts of the copies have no vLLM name: `stoker:`. Bytes are all ranks' shards together.
+Beside a KV connector (docs/kv_offloading.md) the external prefix cache is one pair of families,
+as vLLM records one per admission: queries are the prompt tokens of every admission, hits the
+tokens loaded from the host tier plus those read from a remote engine (never the same block).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from stoker.core.host_kv_pool import HostKVStats
 
 
-def host_kv_metrics(s: HostKVStats, labels: list[str], value: list[str]) -> Iterator[Metric]:
+def host_kv_metrics(s: HostKVStats, labels: list[str], value: list[str], remote_hit_tokens: int = 0) -> Iterator[Metric]:
+    """remote_hit_tokens: prompt tokens a KV connector read from a remote engine (0 without one)."""
     for name, doc, v in (
         ("vllm:external_prefix_cache_queries", "Prompt tokens of admissions that looked in the host KV tier", s.query_tokens),
-        ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the host KV tier instead of computed", s.hit_tokens),
+        ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the host KV tier (or read from a remote "
+                                            "engine) instead of computed", s.hit_tokens + remote_hit_tokens),
         ("vllm:kv_offload_cpu_block_lookup_total", "Blocks past the device prefix hit looked up in the host tier", s.lookup_blocks),
         ("vllm:kv_offload_cpu_block_hit_total", "Blocks found in the host tier", s.hit_blocks),
         ("vllm:kv_offload_cpu_block_miss_total", "Blocks looked up in the host tier and not found", s.lookup_blocks - s.hit_blocks),

@@ -93,7 +93,9 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
         if s.host_kv is not None:  # the host KV tier (--kv-offloading-size): its hits counted apart
-            yield from host_kv_metrics(s.host_kv, labels, value)
+            # beside a KV connector, vllm:external_prefix_cache_hits counts both tiers' tokens (disjoint blocks)
+            remote = s.kv_transfer.external_prefix_cache_hits if s.kv_transfer is not None else 0
+            yield from host_kv_metrics(s.host_kv, labels, value, remote_hit_tokens=remote)
         if engine.info.max_loras is not None:
             # vLLM's: an info gauge whose labels name the adapters in use, valued at the scrape time
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters",
@@ -106,7 +108,7 @@ class _EngineCollector:
         if s.kv_transfer is not None:  # a KV connector's (stoker/kv_transfer/metrics.py)
             from stoker.kv_transfer.metrics import kv_transfer_metrics
 
-            yield from kv_transfer_metrics(s.kv_transfer, labels, value)
+            yield from kv_transfer_metrics(s.kv_transfer, labels, value, external_prefix_cache=s.host_kv is None)
         yield from self._expert_load(engine)
         yield gauge("stoker:kv_cache_free_blocks", "Free KV-cache blocks", snap.num_free_blocks)
         yield gauge("stoker:kv_cache_total_blocks", "KV-cache blocks allocated at start-up", snap.num_blocks)
