@@ -85,7 +85,11 @@ def test_a_reader_that_never_reads(servers: dict[str, LiveServer]) -> None:
     first = {**body(), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     r = httpx.post(p.url + "/v1/completions", json=first, timeout=60)
     assert r.status_code == 200
-    assert metric(p.url, "stoker:kv_leased_blocks") == len(r.json()["kv_transfer_params"]["remote_block_ids"])
+    num_blocks = len(r.json()["kv_transfer_params"]["remote_block_ids"])
+    assert num_blocks > 0
+    leased = metric(p.url, "stoker:kv_leased_blocks")
+    # held under the lease, or (on a loaded machine, past the 1 s lease already) expired and counted
+    assert leased == num_blocks or (leased == 0 and metric(p.url, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1)
     all_free(p)
     assert metric(p.url, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
     assert metric(p.url, "stoker:kv_leased_blocks") == 0
