@@ -12,8 +12,7 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.config import SpeculativeConfig
-from stoker.core.spec_k_policy import SpecKPolicy
-from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
+from tests.model.helpers import ScriptedK, check_structured_with_drafts, output_token_ids, spec_llm
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -141,20 +140,6 @@ def test_bad_configs_are_refused_by_name(tiny_llama: Path, tiny_checkpoints) -> 
         _make(tiny_llama, _spec(other_vocab))
 
 
-class _ScriptedK(SpecKPolicy):
-    """The engine's k per step from a script (cycled), as the cost model would choose it under a
-    load that comes and goes: no pricing, so the steps at k = 0 are known."""
-
-    def __init__(self, ks: list[int]) -> None:
-        super().__init__(max(ks), None)
-        self.ks, self.i = ks, 0
-
-    def choose(self, seqs, prefill_tokens: int = 0, prefill_attended: int = 0) -> int:
-        k, self.i = self.ks[self.i % len(self.ks)], self.i + 1
-        self.last_k = k
-        return k
-
-
 def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself: LLM) -> None:
     """The chosen k reaches the runner: at 0 no draft forward runs (a counter of them), below the
     configured k only k drafts are made; the draft's cache catches up on the skipped positions when
@@ -162,7 +147,7 @@ def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself
     decoding without drafts."""
     engine = itself.engine
     drafter = engine.executor.driver_runner.drafter
-    policy, engine.spec_k_policy = engine.spec_k_policy, _ScriptedK([0, 0, 0, 3, 0, 2, 0, 0, 1, 3, 3])
+    policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 0, 3, 0, 2, 0, 0, 1, 3, 3])
     steps: list[tuple[int | None, int, int]] = []  # (the step's k, draft forwards it ran, its longest proposal)
     execute = engine.executor.execute
 
