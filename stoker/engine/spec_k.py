@@ -71,11 +71,13 @@ def draft_config(method: str, folder: str) -> dict[str, Any]:
     """The config the roofline prices one draft forward by: a draft model's own; for an EAGLE-3
     head its one decoder layer with its LM head over the draft vocabulary (the fc combining the
     target's three hidden states, 3 x hidden^2 weights, is left out: a few percent of the head)."""
-    from stoker.models.loader import read_hf_config
-
-    cfg = read_hf_config(folder)
     if method != "eagle3":
-        return cfg
+        from stoker.models.loader import read_hf_config
+
+        return read_hf_config(folder)
+    from stoker.spec_decode.eagle3 import read_head_config
+
+    cfg = read_head_config(folder)  # its architecture is a head's, which the model registry does not build
     return {**cfg, "vocab_size": int(cfg.get("draft_vocab_size") or cfg["vocab_size"]), "tie_word_embeddings": False}
 
 
