@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm, structured_cases
+from tests.model.helpers import ScriptedK, check_structured_with_drafts, output_token_ids, spec_llm, structured_cases
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -309,3 +309,31 @@ def test_structured_outputs_mask_the_heads_own_drafts(base: LLM, target: Path, t
     proposed_raw, kept_raw = _constrained_drafts(base, eagle, masked=False)
     assert proposed > 20 and kept > 0.6 * proposed
     assert kept_raw < 0.1 * proposed_raw
+
+
+def test_k_zero_keeps_the_head_caught_up_without_proposing(base: LLM, eagle: LLM) -> None:
+    """At k = 0 the head cannot defer its catch-up (its rows need the target's hidden states of
+    the step that computed them): one forward over the step's rows, no proposal round, no LM head
+    row; output stays decoding without drafts when k rises again."""
+    engine = eagle.engine
+    drafter = engine.executor.driver_runner.drafter
+    policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 3, 0, 2])
+    steps: list[tuple[int | None, int, int]] = []
+    execute = engine.executor.execute
+
+    def spy(step):
+        forwards = drafter.num_draft_forwards
+        result = execute(step)
+        steps.append((step.num_speculative_tokens, drafter.num_draft_forwards - forwards,
+                      max((len(d) for d in result.draft_token_ids.values()), default=0)))
+        return result
+
+    engine.executor.execute = spy
+    try:
+        got = output_token_ids(eagle, PROMPTS, GREEDY)
+    finally:
+        engine.executor.execute, engine.spec_k_policy = execute, policy
+    assert got == output_token_ids(base, PROMPTS, GREEDY)
+    zero = [(forwards, longest) for k, forwards, longest in steps if k == 0]
+    assert len(zero) > 10 and all(forwards == 1 and longest == 0 for forwards, longest in zero)
+    assert any(longest == 3 for _, _, longest in steps)
