@@ -315,6 +315,7 @@ def test_k_zero_keeps_the_head_caught_up_without_proposing(base: LLM, eagle: LLM
     """At k = 0 the head cannot defer its catch-up (its rows need the target's hidden states of
     the step that computed them): one forward over the step's rows, no proposal round, no LM head
     row; output stays decoding without drafts when k rises again."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = eagle.engine
     drafter = engine.executor.driver_runner.drafter
     policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 3, 0, 2])
@@ -330,10 +331,10 @@ def test_k_zero_keeps_the_head_caught_up_without_proposing(base: LLM, eagle: LLM
 
     engine.executor.execute = spy
     try:
-        got = output_token_ids(eagle, PROMPTS, GREEDY)
+        got = output_token_ids(eagle, PROMPTS[:2], params)
     finally:
         engine.executor.execute, engine.spec_k_policy = execute, policy
-    assert got == output_token_ids(base, PROMPTS, GREEDY)
+    assert got == output_token_ids(base, PROMPTS[:2], params)
     zero = [(forwards, longest) for k, forwards, longest in steps if k == 0]
-    assert len(zero) > 10 and all(forwards == 1 and longest == 0 for forwards, longest in zero)
+    assert len(zero) > 8 and all(forwards == 1 and longest == 0 for forwards, longest in zero)
     assert any(longest == 3 for _, _, longest in steps)
