@@ -106,6 +106,9 @@ class Drafter:
         self.draft_mask: DraftMask | None = None  # during a proposal for sequences with a grammar
         self.tp = tp or TensorParallelGroup.single()  # the target's group: the ranks that run this loop
         self.lags: dict[int, Lag] = {}  # seq_id -> positions its draft cache skipped (k was 0)
+        # rows one draft forward computes at most, as the target's step (its activations were profiled
+        # for that many): a catch-up over long lags goes on in the next steps
+        self.max_rows = config.scheduler_config.token_budget(max_model_len)
         self.num_draft_forwards = 0  # draft forwards run (catch-ups and proposal rounds), for stats and tests
 
     # ---- what a method provides
@@ -134,6 +137,20 @@ class Drafter:
         if skipped is None:
             return token_ids, start_pos
         return skipped + token_ids, lag.start_pos
+
+    def within_budget(self, plans: list[DraftRows]) -> list[DraftRows]:
+        """Catch-ups cut to `max_rows` in all: a sequence whose rows (a long lag) do not fit
+        computes what fits and keeps the rest as its lag, proposing nothing this step (its proposal
+        row is its last). Without lags the rows are the step's own: within the target's budget and
+        one new token per sequence, never cut."""
+        room = self.max_rows + len(plans)
+        for p in plans:
+            if len(p.token_ids) > room:
+                fit = max(room, 0)
+                self.lags[p.seq_id] = Lag(p.start_pos + fit, p.token_ids[fit:])
+                p.token_ids, p.num_drafts = p.token_ids[:fit], 0
+            room -= len(p.token_ids)
+        return plans
 
     def defer(self, step: StepMessage) -> None:
         """k = 0: no forward; every sequence's tokens of the step join its lag (its drafts too: the
@@ -210,7 +227,10 @@ class Drafter:
         if self.cap(step) == 0 and self.defers_catch_up:
             self.defer(step)
             return {}
-        plans = [p for p in self.catch_up_rows(step, inputs, self.kept(step, sampled)) if p.token_ids]
+        plans = self.catch_up_rows(step, inputs, self.kept(step, sampled))
+        if self.defers_catch_up:
+            plans = self.within_budget(plans)
+        plans = [p for p in plans if p.token_ids]
         if not plans:
             return {}
         plans.sort(key=lambda p: len(p.token_ids) != 1)  # attention's order: one-token rows first

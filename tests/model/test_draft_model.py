@@ -140,13 +140,17 @@ def test_bad_configs_are_refused_by_name(tiny_llama: Path, tiny_checkpoints) -> 
         _make(tiny_llama, _spec(other_vocab))
 
 
-def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself: LLM) -> None:
+@pytest.mark.parametrize("max_rows", [None, 4])
+def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself: LLM, max_rows: int | None) -> None:
     """The chosen k reaches the runner: at 0 no draft forward runs (a counter of them), below the
     configured k only k drafts are made; the draft's cache catches up on the skipped positions when
     k rises, so a model drafting for itself still has every draft accepted, and greedy output is
-    decoding without drafts."""
+    decoding without drafts. `max_rows` 4: a catch-up longer than a draft forward may compute goes
+    on over the next steps (its sequence proposes nothing meanwhile)."""
     engine = itself.engine
     drafter = engine.executor.driver_runner.drafter
+    if max_rows is not None:
+        max_rows, drafter.max_rows = drafter.max_rows, max_rows
     policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 0, 3, 0, 2, 0, 0, 1, 3, 3])
     steps: list[tuple[int | None, int, int]] = []  # (the step's k, draft forwards it ran, its longest proposal)
     execute = engine.executor.execute
@@ -164,6 +168,8 @@ def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself
         got = output_token_ids(itself, MIXED, GREEDY)
     finally:
         engine.executor.execute, engine.spec_k_policy = execute, policy
+        if max_rows is not None:
+            drafter.max_rows = max_rows
     assert got == output_token_ids(base, MIXED, GREEDY)
     assert sum(k == 0 for k, _, _ in steps) >= 10
     assert all(forwards == 0 and longest == 0 for k, forwards, longest in steps if k == 0)
