@@ -224,6 +224,10 @@ class Drafter:
     def _propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens] | None) -> dict[int, list[int]]:
         if not self.cache.is_allocated:  # the memory profile's forward runs before any cache
             return {}
+        if self.lags:
+            # A sequence left out of a step (preempted: recomputed later from before its lag; or
+            # finished: only rank 0 is told of a release) drops its lag, on every rank alike
+            self.lags = {s.seq_id: self.lags[s.seq_id] for s in step.seqs if s.seq_id in self.lags}
         if self.cap(step) == 0 and self.defers_catch_up:
             self.defer(step)
             return {}
