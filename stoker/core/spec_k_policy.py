@@ -14,6 +14,15 @@ attention, its LM head row and its sampling (on a 2-core CPU drafts that all fai
 decode ~15% slower), so a predicted gain of a few percent (drafts almost never accepted) is
 within the model's error and not worth verifying.
 
+With a draft model or an EAGLE-3 head (the runner drafts, spec_decode/drafter.py) the drafts
+are not free: each proposal round is one forward of the draft over the batch, priced with the
+same roofline (`draft_price`, the draft's own weights and FLOPs, a decode-shaped step of the
+batch on it), so a cap k costs the verification plus k draft rounds, and k = 0, when chosen,
+runs no draft forward at all (the draft catches up later, in one forward). The cap is then
+chosen before the proposals exist (the runner makes them after this step's sampling): every
+decoding sequence is planned as proposing what it may (k, within its max_tokens and
+max_model_len), and the choice reaches the runner in the step message.
+
 Expected tokens: a decode emits 1; a sequence verifying d drafts emits 1 + sum_{j<d} P(drafts
 0..j all accepted). The per-position conditional acceptance a_i = P(draft i accepted | drafts
 0..i-1 were) is learned from the verifications, exponentially forgetting (a half-life of
@@ -49,11 +58,15 @@ class PlannedSeq:
 
 
 class SpecKPolicy:
-    def __init__(self, max_k: int, price: Callable[[StepShape], float] | None) -> None:
-        """`price`: predicted seconds of a step's shape; None: no cost model, k stays max_k."""
+    def __init__(self, max_k: int, price: Callable[[StepShape], float] | None,
+                 draft_price: Callable[[StepShape], float] | None = None) -> None:
+        """`price`: predicted seconds of a step's shape; None: no cost model, k stays max_k.
+        `draft_price`: predicted seconds of one draft forward of a step's shape (a draft model or
+        an EAGLE-3 head); None: drafts cost nothing (n-gram, suffix)."""
         assert max_k >= 1
         self.max_k = max_k
         self.price = price
+        self.draft_price = draft_price
         self._reached = [0.0] * max_k  # verifications that drafted position i with 0..i-1 accepted (decayed)
         self._accepted = [0.0] * max_k  # ... and accepted it
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
@@ -113,9 +126,10 @@ class SpecKPolicy:
             acc = self.acceptance()
             expected = [self.expected_accepted(d, acc) for d in range(longest + 1)]
             best_rate, k, rate_none = -1.0, 0, 0.0
+            draft_round = self.draft_price(self.draft_shape(seqs)) if self.draft_price is not None else 0.0
             for cap in range(longest + 1):
                 tokens = sum(1.0 + expected[min(s.num_drafts, cap)] for s in seqs)
-                seconds = self.price(self.shape(seqs, cap, prefill_tokens, prefill_attended))
+                seconds = self.price(self.shape(seqs, cap, prefill_tokens, prefill_attended)) + cap * draft_round
                 rate = tokens / seconds if seconds > 0 else 0.0
                 if cap == 0:
                     rate_none = rate
@@ -132,6 +146,14 @@ class SpecKPolicy:
         self.last_k = k
         self.steps_at_k[k] += 1
         return k
+
+    @staticmethod
+    def draft_shape(seqs: Sequence[PlannedSeq]) -> StepShape:
+        """One proposal round of the draft: a decode of every proposing sequence, reading its
+        context in the draft's cache (the first round also catches up the accepted tokens, a few
+        rows more of the same weight read)."""
+        proposing = [s for s in seqs if s.num_drafts > 0]
+        return StepShape(0, 0, len(proposing), sum(s.num_tokens for s in proposing), len(proposing), 0, 0)
 
     @staticmethod
     def shape(seqs: Sequence[PlannedSeq], cap: int, prefill_tokens: int = 0, prefill_attended: int = 0) -> StepShape:

@@ -116,6 +116,10 @@ class StepMessage:
     # copies its own shard): (device block, host slot) saves, then (host slot, device block) loads
     kv_host_saves: tuple[tuple[int, int], ...] = ()
     kv_host_loads: tuple[tuple[int, int], ...] = ()
+    # draft_model / eagle3: the most proposals a sequence gets after this step, the k the cost
+    # model chose (core/spec_k_policy.py; 0: no draft forward this step); None: the configured k.
+    # Every rank reads it, so the drafter's lockstep loop skips or runs on all of them alike
+    num_speculative_tokens: int | None = None
 
     @property
     def sampled_seq_ids(self) -> list[int]:

@@ -132,6 +132,7 @@ class LLMEngine:
                                         tensor_parallel_size=config.parallel_config.tensor_parallel_size)
         self.input_processor = self.make_input_processor(self.tokenizer)
         self.spec_k_policy = build_k_policy(self)  # k chosen per step by the cost model (None: fixed k)
+        self.runner_k: int | None = None  # the k this step chose for the runner's next proposals (None: configured)
         eos = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self._finish_seq)
         self.requests: dict[str, RequestState] = {}
@@ -272,6 +273,10 @@ class LLMEngine:
             names = {s.seq.lora_name for s in plan.scheduled if s.seq.lora_name is not None}
             lora_slots = self.lora.slots_for(names) if names else {}
         step = build_step(plan, self.eos_token_ids, lora_slots)
+        if self.runner_drafts is not None and self.runner_k is not None:
+            # the k just chosen caps the proposals the runner makes after this step (0: no draft
+            # forward); a step without decodes chose none: its sequences propose up to the configured k
+            step = dataclasses.replace(step, num_speculative_tokens=self.runner_k)
         if self.kv_connector is not None:
             step = dataclasses.replace(step, kv_connector_meta=self.kv_connector.build_connector_meta())
         self.last_step_shape = step.shape()  # the server prices it against the wall (roofline/live.py)
@@ -344,6 +349,7 @@ class LLMEngine:
         """Drafts for every running sequence whose next step is a decode (only its last sampled
         token uncomputed). A sequence drafts at most what it may still emit: the step keeps its
         accepted drafts and one more token, within max_tokens and max_model_len."""
+        wanted: dict[int, int] | None = {} if self.runner_drafts is not None else None
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
                 continue
@@ -353,11 +359,13 @@ class LLMEngine:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
             if self.runner_drafts is not None:
                 seq.draft_token_ids = self.runner_drafts.get(seq.seq_id, [])[: max(room, 0)]
+                assert wanted is not None
+                wanted[seq.seq_id] = max(room, 0)  # what it may propose after this step (about: one token later)
                 continue
             assert self.proposer is not None
             seq.draft_token_ids = self.proposer.propose_for(seq, room) if room > 0 else []
         if self.spec_k_policy is not None:
-            cut_drafts(self, self.spec_k_policy)
+            self.runner_k = cut_drafts(self, self.spec_k_policy, wanted)
 
     def _count_accepted(self, plan: SchedulerOutput, result: StepResult) -> None:
         """vllm:spec_decode_* counters: each verifying sequence's drafts and how many it kept."""

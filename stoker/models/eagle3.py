@@ -127,6 +127,17 @@ class Eagle3Head(nn.Module):
         best = logits.argmax(dim=-1)
         return best + self.d2t[best]
 
+    def target_logits(self, normed: torch.Tensor, target_vocab_size: int) -> torch.Tensor | None:
+        """(S, hidden) -> (S, target_vocab_size) logits in the target's ids, -inf at every id the
+        draft vocabulary lacks (what a grammar's bitmask applies to); None where draft_token_ids is."""
+        logits = self.lm_head(normed)  # (S, draft_vocab)
+        if logits is None:
+            return None
+        out = logits.new_full((logits.shape[0], target_vocab_size), float("-inf"))
+        ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t  # draft id -> target id
+        out[:, ids] = logits
+        return out
+
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
 

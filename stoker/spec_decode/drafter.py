@@ -18,6 +18,16 @@ the number of proposals it wants (a rank that does not sample has neither the to
 sampling parameters), then each proposal round's tokens (the draft's LM head gathers its logits
 to rank 0 alone). Rank 0's tokens are the ones every rank feeds, so the ranks' draft caches hold
 the same positions.
+
+How many proposals a step makes is the engine's choice (core/spec_k_policy.py prices the draft's
+forwards beside the verification), carried in the message (`StepMessage.num_speculative_tokens`),
+so every rank knows it without a broadcast. At 0 a draft model runs no forward at all: what the
+target kept is written down instead (`Lag`, from the messages alone: a step's tokens, cut at the
+next step's first position, which says how many drafts were accepted), and the first step that
+drafts again catches the draft's cache up over those positions in the same forward (one
+multi-token row per sequence: a prefill of the draft, cheaper than the per-step forwards it
+replaces). EAGLE-3 cannot defer: its rows need the target's hidden states of the step that
+computed them (spec_decode/eagle3.py says what it does instead).
 """
 
 from __future__ import annotations
@@ -49,6 +59,24 @@ class Kept:
 
 
 @dataclass
+class Lag:
+    """Tokens a sequence's target kept (or may keep: a step's drafts, until the next step's first
+    position says how many were accepted) at positions [start_pos, start_pos + len) that its draft
+    cache does not hold yet."""
+
+    start_pos: int
+    token_ids: list[int]
+
+    def until(self, pos: int) -> list[int] | None:
+        """The lag's tokens before `pos`, where the sequence's next row sits; None when they do not
+        reach it (the sequence was recomputed from before the lag, after a preemption, or skipped
+        positions a prefix-cache hit supplied): those positions are the draft's as they are, which
+        can only make its drafts worse, never the output (the rejection sampler decides)."""
+        keep = pos - self.start_pos
+        return self.token_ids[:keep] if 0 < keep <= len(self.token_ids) else None
+
+
+@dataclass
 class DraftRows:
     """One sequence's catch-up: `token_ids` at positions [start_pos, start_pos + len)."""
 
@@ -64,6 +92,7 @@ class Drafter:
     """The catch-up and proposal loop over `run` (one draft forward, a method's own)."""
 
     target_graphs_ok = True  # whether the target's decode may replay CUDA graphs
+    defers_catch_up = True  # at k = 0: no forward, the catch-up waits for the next step that drafts
 
     def __init__(self, config: EngineConfig, cache: DraftKVCache, max_model_len: int, device: torch.device,
                  tp: TensorParallelGroup | None = None) -> None:
@@ -76,6 +105,11 @@ class Drafter:
         self.device = device
         self.draft_mask: DraftMask | None = None  # during a proposal for sequences with a grammar
         self.tp = tp or TensorParallelGroup.single()  # the target's group: the ranks that run this loop
+        self.lags: dict[int, Lag] = {}  # seq_id -> positions its draft cache skipped (k was 0)
+        # rows one draft forward computes at most, as the target's step (its activations were profiled
+        # for that many): a catch-up over long lags goes on in the next steps
+        self.max_rows = config.scheduler_config.token_budget(max_model_len)
+        self.num_draft_forwards = 0  # draft forwards run (catch-ups and proposal rounds), for stats and tests
 
     # ---- what a method provides
     def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, kept: dict[int, Kept]) -> list[DraftRows]:
@@ -88,9 +122,43 @@ class Drafter:
         raise NotImplementedError
 
     def release(self, seq_id: int) -> None:
-        pass
+        self.lags.pop(seq_id, None)
 
     # ---- the loop
+    def cap(self, step: StepMessage) -> int:
+        """The most proposals a sequence gets after `step`: the k the engine chose, within the configured one."""
+        return self.k if step.num_speculative_tokens is None else min(self.k, step.num_speculative_tokens)
+
+    def with_lag(self, seq_id: int, token_ids: list[int], start_pos: int) -> tuple[list[int], int]:
+        """A catch-up's tokens from `start_pos`, preceded by what the sequence's draft cache skipped
+        (its lag, consumed) when the lag runs up to `start_pos`."""
+        lag = self.lags.pop(seq_id, None)
+        skipped = lag.until(start_pos) if lag is not None else None
+        if skipped is None:
+            return token_ids, start_pos
+        return skipped + token_ids, lag.start_pos
+
+    def within_budget(self, plans: list[DraftRows]) -> list[DraftRows]:
+        """Catch-ups cut to `max_rows` in all: a sequence whose rows (a long lag) do not fit
+        computes what fits and keeps the rest as its lag, proposing nothing this step (its proposal
+        row is its last). Without lags the rows are the step's own: within the target's budget and
+        one new token per sequence, never cut."""
+        room = self.max_rows + len(plans)
+        for p in plans:
+            if len(p.token_ids) > room:
+                fit = max(room, 0)
+                self.lags[p.seq_id] = Lag(p.start_pos + fit, p.token_ids[fit:])
+                p.token_ids, p.num_drafts = p.token_ids[:fit], 0
+            room -= len(p.token_ids)
+        return plans
+
+    def defer(self, step: StepMessage) -> None:
+        """k = 0: no forward; every sequence's tokens of the step join its lag (its drafts too: the
+        next step's first position cuts the rejected ones). Every rank sees the same message."""
+        for s in step.seqs:
+            tokens, start = self.with_lag(s.seq_id, list(s.token_ids), s.start_pos)
+            self.lags[s.seq_id] = Lag(start, tokens)
+
     def num_drafts(self, step: StepMessage, seq_id: int, accepted: list[int], new_pos: int) -> int:
         """Proposals worth making for a sequence whose newest token sits at `new_pos`: within
         max_model_len and max_tokens (the step keeps the drafts and one more), none after EOS.
@@ -98,7 +166,7 @@ class Drafter:
         spec = step.sampling.get(seq_id)
         if spec is None:
             return 0
-        room = min(self.k, self.max_model_len - new_pos - 2)
+        room = min(self.cap(step), self.max_model_len - new_pos - 2)
         params = spec.params
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - spec.num_output_tokens - len(accepted) - 1)
@@ -156,7 +224,17 @@ class Drafter:
     def _propose(self, step: StepMessage, inputs: ModelInputs, sampled: dict[int, SampledTokens] | None) -> dict[int, list[int]]:
         if not self.cache.is_allocated:  # the memory profile's forward runs before any cache
             return {}
-        plans = [p for p in self.catch_up_rows(step, inputs, self.kept(step, sampled)) if p.token_ids]
+        if self.lags:
+            # A sequence left out of a step (preempted: recomputed later from before its lag; or
+            # finished: only rank 0 is told of a release) drops its lag, on every rank alike
+            self.lags = {s.seq_id: self.lags[s.seq_id] for s in step.seqs if s.seq_id in self.lags}
+        if self.cap(step) == 0 and self.defers_catch_up:
+            self.defer(step)
+            return {}
+        plans = self.catch_up_rows(step, inputs, self.kept(step, sampled))
+        if self.defers_catch_up:
+            plans = self.within_budget(plans)
+        plans = [p for p in plans if p.token_ids]
         if not plans:
             return {}
         plans.sort(key=lambda p: len(p.token_ids) != 1)  # attention's order: one-token rows first
@@ -168,7 +246,7 @@ class Drafter:
             rows += len(table) > len(p.block_table)
             seqs.append(SeqStep(p.seq_id, p.token_ids, p.start_pos, table, p.num_drafts > 0))
         hidden = torch.cat([p.hidden for p in plans]) if plans[0].hidden is not None else None
-        tokens, nxt = self.run(seqs, hidden)
+        tokens, nxt = self.forward(seqs, hidden)
         active = [(s, p.num_drafts) for s, p in zip(seqs, plans) if p.num_drafts > 0]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
         for j in range(max((n for _, n in active), default=0)):
@@ -181,9 +259,13 @@ class Drafter:
             fed = [SeqStep(s.seq_id, [drafts[s.seq_id][-1]], s.context_len + j, s.block_table, True)
                    for s, _ in (active[i] for i in keep)]
             index = torch.tensor(keep, device=self.device)
-            tokens, nxt = self.run(fed, nxt.index_select(0, index) if nxt is not None else None)
+            tokens, nxt = self.forward(fed, nxt.index_select(0, index) if nxt is not None else None)
             active = [active[i] for i in keep]
         return drafts
+
+    def forward(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self.num_draft_forwards += 1
+        return self.run(seqs, hidden)
 
     def forward_inputs(self, seqs: list[SeqStep]) -> ModelInputs:
         return prepare_inputs(StepMessage(seqs), self.block_size, self.device)
@@ -198,16 +280,17 @@ class DraftModelDrafter(Drafter):
         self.model = model
 
     def catch_up_rows(self, step: StepMessage, inputs: ModelInputs, kept: dict[int, Kept]) -> list[DraftRows]:
-        """The target's known tokens of the step, then what it kept (accepted drafts, the new
-        token): the new token's row proposes the first draft."""
+        """What the draft skipped while k was 0 (its lag), the target's known tokens of the step, then
+        what it kept (accepted drafts, the new token): the new token's row proposes the first draft."""
         plans = []
         for s in step.seqs:
             got = kept.get(s.seq_id) if s.do_sample else None
             if got is None:
-                plans.append(DraftRows(s.seq_id, s.token_ids, s.start_pos, s.block_table, 0))
-                continue
-            tokens = s.token_ids[: s.num_tokens - len(s.draft_token_ids)] + got.token_ids
-            plans.append(DraftRows(s.seq_id, tokens, s.start_pos, s.block_table, got.num_drafts))
+                tokens, num = list(s.token_ids), 0
+            else:
+                tokens, num = s.token_ids[: s.num_tokens - len(s.draft_token_ids)] + got.token_ids, got.num_drafts
+            tokens, start = self.with_lag(s.seq_id, tokens, s.start_pos)
+            plans.append(DraftRows(s.seq_id, tokens, start, s.block_table, num))
         return plans
 
     def run(self, seqs: list[SeqStep], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -69,12 +69,18 @@ class AuxHiddenStates:
 
 class Eagle3Drafter(Drafter):
     target_graphs_ok = False  # the pre-hooks must see every target forward
+    # The head's row p needs the target's hidden states at p, caught only in the step that computed
+    # p: at k = 0 it keeps catching up (one decoder layer over the step's rows, no LM head, no
+    # proposal) rather than hold those states per skipped token (hidden_size values each, for as
+    # long as k stays 0) or leave holes in its cache that every later draft would attend
+    defers_catch_up = False
 
     def __init__(self, config: EngineConfig, head: Eagle3Head, embedding: nn.Module, aux: AuxHiddenStates,
                  cache: DraftKVCache, max_model_len: int, device: torch.device,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, target_vocab_size: int | None = None) -> None:
         super().__init__(config, cache, max_model_len, device, tp)
         self.head, self.embedding, self.aux = head, embedding, aux
+        self.target_vocab_size = target_vocab_size or head.draft_vocab_size  # the ids a grammar's bitmask spans
         # seq_id -> (position, (hidden,) combined target state) of a chunk's last row, run next step
         self.carry: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -109,9 +115,14 @@ class Eagle3Drafter(Drafter):
         if not inputs.sampled:
             return torch.empty(0, dtype=torch.int64), None
         idx = inputs.logits_indices
-        return self.head.draft_token_ids(normed[idx]), prenorm[idx]
+        if self.draft_mask is None:
+            return self.head.draft_token_ids(normed[idx]), prenorm[idx]
+        # Sequences with a grammar: the head's argmax within it, as a draft model's (Drafter.greedy):
+        # its logits spread over the target's ids, where the grammar's bitmask applies
+        return self.greedy(inputs, self.head.target_logits(normed[idx], self.target_vocab_size)), prenorm[idx]
 
     def release(self, seq_id: int) -> None:
+        super().release(seq_id)
         self.carry.pop(seq_id, None)
 
 
@@ -218,4 +229,5 @@ def make_eagle3_drafter(config: EngineConfig, target: nn.Module, target_cfg: dic
                          config.scheduler_config.max_num_seqs, dtype, device)
     logger.info("EAGLE-3 head %s: target layers %s feed it, draft vocabulary %d of %d", folder, list(ids),
                 head.draft_vocab_size, target_cfg["vocab_size"])
-    return Eagle3Drafter(config, head, embedding, AuxHiddenStates(layers, ids), cache, max_model_len, device, tp)
+    return Eagle3Drafter(config, head, embedding, AuxHiddenStates(layers, ids), cache, max_model_len, device, tp,
+                         int(target_cfg["vocab_size"]))

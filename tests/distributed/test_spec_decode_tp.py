@@ -23,10 +23,15 @@ PARAMS = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
 
 
 def _generate(path: Path, spec: dict | None, tp: int, params: list[SamplingParams] = PARAMS,
-              ) -> tuple[list[list[int]], tuple[int, int]]:
-    """The first len(params) prompts' tokens, and (draft tokens verified, accepted)."""
+              ks: list[int] | None = None) -> tuple[list[list[int]], tuple[int, int]]:
+    """The first len(params) prompts' tokens, and (draft tokens verified, accepted). `ks`: the k of
+    each step, cycled (as the cost model would choose it: tests/model/helpers.py ScriptedK)."""
     llm = LLM(str(path), kv_cache_memory_bytes=1 << 22, max_model_len=256, device="cpu", tensor_parallel_size=tp,
               speculative_config=spec, max_num_seqs=8)
+    if ks is not None:
+        from tests.model.helpers import ScriptedK
+
+        llm.engine.spec_k_policy = ScriptedK(ks)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[: len(params)]], params, use_tqdm=False)
         llm.engine.check_integrity()
@@ -70,7 +75,9 @@ def test_tp2_draft_model_and_eagle3_equal_tp1(tiny_checkpoints, plain: list[list
     itself = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "dynamic": False}
     for whole in (False, True):  # sharded (the default), then whole on each rank (draft_tensor_parallel_size 1)
         spec = {**itself, "draft_tensor_parallel_size": 1} if whole else itself
-        tokens, (drafted, accepted) = _generate(path, spec, 2, PARAMS[:2])
+        # sharded: k chosen per step, 0 at times (no draft forward on any rank, the caches catch up later)
+        ks = None if whole else [0, 0, 3, 0, 1, 3]
+        tokens, (drafted, accepted) = _generate(path, {**spec, "dynamic": ks is not None}, 2, PARAMS[:2], ks)
         assert tokens == plain[:2] and accepted == drafted > 0, whole
     # a draft vocabulary of the two tokens the target emits most: random weights choose between them
     common = [t for t, _ in Counter(t for row in plain for t in row).most_common(2)]

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stoker.core.spec_k_policy import SpecKPolicy
+
 
 def load_hf(path: Path):
     import transformers
@@ -186,3 +188,17 @@ def check_structured_with_drafts(base, spec, max_tokens: int = 24, expect_accept
     if expect_accepted:
         assert after.num_accepted_tokens > before.num_accepted_tokens, "no draft was accepted"
     return before, after
+
+
+class ScriptedK(SpecKPolicy):
+    """The engine's k per step from a script (cycled), as the cost model would choose it under a
+    load that comes and goes: no pricing, so the steps at k = 0 are known."""
+
+    def __init__(self, ks: list[int]) -> None:
+        super().__init__(max(ks), None)
+        self.ks, self.i = ks, 0
+
+    def choose(self, seqs, prefill_tokens: int = 0, prefill_attended: int = 0) -> int:
+        k, self.i = self.ks[self.i % len(self.ks)], self.i + 1
+        self.last_k = k
+        return k

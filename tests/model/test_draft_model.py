@@ -12,7 +12,7 @@ import pytest
 
 from stoker import LLM, SamplingParams
 from stoker.config import SpeculativeConfig
-from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
+from tests.model.helpers import ScriptedK, check_structured_with_drafts, output_token_ids, spec_llm
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -138,3 +138,44 @@ def test_bad_configs_are_refused_by_name(tiny_llama: Path, tiny_checkpoints) -> 
     other_vocab = tiny_checkpoints("llama", vocab_size=600)
     with pytest.raises(ValueError, match="vocab_size 600"):
         _make(tiny_llama, _spec(other_vocab))
+
+
+@pytest.mark.parametrize("max_rows", [None, 4])
+def test_k_zero_runs_no_draft_forward_and_the_draft_catches_up(base: LLM, itself: LLM, max_rows: int | None) -> None:
+    """The chosen k reaches the runner: at 0 no draft forward runs (a counter of them), below the
+    configured k only k drafts are made; the draft's cache catches up on the skipped positions when
+    k rises, so a model drafting for itself still has every draft accepted, and greedy output is
+    decoding without drafts. `max_rows` 4: a catch-up longer than a draft forward may compute goes
+    on over the next steps (its sequence proposes nothing meanwhile)."""
+    engine = itself.engine
+    drafter = engine.executor.driver_runner.drafter
+    if max_rows is not None:
+        max_rows, drafter.max_rows = drafter.max_rows, max_rows
+    policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 0, 3, 0, 2, 0, 0, 1, 3, 3])
+    steps: list[tuple[int | None, int, int]] = []  # (the step's k, draft forwards it ran, its longest proposal)
+    execute = engine.executor.execute
+
+    def spy(step):
+        forwards = drafter.num_draft_forwards
+        result = execute(step)
+        longest = max((len(d) for d in result.draft_token_ids.values()), default=0)
+        steps.append((step.num_speculative_tokens, drafter.num_draft_forwards - forwards, longest))
+        return result
+
+    before = engine.stats().spec_decoding
+    engine.executor.execute = spy
+    try:
+        got = output_token_ids(itself, MIXED, GREEDY)
+    finally:
+        engine.executor.execute, engine.spec_k_policy = execute, policy
+        if max_rows is not None:
+            drafter.max_rows = max_rows
+    assert got == output_token_ids(base, MIXED, GREEDY)
+    assert sum(k == 0 for k, _, _ in steps) >= 10
+    assert all(forwards == 0 and longest == 0 for k, forwards, longest in steps if k == 0)
+    assert all(longest <= k for k, _, longest in steps if k is not None)
+    assert any(longest == 1 for k, _, longest in steps if k == 1) and any(longest == 3 for k, _, longest in steps)
+    sd = engine.stats().spec_decoding
+    drafted, accepted = sd.num_draft_tokens - before.num_draft_tokens, sd.num_accepted_tokens - before.num_accepted_tokens
+    assert drafted > 0 and accepted == drafted  # the caught-up draft cache is the target's
+    assert not drafter.lags  # finished sequences left nothing behind

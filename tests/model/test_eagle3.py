@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from stoker import LLM, SamplingParams
-from tests.model.helpers import check_structured_with_drafts, output_token_ids, spec_llm
+from tests.model.helpers import ScriptedK, check_structured_with_drafts, output_token_ids, spec_llm, structured_cases
 
 _make = functools.partial(spec_llm, max_num_seqs=8)  # the draft's scratch blocks: a few sequences
 
@@ -264,3 +264,77 @@ def test_first_drafts_match_a_plain_torch_reference(eagle: LLM, head: Path, targ
     finally:
         engine.executor.execute = execute
     assert proposals[0] == _reference_drafts(head, target, prompt, 3)
+
+
+def _constrained_drafts(base: LLM, eagle: LLM, masked: bool) -> tuple[int, int]:
+    """A structured-outputs batch -> (draft tokens the head proposed for it, those left after the
+    cut before the first token a grammar refuses). Masked: the outputs are checked valid and
+    lossless, with drafts verified."""
+    runner = eagle.engine.executor.driver_runner
+    proposed = kept = 0
+
+    def allowed(step, drafts):
+        nonlocal proposed, kept
+        proposed += sum(len(d) for d in drafts.values())
+        out = type(runner)._grammar_allowed(runner, step, drafts)
+        kept += sum(len(d) for d in out.values())
+        return out
+
+    runner._grammar_allowed = allowed
+    if not masked:
+        runner._draft_mask = lambda step: None
+    try:
+        if masked:
+            check_structured_with_drafts(base, eagle, expect_accepted=False)
+        else:
+            eagle.generate([p for p, _ in structured_cases()],
+                           [SamplingParams(temperature=0, max_tokens=24, structured_outputs=so) for _, so in structured_cases()],
+                           use_tqdm=False)
+    finally:
+        del runner._grammar_allowed
+        runner.__dict__.pop("_draft_mask", None)
+    return proposed, kept
+
+
+def test_structured_outputs_mask_the_heads_own_drafts(base: LLM, target: Path, tmp_path: Path) -> None:
+    """The head's argmax is taken within each sequence's grammar (structured/draft_mask.py), as a
+    draft model's is: with a draft vocabulary of the target's whole vocabulary (the grammar's
+    tokens are in it) its proposals pass the grammar and reach verification (only those drafted
+    past the grammar's end are cut), where unmasked (the grammar only cutting them before the
+    first token it refuses) nearly all are cut."""
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    head = write_eagle3_head(tmp_path / "eagle3-full", target, kept=list(range(vocab)))
+    eagle = _make(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    proposed, kept = _constrained_drafts(base, eagle, masked=True)
+    proposed_raw, kept_raw = _constrained_drafts(base, eagle, masked=False)
+    assert proposed > 20 and kept > 0.6 * proposed
+    assert kept_raw < 0.1 * proposed_raw
+
+
+def test_k_zero_keeps_the_head_caught_up_without_proposing(base: LLM, eagle: LLM) -> None:
+    """At k = 0 the head cannot defer its catch-up (its rows need the target's hidden states of
+    the step that computed them): one forward over the step's rows, no proposal round, no LM head
+    row; output stays decoding without drafts when k rises again."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = eagle.engine
+    drafter = engine.executor.driver_runner.drafter
+    policy, engine.spec_k_policy = engine.spec_k_policy, ScriptedK([0, 0, 3, 0, 2])
+    steps: list[tuple[int | None, int, int]] = []
+    execute = engine.executor.execute
+
+    def spy(step):
+        forwards = drafter.num_draft_forwards
+        result = execute(step)
+        steps.append((step.num_speculative_tokens, drafter.num_draft_forwards - forwards,
+                      max((len(d) for d in result.draft_token_ids.values()), default=0)))
+        return result
+
+    engine.executor.execute = spy
+    try:
+        got = output_token_ids(eagle, PROMPTS[:2], params)
+    finally:
+        engine.executor.execute, engine.spec_k_policy = execute, policy
+    assert got == output_token_ids(base, PROMPTS[:2], params)
+    zero = [(forwards, longest) for k, forwards, longest in steps if k == 0]
+    assert len(zero) > 8 and all(forwards == 1 and longest == 0 for forwards, longest in zero)
+    assert any(longest == 3 for _, _, longest in steps)

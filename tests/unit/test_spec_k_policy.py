@@ -112,3 +112,52 @@ def test_drafts_almost_never_accepted_are_not_verified_even_where_they_look_free
     ks = [never.choose(_batch(1, context=16)) for _ in range(int(6 * HALF_LIFE))]
     first = next(i for i, k in enumerate(ks) if k > 0)
     assert HALF_LIFE < first < 6 * HALF_LIFE
+
+
+def _draft_price(**config):
+    """The roofline's price of one forward of a draft of `config`'s shape (CONFIG's otherwise)."""
+    wall = WallModel(spec_from_config({**CONFIG, **config}), HOST, Efficiencies.ideal(), weight_dtype="fp32",
+                     kv_dtype="fp32", act_dtype="fp32")
+    return lambda shape: wall.judge(shape, 0.0).predicted_s
+
+
+def _trained_with_draft(draft_price, acceptance: float = 0.9, k: int = 4) -> SpecKPolicy:
+    policy = SpecKPolicy(k, _price(), draft_price)
+    learned = _trained(acceptance, k)
+    policy._reached, policy._accepted = learned._reached, learned._accepted
+    return policy
+
+
+def test_a_draft_models_forwards_are_priced() -> None:
+    """Each proposal round is a draft forward over the batch: a draft as large as the target costs
+    about a decode per drafted token, more than the accepted tokens save even at acceptance 0.9,
+    so k = 0 (no draft forward); a draft ~1/20 the size keeps the full k where the target's step is
+    weight-read bound, and the draft's cost lowers k before the compute-bound batch does."""
+    same_size = _trained_with_draft(_price())
+    assert same_size.choose(_batch(1)) == 0 and same_size.choose(_batch(4)) == 0
+    small = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+             "num_hidden_layers": 2, "vocab_size": 4000}
+    assert _trained_with_draft(_draft_price(**small)).choose(_batch(1)) == 4
+    # a third of the target's layers and its whole LM head: about half its weight read per round
+    medium = _trained_with_draft(_draft_price(num_hidden_layers=4))
+    free = _trained(0.9)  # the same acceptance with drafts priced at nothing (n-gram)
+    ks_medium = [medium.choose(_batch(b)) for b in (1, 4, 8, 16, 32)]
+    ks_free = [free.choose(_batch(b)) for b in (1, 4, 8, 16, 32)]
+    assert ks_free == [4, 4, 3, 3, 3] and ks_medium == [3, 3, 2, 1, 0]
+    # the round's shape: a decode of the sequences that propose, over their contexts
+    shape = SpecKPolicy.draft_shape([PlannedSeq(10, 3), PlannedSeq(20, 0), PlannedSeq(30, 1)])
+    assert (shape.num_decode_seqs, shape.decode_context, shape.num_sampled, shape.num_prefill_tokens) == (2, 40, 2, 0)
+
+
+def test_an_eagle3_head_is_priced_as_its_one_layer_and_draft_vocabulary(tmp_path) -> None:
+    import json
+
+    from stoker.engine.spec_k import draft_config
+
+    head = {**CONFIG, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 2000,
+            "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(head))
+    cfg = draft_config("eagle3", str(tmp_path))
+    assert (cfg["vocab_size"], cfg["num_hidden_layers"], cfg["tie_word_embeddings"]) == (2000, 1, False)
+    (tmp_path / "config.json").write_text(json.dumps({**head, "architectures": ["LlamaForCausalLM"]}))
+    assert draft_config("draft_model", str(tmp_path))["vocab_size"] == CONFIG["vocab_size"]
