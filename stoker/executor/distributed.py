@@ -51,6 +51,9 @@ class DistributedExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self._threads_before = torch.get_num_threads()
+        # seq ids finished since the last step, for the other ranks' drafters (their per-sequence
+        # state: skipped positions, EAGLE-3's carried rows); sent before the next step
+        self._released: list[int] = []
         env = launch.Rendezvous.from_env()
         if env is not None:  # torchrun / Kubernetes started every rank
             if env.world_size != pc.tensor_parallel_size or env.rank != 0:
@@ -136,6 +139,7 @@ class DistributedExecutor(Executor):
             self.kv_finished = FinishedAggregator(self.tp.world_size)
 
     def execute(self, step: StepMessage) -> StepResult:
+        self._send_released()
         if self.driver_runner.kv_connector is not None:
             return self._execute_with_connector(step)
         def forward() -> Any:
@@ -177,8 +181,17 @@ class DistributedExecutor(Executor):
         assert result is not None
         return with_finished(result, self.kv_finished.merge(parts))
 
+    def _send_released(self) -> None:
+        """One message for all the sequences finished since the last step (the other ranks wait
+        for the next message between steps, so it costs no extra round trip of a step)."""
+        if self._released:
+            released, self._released = self._released, []
+            self._collective("a release of finished sequences", self.tp.broadcast_object, ("release", released))
+
     def release(self, seq_id: int) -> None:
         self.driver_runner.release(seq_id)  # sampling state lives on rank 0 only
+        if self.driver_runner.drafter is not None:  # a runner drafter runs on every rank
+            self._released.append(seq_id)
 
     def enable_structured_outputs(self, grammars: Any) -> None:
         self.driver_runner.enable_structured_outputs(grammars)  # rank 0 alone samples

@@ -99,6 +99,9 @@ def serve(tp: Any, model_dir: str | None = None) -> None:
             runner.execute(payload)
             if runner.kv_connector is not None:  # rank 0 merges what each rank's transfers did
                 tp.gather_objects(runner.kv_connector.take_finished())
+        elif kind == "release":  # sequences finished on rank 0: this rank's drafter state for them
+            for seq_id in payload:
+                runner.release(seq_id)
         elif kind == "num_blocks":
             tp.min_int(runner.determine_num_blocks(payload))
         elif kind == "init_cache":

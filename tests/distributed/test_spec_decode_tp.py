@@ -87,3 +87,29 @@ def test_tp2_draft_model_and_eagle3_equal_tp1(tiny_checkpoints, plain: list[list
     tokens2, counts2 = _generate(path, eagle, 2)
     assert tokens2[:2] == plain[:2] and tokens2 == tokens1
     assert counts2 == counts1 and counts2[1] > 0
+
+
+def test_finished_sequences_reach_the_other_ranks_drafters() -> None:
+    """Rank 0 alone sees a sequence finish: the ids go to the other ranks before the next step,
+    in one message, so their drafters drop the sequence's state (EAGLE-3's carried rows, the
+    draft's skipped positions) instead of keeping it for the life of the server."""
+    from types import SimpleNamespace
+
+    from stoker.executor.distributed import DistributedExecutor
+
+    sent: list = []
+    released_on_rank0: list[int] = []
+    ex = DistributedExecutor.__new__(DistributedExecutor)
+    ex.tp = SimpleNamespace(broadcast_object=sent.append)
+    ex._failure, ex._closing, ex._released = None, False, []
+    ex.driver_runner = SimpleNamespace(drafter=object(), release=released_on_rank0.append)
+    ex.release(5)
+    ex.release(9)
+    assert released_on_rank0 == [5, 9] and sent == []  # nothing sent until the next step
+    ex._send_released()
+    ex._send_released()
+    assert sent == [("release", [5, 9])]
+    ex.driver_runner.drafter = None  # no runner drafter: nothing for the other ranks to drop
+    ex.release(11)
+    ex._send_released()
+    assert sent == [("release", [5, 9])]
