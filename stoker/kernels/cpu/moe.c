@@ -82,12 +82,16 @@ typedef struct {
 } task_t;
 
 /* One projection of every expert (w13 or w2, N output columns, K inputs): float panels, or
- * MXFP4 blocks dequantized a panel at a time (gpt-oss's checkpoints, layers/moe_mxfp4.py). */
+ * MXFP4 blocks (gpt-oss's checkpoints, layers/moe_mxfp4.py) or int4 groups (layers/moe_int4.py)
+ * dequantized a panel at a time. */
 typedef struct {
-    const float *w;                      /* (E, P, K, NR) float panels, or NULL for MXFP4 */
+    const float *w;                      /* (E, P, K, NR) float panels, or NULL for MXFP4 / int4 */
     int64_t panel_stride, expert_stride; /* floats between panels, between experts */
     const uint8_t *blocks, *scales;      /* MXFP4: (E, N, K / 32, 16) and (E, N, K / 32), or NULL */
     const float *bias;                   /* (E, P * NR) each expert's padded to its panels, or NULL */
+    const uint8_t *codes;                /* int4: (E, N, K / 2) two codes a byte, even k low, or NULL */
+    const float *q_scale, *q_offset;     /* int4: (E, N, K / group) each; w = q * scale + offset */
+    int64_t group;                       /* int4: columns per scale, a multiple of 32 */
 } expert_weights_t;
 
 /* E2M1 (FP4) values by code: the sign in bit 3 (OCP Microscaling v1.0; formats.E2M1_VALUES) */
@@ -114,7 +118,7 @@ static float *panel_buffer(size_t floats) {
 static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_t K, float *y, int64_t ldy,
                      int64_t N, int64_t P, int64_t nr, int silu) {
     const float *bias = W->bias != NULL ? W->bias + t.e * P * nr : NULL;
-    if (W->blocks == NULL) {
+    if (W->blocks == NULL && W->codes == NULL) {
         stoker_linear_panel_rows_f32(x, K, W->w + t.e * W->expert_stride, nr, W->panel_stride, P, t.p, bias, y, ldy,
                                      t.m0, t.m1, N, K, silu);
         return 0;
@@ -129,10 +133,21 @@ static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_
     for (int64_t g = 0; g < G; g++) {
         for (int64_t j = 0; j < cols; j++) {
             const int64_t row = t.e * N + n0 + j;
-            const uint8_t *blk = W->blocks + (row * G + g) * 16;
-            const float s = ldexpf(1.0f, (int)W->scales[row * G + g] - 127);
             float lut[16];
-            for (int c = 0; c < 16; c++) lut[c] = E2M1[c] * s;
+            const uint8_t *blk;
+            if (W->blocks != NULL) { /* E2M1[nibble] * 2^(scale - 127): exact, a power of two */
+                blk = W->blocks + (row * G + g) * 16;
+                const float s = ldexpf(1.0f, (int)W->scales[row * G + g] - 127);
+                for (int c = 0; c < 16; c++) lut[c] = E2M1[c] * s;
+            } else { /* int4: q * scale, rounded, + offset, rounded (int4.dequantize; no FMA contraction here) */
+                blk = W->codes + row * (K / 2) + g * 16;
+                const int64_t q = row * (K / W->group) + g * 32 / W->group;
+                const float s = W->q_scale[q], o = W->q_offset[q];
+                for (int c = 0; c < 16; c++) {
+                    const float p = (float)c * s;
+                    lut[c] = p + o;
+                }
+            }
             float *tj = tile + j * 32;
             for (int b = 0; b < 16; b++) {
                 tj[2 * b] = lut[blk[b] & 0x0F];
@@ -221,7 +236,7 @@ static int fused_moe(const float *x, int64_t ldx, const int64_t *topk_ids, const
     task_t *tasks = (task_t *)(cost_end + max_tasks);
     for (int64_t i = 0; i < pairs; i++)
         if (topk_ids[i] < 0 || topk_ids[i] >= E) return 2;
-    if (silu_fused && (act != ACT_SILU || W13->bias != NULL || W13->blocks != NULL)) return 3;
+    if (silu_fused && (act != ACT_SILU || W13->bias != NULL || W13->blocks != NULL || W13->codes != NULL)) return 3;
     int failed = 0;
 
     /* Counting sort by expert: tokens in order within an expert, as a stable argsort. A
@@ -320,8 +335,8 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
                          const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
                          int silu_fused, const float *b13, const float *b2, int act, float alpha, float limit,
                          float *out, int num_threads) {
-    const expert_weights_t W13 = {w13, w13_panel_stride, w13_expert_stride, NULL, NULL, b13};
-    const expert_weights_t W2 = {w2, w2_panel_stride, w2_expert_stride, NULL, NULL, b2};
+    const expert_weights_t W13 = {w13, w13_panel_stride, w13_expert_stride, NULL, NULL, b13, NULL, NULL, NULL, 0};
+    const expert_weights_t W2 = {w2, w2_panel_stride, w2_expert_stride, NULL, NULL, b2, NULL, NULL, NULL, 0};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, silu_fused, act, alpha, limit, out,
                      num_threads);
 }
@@ -335,8 +350,25 @@ int stoker_fused_moe_mxfp4_f32(const float *x, int64_t ldx, const int64_t *topk_
                                const float *b13, const float *b2, int act, float alpha, float limit, float *out,
                                int num_threads) {
     if (H % 32 || I % 32) return 3;
-    const expert_weights_t W13 = {NULL, 0, 0, w13_blocks, w13_scales, b13};
-    const expert_weights_t W2 = {NULL, 0, 0, w2_blocks, w2_scales, b2};
+    const expert_weights_t W13 = {NULL, 0, 0, w13_blocks, w13_scales, b13, NULL, NULL, NULL, 0};
+    const expert_weights_t W2 = {NULL, 0, 0, w2_blocks, w2_scales, b2, NULL, NULL, NULL, 0};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
 }
 
+
+/* int4 experts (layers/moe_int4.py): w13 codes (E, 2I, H / 2) uint8, two a byte, even k in the
+ * low nibble, with rows [gate; up], scales and offsets (E, 2I, H / group13) float32; w2 codes
+ * (E, H, I / 2), scales and offsets (E, H, I / group2); w = q * scale + offset. H, I and both
+ * groups multiples of 32, each group dividing its K. Each GEMM task dequantizes its panel
+ * (gemm_task); SiLU is never fused here. */
+int stoker_fused_moe_int4_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights,
+                              int64_t T, int64_t k, int64_t E, const uint8_t *w13_codes, const float *w13_scale,
+                              const float *w13_offset, int64_t group13, const uint8_t *w2_codes, const float *w2_scale,
+                              const float *w2_offset, int64_t group2, int64_t H, int64_t I, const float *b13,
+                              const float *b2, int act, float alpha, float limit, float *out, int num_threads) {
+    if (H % 32 || I % 32 || group13 <= 0 || group2 <= 0 || group13 % 32 || group2 % 32 || H % group13 || I % group2)
+        return 3;
+    const expert_weights_t W13 = {NULL, 0, 0, NULL, NULL, b13, w13_codes, w13_scale, w13_offset, group13};
+    const expert_weights_t W2 = {NULL, 0, 0, NULL, NULL, b2, w2_codes, w2_scale, w2_offset, group2};
+    return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
+}

@@ -139,6 +139,56 @@ def fused_moe_mxfp4(
     return out
 
 
+def fused_moe_int4(
+    x: torch.Tensor,  # (T, H) float32
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],  # codes (E, 2I, H / 2) uint8, scale, offset (E, 2I, H / g13), g13
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],  # codes (E, H, I / 2) uint8, scale, offset (E, H, I / g2), g2
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
+    b13: torch.Tensor | None = None,  # (E, P13 * NR) float32 (pack_expert_bias), or None
+    b2: torch.Tensor | None = None,  # (E, P2 * NR)
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:  # (T, H)
+    """`fused_moe` with int4 experts held as their codes, scales and offsets (w = q * scale +
+    offset per group; moe.c dequantizes each GEMM task's panel): the twin is reference.fused_moe
+    on int4.dequantize's weights. Groups must be multiples of 32 columns."""
+    lib = _checked_library()
+    (c13, s13, o13, g13), (c2, s2, o2, g2) = w13, w2
+    num_experts, n13, half = c13.shape
+    hidden, inter, nr = 2 * half, n13 // 2, cpu_linear.panel_width()
+    if g13 <= 0 or g2 <= 0 or g13 % 32 or g2 % 32 or hidden % g13 or inter % g2:
+        raise ValueError(f"int4 groups of {g13} (of H = {hidden}) and {g2} (of I = {inter}) columns: moe.c needs "
+                         "multiples of 32 that divide their K")
+    for name, t, shape, dtype in (("w13 codes", c13, (num_experts, 2 * inter, hidden // 2), torch.uint8),
+                                  ("w13 scale", s13, (num_experts, 2 * inter, hidden // g13), torch.float32),
+                                  ("w13 offset", o13, (num_experts, 2 * inter, hidden // g13), torch.float32),
+                                  ("w2 codes", c2, (num_experts, hidden, inter // 2), torch.uint8),
+                                  ("w2 scale", s2, (num_experts, hidden, inter // g2), torch.float32),
+                                  ("w2 offset", o2, (num_experts, hidden, inter // g2), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous {dtype} {shape}")
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.float32:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}: expected (T, {hidden}) float32")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: moe.c applies {', '.join(ACTIVATIONS)}")
+    _check_biases((("b13", b13, -(-2 * inter // nr) * nr), ("b2", b2, -(-hidden // nr) * nr)), num_experts)
+    ids, weights, out = _routing(x, topk_weights, topk_ids, hidden)
+    num_tokens, k = ids.shape
+    if num_tokens == 0:
+        return out
+    rows, stride = _as_rows(x)
+    status = lib.stoker_fused_moe_int4_f32(
+        rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
+        c13.data_ptr(), s13.data_ptr(), o13.data_ptr(), g13, c2.data_ptr(), s2.data_ptr(), o2.data_ptr(), g2,
+        hidden, inter, b13.data_ptr() if b13 is not None else None, b2.data_ptr() if b2 is not None else None,
+        ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_on(status, "fused_moe_int4", num_experts)
+    return out
+
+
 def _routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing as moe.c reads it: ids (T, k) int64 and weights (T, k) float32, contiguous,
