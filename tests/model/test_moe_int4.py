@@ -55,7 +55,7 @@ def _moes(llm: LLM) -> list[FusedMoE]:
 
 
 @pytest.mark.parametrize("family, fmt", [("qwen3_moe", "gptq-asym"), ("qwen3_moe", "ct-w4a16-asym-group"),
-                                         ("mixtral", "gptq-sym"), ("mixtral", "ct-w4a16-group"), ("mixtral", "awq")])
+                                         ("mixtral", "ct-w4a16-group"), ("mixtral", "awq")])
 def test_int4_moe_checkpoint_matches_hf_on_dequantized_weights(family, fmt, tiny_checkpoints, tmp_path) -> None:
     arch, overrides = FAMILIES[family]
     q = quantize_checkpoint(tiny_checkpoints(arch, **overrides), tmp_path / "q", fmt, dequantized_dst=tmp_path / "deq",
@@ -64,7 +64,7 @@ def test_int4_moe_checkpoint_matches_hf_on_dequantized_weights(family, fmt, tiny
     moes = _moes(llm)
     backend = "cpu" if cpu_build.available() else "dequant"
     assert moes and all(isinstance(m.method, Int4MoEMethod) and m.method.backend == backend and m.method.group_k13 == 32
-                        and m.method.scheme.symmetric == (fmt in ("gptq-sym", "ct-w4a16-group")) for m in moes)
+                        and m.method.scheme.symmetric == (fmt == "ct-w4a16-group") for m in moes)
     hf = load_hf(tmp_path / "deq")
     for ids in PROMPTS:
         torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
