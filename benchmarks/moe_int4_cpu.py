@@ -54,9 +54,9 @@ def peers(num_tokens: int) -> tuple[dict, dict[str, int]]:
                 layer.method.load(layer, x, shard, t)
         layer.method.process_after_loading(layer)
         layers[backend] = layer
-    m = layers["cpu"].method
-    dq13 = torch.stack([m.dequantized(layers["cpu"], "w13", x, torch.float32) for x in range(e)])
-    dq2 = torch.stack([m.dequantized(layers["cpu"], "w2", x, torch.float32) for x in range(e)])
+    twin = layers["dequant"]  # the loading layout (the cpu layer's codes are in panels now)
+    dq13 = torch.stack([twin.method.dequantized(twin, "w13", x, torch.float32) for x in range(e)])
+    dq2 = torch.stack([twin.method.dequantized(twin, "w2", x, torch.float32) for x in range(e)])
     fused = cpu_linear.gate_up_fusable(i)
     p13, p2 = cpu_moe.pack_experts(dq13, dq2, fused)
     x = torch.randn(num_tokens, h, generator=gen)

@@ -32,10 +32,12 @@ out). Expert parallelism holds whole experts and needs nothing here.
 
 Backends, chosen once at build (models/method_chooser.py):
   cpu      CPU float32 with the C kernels: the one-call MoE kernel (kernels/cpu/moe.c,
-           `stoker_fused_moe_int4_f32`): each GEMM task dequantizes its panel (q * s, rounded,
-           + o, rounded: int4.dequantize's definition) into a per-thread buffer and runs the
-           linear kernel's task on it, so the result is the float experts' on the dequantized
-           weights, bit for bit. Groups must be a multiple of 32 columns.
+           `stoker_fused_moe_int4_f32`) on the codes, scales and offsets regrouped into the
+           linear kernel's panels after loading (kernels/cpu/moe.pack_int4_experts: codes
+           (E, P, K / 2, NR), scales and offsets (E, P, G, NR)): each GEMM task dequantizes its
+           panel (q * s, rounded, + o, rounded: int4.dequantize's definition; a vector loop
+           along NR) into a per-thread buffer and runs the linear kernel's task on it, so the
+           result is the float experts' on the dequantized weights, bit for bit.
   dequant  anything else (CUDA included): each routed expert's w13 and w2 dequantized in torch
            into the model dtype for that call, then the float expert's GEMMs. Correct, not fast.
 """
@@ -52,7 +54,6 @@ from stoker.quantization import formats, int4
 from stoker.quantization.config import WeightScheme
 
 INT4_MOE_BACKENDS = ("cpu", "dequant")
-CPU_GROUP_MULTIPLE = 32  # moe.c dequantizes 32 columns of one group at a time
 
 
 class Int4MoEMethod(MoEMethod):
@@ -111,8 +112,8 @@ class Int4MoEMethod(MoEMethod):
             from stoker.layers.activation import ClampedSwiGLU
 
             self.activation = "silu" if layer.is_silu else "swigluoai" if isinstance(layer.act, ClampedSwiGLU) else None
-            if self.activation is None or self.group_k13 % CPU_GROUP_MULTIPLE or self.group_k2 % CPU_GROUP_MULTIPLE:
-                self.backend = "dequant"  # moe.c's gates and 32-column steps; the rest runs in torch
+            if self.activation is None or self.group_k13 % 2 or self.group_k2 % 2:
+                self.backend = "dequant"  # moe.c's gates (SiLU, clamped SwiGLU) and byte-aligned groups; else torch
 
     def checkpoint_params(self) -> tuple[str, ...]:
         if self.online:
@@ -194,10 +195,16 @@ class Int4MoEMethod(MoEMethod):
                 offset, scale = getattr(layer, f"{w}_offset"), getattr(layer, f"{w}_scale")
                 offset.data = (-offset.data * scale.data).contiguous()
             self.offset_is_zero_point = False
-        if self.backend == "cpu" and layer.has_bias:
-            from stoker.kernels.cpu import moe as cpu_moe
+        if self.backend != "cpu":
+            return
+        from stoker.kernels.cpu import moe as cpu_moe
 
-            # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias
+        # moe.c's panels: codes (E, P, K / 2, NR), scales and offsets (E, P, G, NR)
+        for w in ("w13", "w2"):
+            panels = cpu_moe.pack_int4_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
+            for p, t in zip(("", "_scale", "_offset"), panels):
+                setattr(layer, f"{w}{p}", nn.Parameter(t, requires_grad=False))
+        if layer.has_bias:  # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias
             layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
             layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
 
@@ -215,7 +222,8 @@ class Int4MoEMethod(MoEMethod):
                                       b13, b2, self.activation or "silu", alpha, limit)
 
     def dequantized(self, layer: FusedMoE, w: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e's w13 (2I, H) or w2 (H, I) as the float weight its codes stand for."""
+        """Expert e's w13 (2I, H) or w2 (H, I) as the float weight its codes stand for (the
+        loading layout: the torch backend's, the cpu backend's before process_after_loading)."""
         group = self.group_k13 if w == "w13" else self.group_k2
         return int4.dequantize(int4.unpack(getattr(layer, w)[e]), getattr(layer, f"{w}_scale")[e],
                                getattr(layer, f"{w}_offset")[e], group, dtype)

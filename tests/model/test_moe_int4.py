@@ -144,7 +144,7 @@ def test_the_c_kernel_equals_the_torch_backend() -> None:
     x = torch.randn(13, 64)
     weights, ids = random_routing(13, 8, 2, seed=1)
     c, twin = _online_layer(8, 64, 96, "cpu"), _online_layer(8, 64, 96, "dequant")
-    assert c.method.backend == "cpu" and torch.equal(c.w13_scale, twin.w13_scale)
+    assert c.method.backend == "cpu" and c.w13.dim() == 4  # moe.c's panels (E, P, H / 2, NR)
     torch.testing.assert_close(c(x, weights, ids), twin(x, weights, ids), rtol=1e-5, atol=1e-5)
 
 

@@ -89,9 +89,9 @@ typedef struct {
     int64_t panel_stride, expert_stride; /* floats between panels, between experts */
     const uint8_t *blocks, *scales;      /* MXFP4: (E, N, K / 32, 16) and (E, N, K / 32), or NULL */
     const float *bias;                   /* (E, P * NR) each expert's padded to its panels, or NULL */
-    const uint8_t *codes;                /* int4: (E, N, K / 2) two codes a byte, even k low, or NULL */
-    const float *q_scale, *q_offset;     /* int4: (E, N, K / group) each; w = q * scale + offset */
-    int64_t group;                       /* int4: columns per scale, a multiple of 32 */
+    const uint8_t *codes;                /* int4: (E, P, K / 2, NR) panels, rows 2kk and 2kk + 1 in byte kk, or NULL */
+    const float *q_scale, *q_offset;     /* int4: (E, P, K / group, NR) each; w = q * scale + offset */
+    int64_t group;                       /* int4: rows of K per scale, even, dividing K */
 } expert_weights_t;
 
 /* E2M1 (FP4) values by code: the sign in bit 3 (OCP Microscaling v1.0; formats.E2M1_VALUES) */
@@ -126,28 +126,40 @@ static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_
     const int64_t n0 = t.p * nr, cols = N - n0 < nr ? N - n0 : nr, G = K / 32;
     float *buf = panel_buffer((size_t)(K * nr));
     if (buf == NULL) return 1;
-    /* One block of 32 inputs at a time: each of the panel's rows (output columns) dequantized
+    if (W->codes != NULL) {
+        /* int4 panels: codes (K / 2, NR), byte kk holding rows 2kk (low nibble) and 2kk + 1 of the
+         * panel's NR columns; scales and offsets (K / group, NR). Contiguous along NR, so each row
+         * is a vector loop: q * s, rounded, + o, rounded (int4.dequantize; no FMA contraction). */
+        const int64_t Gq = K / W->group, half = W->group / 2, panel = t.e * P + t.p;
+        const uint8_t *codes = W->codes + panel * (K / 2) * nr;
+        const float *scale = W->q_scale + panel * Gq * nr, *offset = W->q_offset + panel * Gq * nr;
+        for (int64_t g = 0; g < Gq; g++) {
+            const float *s = scale + g * nr, *o = offset + g * nr;
+            for (int64_t kk = g * half; kk < (g + 1) * half; kk++) {
+                const uint8_t *b = codes + kk * nr;
+                float *lo = buf + 2 * kk * nr, *hi = lo + nr;
+                for (int64_t j = 0; j < nr; j++) {
+                    const float pl = (float)(b[j] & 0x0F) * s[j], ph = (float)(b[j] >> 4) * s[j];
+                    lo[j] = pl + o[j];
+                    hi[j] = ph + o[j];
+                }
+            }
+        }
+        stoker_linear_panel_rows_f32(x, K, buf, nr, K * nr, 1, 0, bias != NULL ? bias + n0 : NULL, y + n0, ldy, t.m0,
+                                     t.m1, N - n0, K, 0);
+        return 0;
+    }
+    /* MXFP4: one block of 32 inputs at a time: each of the panel's rows (output columns) dequantized
      * into a small contiguous tile (cols, 32) in L1, then written to the panel's (32, NR) slice
      * row by row, contiguous along NR (not 32 scattered stores per value). */
     float tile[nr * 32];
     for (int64_t g = 0; g < G; g++) {
         for (int64_t j = 0; j < cols; j++) {
             const int64_t row = t.e * N + n0 + j;
+            const uint8_t *blk = W->blocks + (row * G + g) * 16;
+            const float s = ldexpf(1.0f, (int)W->scales[row * G + g] - 127);
             float lut[16];
-            const uint8_t *blk;
-            if (W->blocks != NULL) { /* E2M1[nibble] * 2^(scale - 127): exact, a power of two */
-                blk = W->blocks + (row * G + g) * 16;
-                const float s = ldexpf(1.0f, (int)W->scales[row * G + g] - 127);
-                for (int c = 0; c < 16; c++) lut[c] = E2M1[c] * s;
-            } else { /* int4: q * scale, rounded, + offset, rounded (int4.dequantize; no FMA contraction here) */
-                blk = W->codes + row * (K / 2) + g * 16;
-                const int64_t q = row * (K / W->group) + g * 32 / W->group;
-                const float s = W->q_scale[q], o = W->q_offset[q];
-                for (int c = 0; c < 16; c++) {
-                    const float p = (float)c * s;
-                    lut[c] = p + o;
-                }
-            }
+            for (int c = 0; c < 16; c++) lut[c] = E2M1[c] * s;
             float *tj = tile + j * 32;
             for (int b = 0; b < 16; b++) {
                 tj[2 * b] = lut[blk[b] & 0x0F];
@@ -356,18 +368,18 @@ int stoker_fused_moe_mxfp4_f32(const float *x, int64_t ldx, const int64_t *topk_
 }
 
 
-/* int4 experts (layers/moe_int4.py): w13 codes (E, 2I, H / 2) uint8, two a byte, even k in the
- * low nibble, with rows [gate; up], scales and offsets (E, 2I, H / group13) float32; w2 codes
- * (E, H, I / 2), scales and offsets (E, H, I / group2); w = q * scale + offset. H, I and both
- * groups multiples of 32, each group dividing its K. Each GEMM task dequantizes its panel
- * (gemm_task); SiLU is never fused here. */
+/* int4 experts (layers/moe_int4.py), in panels (moe.py's pack_int4_experts): w13 codes
+ * (E, P13, H / 2, NR) uint8, byte kk of a panel row holding rows 2kk (low nibble) and 2kk + 1 of
+ * K, [gate; up] columns, scales and offsets (E, P13, H / group13, NR) float32; w2 codes
+ * (E, P2, I / 2, NR), scales and offsets (E, P2, I / group2, NR); w = q * scale + offset, padded
+ * columns zero. Groups even, dividing their K. Each GEMM task dequantizes its panel (gemm_task);
+ * SiLU is never fused here. */
 int stoker_fused_moe_int4_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights,
                               int64_t T, int64_t k, int64_t E, const uint8_t *w13_codes, const float *w13_scale,
                               const float *w13_offset, int64_t group13, const uint8_t *w2_codes, const float *w2_scale,
                               const float *w2_offset, int64_t group2, int64_t H, int64_t I, const float *b13,
                               const float *b2, int act, float alpha, float limit, float *out, int num_threads) {
-    if (H % 32 || I % 32 || group13 <= 0 || group2 <= 0 || group13 % 32 || group2 % 32 || H % group13 || I % group2)
-        return 3;
+    if (group13 <= 0 || group2 <= 0 || group13 % 2 || group2 % 2 || H % group13 || I % group2) return 3;
     const expert_weights_t W13 = {NULL, 0, 0, NULL, NULL, b13, w13_codes, w13_scale, w13_offset, group13};
     const expert_weights_t W2 = {NULL, 0, 0, NULL, NULL, b2, w2_codes, w2_scale, w2_offset, group2};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
