@@ -25,10 +25,10 @@ checkpoint names `experts.{e}.gate_proj.qweight`, ... as shard `(expert, "w1" | 
                        g_idx read and refused by name unless in plain group order (desc_act)
   awq                  GEMM packing: qweight (K, N / 8), qzeros (G, N / 8) in AWQ's nibble order
 
-Tensor parallelism (online only: the chooser refuses pre-quantized experts under it) cuts I:
-each rank quantizes its rows of gate and up and its columns of down, so I / tp and the cut
-must be whole groups (refused by name otherwise, with --enable-expert-parallel as the way
-out). Expert parallelism holds whole experts and needs nothing here.
+Tensor parallelism cuts I: each rank reads (or, online, quantizes) its rows of gate and up and
+its columns of down, so I / tp and the cut must be whole groups, and a pre-quantized cut whole
+int32s of eight packed values (each refused by name otherwise, with --enable-expert-parallel as
+the way out). Expert parallelism holds whole experts and needs nothing here.
 
 Backends, chosen once at build (models/method_chooser.py):
   cpu      CPU float32 with the C kernels: the one-call MoE kernel (kernels/cpu/moe.c,
@@ -129,9 +129,35 @@ class Int4MoEMethod(MoEMethod):
             return layer.bias_slice(shard, shape)
         if param == "weight":
             return layer.checkpoint_slice(shard, shape)
-        if layer.is_split:  # the chooser refuses these first; a direct build is refused here too
-            raise ValueError("pre-quantized int4 experts under tensor parallelism are not supported")
-        return None
+        if not layer.is_split or param == "weight_shape":
+            return None
+        # this rank's [start, stop) of I: rows of gate and up, columns (K) of down, in whole groups
+        # (create_weights checked) and whole int32s of eight packed values (checked here)
+        cut = slice(*layer.split.range(layer.checkpoint_intermediate_size))
+        i = layer.checkpoint_intermediate_size
+        group = self.group_k2
+        awq, ct, every = self.layout == "awq", self.layout == "compressed-tensors", slice(None)
+        if shard != "w2":  # (I, H) cut by rows N
+            rows8 = self._aligned(cut, 8, "int32s of eight packed rows", i)
+            if ct:
+                return (rows8,) if param == "weight_zero_point" else (cut,)
+            if param == "g_idx":
+                return None
+            return (every, rows8) if param == "qzeros" or (awq and param == "qweight") else (every, cut)
+        groups = slice(cut.start // group, cut.stop // group)
+        if ct:
+            return (every, self._aligned(cut, 8, "int32s of eight packed columns", i)) if param == "weight_packed" \
+                else (every, groups)
+        if param == "qweight":
+            return (cut,) if awq else (self._aligned(cut, 8, "int32s of eight packed input rows", i),)
+        return (cut,) if param == "g_idx" else (groups,)
+
+    def _aligned(self, part: slice, unit: int, what: str, total: int) -> slice:
+        if part.start % unit or (part.stop % unit and part.stop != total):
+            raise ValueError(f"{self.name}: tensor parallelism cuts the experts' intermediate_size at [{part.start}, "
+                             f"{part.stop}) of {total}, which splits {what}; choose a tensor_parallel_size whose parts "
+                             "align with them, or --enable-expert-parallel (whole experts per rank)")
+        return slice(part.start // unit, -(-part.stop // unit))
 
     # ---------------------------------------------------------------- loading
     def load(self, layer: FusedMoE, expert: int, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
@@ -180,7 +206,8 @@ class Int4MoEMethod(MoEMethod):
             elif param == "scales" and self.layout in ("gptq", "gptq_v2", "awq"):
                 scale.copy_(_shaped(tensor, (k // group, n), where).t().float())
             elif param == "g_idx" and self.layout in ("gptq", "gptq_v2"):
-                plain = torch.arange(k) // group
+                first = layer.split.range(layer.checkpoint_intermediate_size)[0] if shard == "w2" else 0  # this rank's K
+                plain = torch.arange(first, first + k) // group
                 if tuple(tensor.shape) != (k,) or not torch.equal(tensor.to(torch.int64), plain):
                     raise ValueError(f"{where} is not in plain group order (a desc_act / act-order checkpoint whose "
                                      "columns are permuted); Stoker's int4 experts do not permute columns: re-quantize "

@@ -232,7 +232,7 @@ class LinearMethodChooser:
             )
         if all(ignored):
             return False
-        if not self.quant.online and layer.is_split:
+        if not self.quant.online and layer.is_split and self.quant.weights.dtype != "int4":  # int4 cuts at groups
             raise QuantizationError(
                 f"pre-quantized Mixture-of-Experts experts ({name}) under tensor parallelism are not supported yet; "
                 "run with --tensor-parallel-size 1, or quantize a float checkpoint online (--quantization)"

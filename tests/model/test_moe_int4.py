@@ -171,6 +171,43 @@ def test_two_tensor_parallel_ranks_sum_to_the_whole_layer() -> None:
     torch.testing.assert_close(group.seen[0] + group.seen[1], whole(x, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+def _checkpoint_layer(fmt: str, scheme: WeightScheme, split: Partition | None = None, tp=None) -> FusedMoE:
+    """A layer loading a pre-quantized checkpoint's expert tensors (written as the producer does,
+    4 experts, H 64, I 128, groups of 32) through checkpoint_slice, as the loader does."""
+    from stoker.testing.quantized_checkpoint import _quantize
+
+    g = torch.Generator().manual_seed(0)
+    kw = dict(split=split, tp=tp) if split is not None else {}
+    layer = FusedMoE(4, 64, 128, **kw)
+    layer.attach(Int4MoEMethod(scheme, False, "dequant"))
+    for e in range(4):
+        for shard, n, k in (("w1", 128, 64), ("w3", 128, 64), ("w2", 64, 128)):
+            for param, t in _quantize(torch.randn(n, k, generator=g) * 0.2, fmt, g)[0].items():
+                part = layer.method.checkpoint_slice(layer, shard, param, tuple(t.shape))
+                layer.method.load(layer, e, shard, t if part is None else t[part], param)
+    layer.method.process_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", ["gptq-asym", "awq", "ct-w4a16-asym-group"])
+def test_two_tensor_parallel_ranks_of_a_prequantized_checkpoint_sum_to_the_whole_layer(fmt) -> None:
+    from stoker.quantization.config import parse_checkpoint_config
+    from stoker.testing.quantized_checkpoint import _ct_config
+
+    if fmt.startswith("ct"):
+        config = _ct_config("int", "group", "pack-quantized", 32, None, False, [], num_bits=4, symmetric=False)
+    else:
+        config = {"quant_method": fmt.split("-")[0], "bits": 4, "group_size": 32, "sym": False, "desc_act": False,
+                  "zero_point": True, "version": "gemm"}
+    scheme = parse_checkpoint_config(config).weights
+    x = torch.randn(9, 64)
+    weights, ids = random_routing(9, 4, 2, seed=4)
+    whole, group = _checkpoint_layer(fmt, scheme), _Partials()
+    for r in range(2):
+        _checkpoint_layer(fmt, scheme, Partition(2, r), group)(x, weights, ids)
+    torch.testing.assert_close(group.seen[0] + group.seen[1], whole(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_a_tensor_parallel_cut_that_splits_a_group_is_refused_by_name() -> None:
     layer = FusedMoE(4, 64, 96, split=Partition(2, 1), tp=TensorParallelGroup.single())  # 48 columns of I per rank
     with pytest.raises(ValueError, match=r"columns \[48, 96\) .* splits an int4 group of 32 .*--enable-expert-parallel"):

@@ -110,7 +110,8 @@ static float *panel_buffer(size_t floats) {
     return buf;
 }
 
-/* Task t of one grouped GEMM: y[m0:m1, panel p's columns] = x[m0:m1] @ W_e^T (+ bias). For MXFP4
+/* Task t of one grouped GEMM: y[m0:m1, panel p's columns] = x[m0:m1] @ W_e^T (+ bias). For int4
+ * the panel is dequantized from its codes (q * scale + offset per group, below); for MXFP4
  * the panel's columns are dequantized first, value = E2M1[nibble] * 2^(scale - 127) (exact: a
  * power of two), into the (K, NR) layout of a float panel, and the linear kernel's own task runs
  * on it: the same bits as float experts holding the dequantized weights. Returns 1 when the
