@@ -14,8 +14,9 @@ int4 model within WHOLE_MAX_KL / WHOLE_MIN_TOP1 below.
 
 At the layer: the C kernel (moe.c dequantizing a panel per task) equals the torch backend,
 two expert-parallel ranks sum to the whole layer, two tensor-parallel ranks (online, each
-quantizing its own columns of I, whole groups) sum to the whole layer, and a tensor-parallel
-cut that splits a group is refused by name.
+quantizing its own columns of I, whole groups; and GPTQ / AWQ / W4A16 tensors cut by
+`checkpoint_slice`) sum to the whole layer, and a tensor-parallel cut that splits a group is
+refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from stoker import LLM, SamplingParams
 from stoker.distributed.expert_partition import ExpertPartition
@@ -33,6 +35,7 @@ from stoker.distributed.partition import Partition
 from stoker.kernels.cpu import build as cpu_build
 from stoker.layers.moe import FusedMoE
 from stoker.layers.moe_int4 import Int4MoEMethod
+from stoker.models.method_chooser import LinearMethodChooser
 from stoker.quantization.config import WeightScheme
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
 from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
@@ -199,7 +202,12 @@ def test_two_tensor_parallel_ranks_of_a_prequantized_checkpoint_sum_to_the_whole
     else:
         config = {"quant_method": fmt.split("-")[0], "bits": 4, "group_size": 32, "sym": False, "desc_act": False,
                   "zero_point": True, "version": "gemm"}
-    scheme = parse_checkpoint_config(config).weights
+    quant = parse_checkpoint_config(config)
+    scheme = quant.weights
+    # chosen at build for a tensor-parallel layer (8-bit pre-quantized experts are refused there)
+    chooser = LinearMethodChooser(quant, torch.device("cpu"), torch.float32, nn.Module())
+    assert isinstance(chooser.moe("model.layers.0.mlp.experts", FusedMoE(4, 64, 128, split=Partition(2, 0), tp=_Partials())),
+                      Int4MoEMethod)
     x = torch.randn(9, 64)
     weights, ids = random_routing(9, 4, 2, seed=4)
     whole, group = _checkpoint_layer(fmt, scheme), _Partials()
