@@ -175,7 +175,9 @@ class LinearMethodChooser:
     def moe(self, name: str, layer: FusedMoE) -> MoEMethod:
         """A FusedMoE's method: quantized experts when the config covers them
         (layers/moe_quant.py: the C kernels' one-byte panels on CPU float32, the Triton fused-MoE
-        kernel on CUDA, dequantized in torch elsewhere), else float experts: on CPU float32
+        kernel on CUDA, dequantized in torch elsewhere; 4-bit ones layers/moe_int4.py: the C
+        MoE kernel dequantizing a panel per task on CPU float32, torch per expert elsewhere),
+        else float experts: on CPU float32
         through the C kernels' panels (SiLU fused when I fills whole panels), on CUDA through
         the Triton fused-MoE kernel (layers/moe_triton.py), else plain torch."""
         from stoker.kernels.cpu import linear as cpu_linear
@@ -186,6 +188,11 @@ class LinearMethodChooser:
                       and not layer.custom_activation and not layer.has_bias)
         if self.quant is not None and self.quant.experts_only:
             method = self._mxfp4(name, layer)
+        elif self.quant is not None and self.quant.weights.dtype == "int4" and self._experts_quantized(name, layer):
+            from stoker.layers.moe_int4 import Int4MoEMethod
+
+            # moe.c dequantizes each GEMM task's panel on CPU float32; torch dequantizes per expert elsewhere
+            method = Int4MoEMethod(self.quant.weights, self.quant.online, "cpu" if self.cpu_kernels else "dequant", name)
         elif self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
@@ -234,7 +241,7 @@ class LinearMethodChooser:
             )
         if all(ignored):
             return False
-        if not self.quant.online and layer.is_split:
+        if not self.quant.online and layer.is_split and self.quant.weights.dtype != "int4":  # int4 cuts at groups
             raise QuantizationError(
                 f"pre-quantized Mixture-of-Experts experts ({name}) under tensor parallelism are not supported yet; "
                 "run with --tensor-parallel-size 1, or quantize a float checkpoint online (--quantization)"

@@ -185,6 +185,10 @@ ONLINE_INT4_QUALITY = ("online int4 (RTN, groups of 128) vs float: mean KL 0.18-
                        "docs/quantization.md)")
 # Triton W4A16 GEMM on GPUs: correct (twin-tested), its speed on a GPU not yet measured (issue 39).
 INT4_GPU_SPEED = "int4 runs a W4A16 Triton GEMM on GPUs, its GPU speed not yet measured (issue 39)"
+# int4 experts (AWQ / GPTQ / W4A16 MoE checkpoints, --quantization int4 on a float MoE) are held
+# 4-bit (layers/moe_int4.py); the backend is named with the plan, as for the dense int4 GEMM.
+INT4_MOE_EXPERTS = ("int4 experts: held 4-bit, on CPU float32 the C MoE kernel dequantizing a panel per GEMM task, "
+                    "elsewhere (GPUs included) each routed expert dequantized in torch per call (docs/moe.md)")
 # A MoE model runs its experts unquantized: `--quantization fp8|int8` on one is refused when the
 # model is built (docs/moe.md, "Refused, by name"), so a MoE plan searches bf16 unless told otherwise.
 MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
@@ -300,8 +304,8 @@ def serve_command(model: str, c: Candidate) -> str:
         # torch (layers/moe_mxfp4.py), whole experts per rank only (docs/moe.md).
         notes.append(f"{spec.expert_dtype} experts: dequantized per expert in torch, not a fused kernel (docs/moe.md)")
     if moe and c.weight_dtype == "int4":
-        notes.append("int4 experts: not in the engine yet (--quantization int4 refuses MoE experts; docs/moe.md)")
-    elif c.weight_dtype not in _ENGINE_QUANTIZATION:
+        notes.append(INT4_MOE_EXPERTS)
+    if c.weight_dtype not in _ENGINE_QUANTIZATION:
         notes.append(f"{c.weight_dtype} weights: not in the engine yet (a pre-quantized {c.weight_dtype} checkpoint is needed)")
     elif spec is not None and spec.checkpoint_dtype == c.weight_dtype:
         # served as the checkpoint ships it (block-FP8, AWQ / GPTQ int4): its quantization_config says so, no flag

@@ -167,8 +167,13 @@ class ModelRunner:
         chose from the loaded values (float16 scales where all of a layer's are exact; offsets
         only where not all zero). A model whose layers chose differently is priced by the widest."""
         layers = [m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4"]
-        wide = any(m.weight_scale.dtype == torch.float32 for m in layers)
-        return ("fp32" if wide else "fp16"), any(m.weight_offset is not None for m in layers)
+        # int4 MoE experts (layers/moe_int4.py) hold w13/w2 scales and offsets in float32
+        dense = [m for m in layers if hasattr(m, "weight_scale")]
+        experts = [m for m in layers if not hasattr(m, "weight_scale")]
+        scales = [m.weight_scale for m in dense] + [m.w13_scale for m in experts]
+        offsets = [m.weight_offset for m in dense] + [m.w13_offset for m in experts]
+        wide = any(s.dtype == torch.float32 for s in scales)
+        return ("fp32" if wide else "fp16"), any(o is not None for o in offsets)
 
     def describe(self) -> RunnerInfo:
         """This runner as plain values (the executor contract's `describe`)."""

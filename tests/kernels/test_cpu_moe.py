@@ -190,6 +190,41 @@ def test_mxfp4_experts_match_the_twin_on_the_dequantized_weights(num_experts: in
     torch.testing.assert_close(plain, reference.fused_moe(x, dq13, dq2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens, group",
+                         [(4, 2, 64, 32, 9, 32), (8, 2, 128, 40, 1, 8), (6, 3, 64, 128, 70, 64)],
+                         ids=["groups-of-32", "one-token-partial-panels-groups-of-8", "70-tokens-groups-of-64"])
+def test_int4_experts_match_the_twin_on_the_dequantized_weights(num_experts: int, k: int, hidden: int, inter: int,
+                                                                num_tokens: int, group: int) -> None:
+    """moe.c's int4 path (each task's panel dequantized from pack_int4_experts' codes, scales
+    and offsets) against reference.fused_moe on int4.dequantize's weights (asymmetric groups),
+    and the same bits as the float kernel on those weights; with biases and the clamped SwiGLU."""
+    from stoker.layers.activation import ClampedSwiGLU
+    from stoker.quantization import int4
+
+    w13, w2 = experts(num_experts, hidden, inter)
+    parts13 = [int4.quantize(w, group, symmetric=False) for w in w13]  # (q, scale, offset) per expert
+    parts2 = [int4.quantize(w, group, symmetric=False) for w in w2]
+    packed = [cpu_moe.pack_int4_experts(torch.stack([int4.pack(q) for q, _, _ in parts]),
+                                        torch.stack([s for _, s, _ in parts]), torch.stack([o for *_, o in parts]))
+              for parts in (parts13, parts2)]
+    dq13 = torch.stack([int4.dequantize(q, s, o, group) for q, s, o in parts13])
+    dq2 = torch.stack([int4.dequantize(q, s, o, group) for q, s, o in parts2])
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(num_tokens, num_experts, k)
+    out = cpu_moe.fused_moe_int4(x, (*packed[0], group), (*packed[1], group), weights, ids)
+    torch.testing.assert_close(out, reference.fused_moe(x, dq13, dq2, weights, ids), rtol=1e-5, atol=1e-5)
+    p13, p2 = cpu_moe.pack_experts(dq13, dq2, False)
+    assert torch.equal(out, cpu_moe.fused_moe(x, p13, p2, weights, ids, inter, False))
+    gen = torch.Generator().manual_seed(3)
+    b13, b2 = torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen)
+    biased = cpu_moe.fused_moe_int4(x, (*packed[0], group), (*packed[1], group), weights, ids,
+                                    cpu_moe.pack_expert_bias(b13), cpu_moe.pack_expert_bias(b2), "swigluoai", 1.702, 1.5)
+    torch.testing.assert_close(biased, reference.fused_moe(x, dq13, dq2, weights, ids, ClampedSwiGLU(1.702, 1.5), b13, b2),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="even groups that divide their K"):
+        cpu_moe.fused_moe_int4(x, (*packed[0], 3), (*packed[1], group), weights, ids)
+
+
 def test_packed_experts_are_the_stacked_panels_in_huge_pages_where_linux_has_them() -> None:
     """pack_experts writes each expert's panels into one (possibly huge-page) buffer: the same
     values as stacking pack_linear_weight; empty_huge is a plain contiguous tensor to its users."""

@@ -213,6 +213,8 @@ def library() -> ctypes.CDLL | None:
                                   p, i32], i32),
         "stoker_fused_moe_mxfp4_f32": ([p, i64, p, p, i64, i64, i64, p, p, p, p, i64, i64, p, p, i32, f32, f32, p, i32],
                                        i32),
+        "stoker_fused_moe_int4_f32": ([p, i64, p, p, i64, i64, i64, p, p, p, i64, p, p, p, i64, i64, i64, p, p, i32, f32, f32,
+                                       p, i32], i32),
         "stoker_bert_encoder_f32": ([p, i64, i64, i64, i64, i64, p, f32, i32, p, i64, p, p, i64, f32, p, i32], i32),
         "stoker_mla_decode_attention_f32": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i32], i32),
         "stoker_mla_decode_attention_fp8": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, i32], i32),
