@@ -189,8 +189,9 @@ INT4_GPU_SPEED = "int4 runs a W4A16 Triton GEMM on GPUs, its GPU speed not yet m
 # 4-bit (layers/moe_int4.py); the backend is named with the plan, as for the dense int4 GEMM.
 INT4_MOE_EXPERTS = ("int4 experts: held 4-bit, on CPU float32 the C MoE kernel dequantizing a panel per GEMM task, "
                     "elsewhere (GPUs included) each routed expert dequantized in torch per call (docs/moe.md)")
-# A MoE model runs its experts unquantized: `--quantization fp8|int8` on one is refused when the
-# model is built (docs/moe.md, "Refused, by name"), so a MoE plan searches bf16 unless told otherwise.
+# A MoE model's experts take `--quantization fp8|int8` (layers/moe_quant.py) and 4-bit weights
+# (layers/moe_int4.py), but a default MoE plan searches bf16 only, the precision of the walkthrough's
+# MoE plans (docs/roofline.md); `--weight-dtypes` asks for the others.
 MOE_SERVABLE_WEIGHT_DTYPES = ("bf16",)
 
 

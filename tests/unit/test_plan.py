@@ -166,7 +166,7 @@ def test_moe_plans_on_h100_and_h200_are_minimal(model: str, target: float, h100_
         winner = result.feasible[0]
         assert winner.tokens_per_s >= target and winner.ttft_ms <= 1000
         assert winner.gpus == want == _brute_force_min_gpus(t, model, gpu), gpu
-        # The engine runs MoE experts unquantized: a default MoE plan searches bf16 weights only.
+        # A default MoE plan searches bf16 weights only (planner.MOE_SERVABLE_WEIGHT_DTYPES).
         assert {c.weight_dtype for c in result.feasible} == {"bf16"}
         assert {r.weight_dtype for r in result.rejected} <= {"bf16"}
 
