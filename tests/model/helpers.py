@@ -202,3 +202,18 @@ class ScriptedK(SpecKPolicy):
         k, self.i = self.ks[self.i % len(self.ks)], self.i + 1
         self.last_k = k
         return k
+
+
+def teacher_forced_positions() -> list[int]:
+    """The 256 token ids the quantization quality tests score, teacher-forced (seeded)."""
+    import random
+
+    rng = random.Random(0)
+    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
+
+
+def kl_and_top1(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
+    """(T, V) logits of a reference and of a quantized run -> (mean KL(ref || out), top-1 agreement)."""
+    lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return float(kl.mean()), float((ref.argmax(-1) == out.argmax(-1)).float().mean())

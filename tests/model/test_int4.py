@@ -26,7 +26,6 @@ points) equal HF transformers on the dequantized weights.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -40,7 +39,8 @@ from stoker.layers.linear import Linear
 from stoker.quantization import int4
 from stoker.quantization.config import QuantizationError, parse_checkpoint_config
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
-from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf, make_adapter, peft_greedy
+from tests.model.helpers import (engine_logits, hf_greedy, hf_logits, kl_and_top1, load_hf, make_adapter, peft_greedy,
+                                 teacher_forced_positions)
 
 SHAPE = dict(hidden_size=128, intermediate_size=256)  # whole groups of 128 in every projection
 ARCHS = {"llama": ("llama", SHAPE), "qwen3": ("qwen3", dict(SHAPE, head_dim=32))}
@@ -49,14 +49,7 @@ MAX_KL, MIN_TOP1 = 0.3, 0.38
 
 @pytest.fixture(scope="module")
 def positions() -> list[int]:
-    rng = random.Random(0)
-    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
-
-
-def kl_and_top1(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
-    lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+    return teacher_forced_positions()
 
 
 def _llm(path, **kw) -> LLM:

@@ -21,7 +21,6 @@ refused by name.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -38,8 +37,8 @@ from stoker.layers.moe_int4 import Int4MoEMethod
 from stoker.models.method_chooser import LinearMethodChooser
 from stoker.quantization.config import WeightScheme
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
-from tests.model.helpers import engine_logits, hf_greedy, hf_logits, load_hf
-from tests.model.test_int4 import MAX_KL, MIN_TOP1, kl_and_top1
+from tests.model.helpers import engine_logits, hf_greedy, hf_logits, kl_and_top1, load_hf, teacher_forced_positions
+from tests.model.test_int4 import MAX_KL, MIN_TOP1
 from tests.model.test_moe_expert_parallel import _Partials
 from tests.model.test_moe_layer import random_routing
 from tests.model.test_moe_quantization import FAMILIES, _with_experts_of
@@ -99,8 +98,7 @@ WHOLE_MAX_KL, WHOLE_MIN_TOP1 = 0.7, 0.22
 
 
 def test_online_int4_experts_stay_within_the_dense_bounds(tiny_checkpoints) -> None:
-    rng = random.Random(0)
-    positions = [0] + [rng.randrange(5, 1000) for _ in range(255)]
+    positions = teacher_forced_positions()
     path = tiny_checkpoints("qwen3_moe", **WIDE)
     ref = engine_logits(_llm(path), positions)
     llm = _llm(path, quantization="int4")

@@ -16,7 +16,6 @@ the float model made of the same dequantized weights computes (float32 tolerance
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from stoker.layers.moe_quant import QuantizedMoEMethod
 from stoker.layers.moe_router import RouterLinear
 from stoker.quantization.config import QuantizationError, online_config
 from stoker.testing.quantized_checkpoint import quantize_checkpoint
-from tests.model.helpers import engine_logits
-from tests.model.test_online_quantization import BOUNDS, kl_and_top1
+from tests.model.helpers import engine_logits, kl_and_top1, teacher_forced_positions
+from tests.model.test_online_quantization import BOUNDS
 
 MOE = dict(num_experts_per_tok=2)
 FAMILIES = {
@@ -47,8 +46,7 @@ PROMPTS = [[0] + list(range(7, 70)), [0, 99, 5, 17, 256, 800, 3]]
 
 @pytest.fixture(scope="module")
 def positions() -> list[int]:
-    rng = random.Random(0)
-    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
+    return teacher_forced_positions()
 
 
 def _llm(path, **kw) -> LLM:

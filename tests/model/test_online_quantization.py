@@ -20,13 +20,11 @@ differ from the float one (KL > 0): a test that cannot fail proves nothing.
 
 from __future__ import annotations
 
-import random
 
 import pytest
-import torch
 
 from stoker import LLM
-from tests.model.helpers import engine_logits
+from tests.model.helpers import engine_logits, kl_and_top1, teacher_forced_positions
 
 ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", dict(head_dim=32))}
 BOUNDS = {  # (max mean KL, min top-1)
@@ -39,14 +37,7 @@ BOUNDS = {  # (max mean KL, min top-1)
 
 @pytest.fixture(scope="module")
 def positions() -> list[int]:
-    rng = random.Random(0)
-    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
-
-
-def kl_and_top1(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
-    lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+    return teacher_forced_positions()
 
 
 def _llm(path, **kw) -> LLM:

@@ -17,17 +17,15 @@ the same path as a CUDA device), an unknown value; the CLI flag reaches the engi
 from __future__ import annotations
 
 import argparse
-import random
 
 import pytest
-import torch
 
 from stoker import LLM
 from stoker.engine.args import add_engine_args, engine_kwargs
 from stoker.layers.int4_method import Int4LinearMethod
 from stoker.layers.linear import Linear
 from stoker.quantization.config import QuantizationError
-from tests.model.helpers import engine_logits
+from tests.model.helpers import engine_logits, kl_and_top1, teacher_forced_positions
 
 SHAPE = dict(hidden_size=128, intermediate_size=256)  # whole groups of 128 in every projection
 MAX_KL, MIN_TOP1 = 0.002, 0.9
@@ -35,14 +33,7 @@ MAX_KL, MIN_TOP1 = 0.002, 0.9
 
 @pytest.fixture(scope="module")
 def positions() -> list[int]:
-    rng = random.Random(0)
-    return [0] + [rng.randrange(5, 1000) for _ in range(255)]
-
-
-def kl_and_top1(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
-    lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+    return teacher_forced_positions()
 
 
 def _llm(path, **kw) -> LLM:
