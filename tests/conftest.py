@@ -5,6 +5,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The engine reads the machine's measured rates from the doctor's device file (k chosen by the
+# wall, batch defaults): a file someone wrote on this machine must not change what the tests see.
+# Tests that want one write their own (monkeypatch.setenv(ENV_VAR, ...)); this path never exists.
+os.environ.setdefault("STOKER_DEVICE_FILE", os.path.join(os.devnull, "this-device.yaml"))
 
 from pathlib import Path
 
