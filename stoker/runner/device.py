@@ -10,7 +10,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def resolve_device(device: str, local_rank: int = 0, tp_size: int = 1) -> torch.device:
     """"auto": CUDA when a GPU is visible, else the CPU. With tensor parallelism, rank r's GPU is
-    LOCAL_RANK of its node. A CUDA device asked for where none is visible is refused."""
+    LOCAL_RANK of its node; a bare "cuda" is the current GPU, by index. A CUDA device asked for
+    where none is visible is refused."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -20,6 +21,10 @@ def resolve_device(device: str, local_rank: int = 0, tp_size: int = 1) -> torch.
             raise ValueError(f"device {device!r} names one GPU, but tensor parallelism puts rank r on GPU LOCAL_RANK: "
                              "pass device 'cuda' (choose the GPUs with CUDA_VISIBLE_DEVICES)")
         return torch.device("cuda", local_rank)
+    if device == "cuda":
+        # Always an index: torch.cuda.set_device and the graph pools want one, and torch before
+        # 2.13 refuses a bare torch.device("cuda") in set_device.
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device)
 
 

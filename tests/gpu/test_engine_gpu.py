@@ -26,8 +26,7 @@ import torch
 
 from stoker import LLM, SamplingParams
 from tests.gpu.compiled import COMPILED, compiled_only, rerun_compiled
-from stoker.layers.attention import AttentionMetadata
-from stoker.layers.forward_context import ForwardContext, set_forward_context
+from tests.model.helpers import engine_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -76,28 +75,6 @@ def _hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def _engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one fresh prompt through the engine's model and paged cache."""
-    runner = llm.engine.executor.driver_runner
-    n, bs = len(ids), runner.block_size
-
-    def cuda(values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device="cuda")
-
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n, device="cuda"),
-        block_tables=torch.arange(-(-n // bs), dtype=torch.int32, device="cuda")[None],
-        context_lens=cuda([n], torch.int32),
-        cu_seqlens_q=[0, n],
-        context_lens_list=[n],
-        num_decodes=0,
-        prefill_cu_seqlens_q=cuda([0, n], torch.int32),
-    )
-    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
-        hidden = runner.model(cuda(ids), torch.arange(n, device="cuda"))
-        return runner.model.compute_logits(hidden).float()
-
-
 def _count_replays(llm: LLM) -> list[int]:
     """Wrap the graph runner's `run` to record each replayed step's batch size."""
     graph_runner = llm.engine.executor.driver_runner.graph_runner
@@ -140,7 +117,7 @@ def test_prefill_logits_bf16_match_hf_bf16(name, tiny_checkpoints, prompts) -> N
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=512, kv_cache_memory_bytes=KV_BYTES, enforce_eager=True)
     hf16, hf32 = _load_hf_cuda(path, torch.bfloat16), _load_hf_cuda(path, torch.float32)
     for ids in (prompts[5], prompts[6]):
-        ours, ref16, ref32 = _engine_prefill_logits(llm, ids), _hf_logits(hf16, ids), _hf_logits(hf32, ids)
+        ours, ref16, ref32 = engine_logits(llm, ids).float(), _hf_logits(hf16, ids), _hf_logits(hf32, ids)
         unit = 2**-7 * ref32.abs().max().item()
         assert (ours - ref16).abs().max().item() <= 4 * unit, f"{name}: length {len(ids)}"
         hf_err = (ref16 - ref32).abs().max().item()

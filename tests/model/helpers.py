@@ -34,23 +34,30 @@ def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
 
 
 def engine_logits(llm, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one prompt through the engine's own model and paged cache."""
+    """All-position logits of one fresh prompt through the engine's own model and paged cache,
+    on the engine's device (CPU, or CUDA in tests/gpu)."""
     from stoker.layers.attention import AttentionMetadata
     from stoker.layers.forward_context import ForwardContext, set_forward_context
 
     runner = llm.engine.executor.driver_runner
+    device = runner.device
     n = len(ids)
     bs = runner.block_size
+
+    def tensor(values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
     metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
-        context_lens=torch.tensor([n], dtype=torch.int32),
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(-(-n // bs), dtype=torch.int32, device=device)[None],
+        context_lens=tensor([n], torch.int32),
         cu_seqlens_q=[0, n],
         context_lens_list=[n],
         num_decodes=0,
+        prefill_cu_seqlens_q=tensor([0, n], torch.int32),
     )
     with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
-        hidden = runner.model(torch.tensor(ids), torch.arange(n))
+        hidden = runner.model(tensor(ids), torch.arange(n, device=device))
         return runner.model.compute_logits(hidden)
 
 

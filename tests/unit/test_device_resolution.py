@@ -26,3 +26,14 @@ def test_the_pooling_runner_takes_the_same_rule() -> None:
     from stoker.pooling import runner
 
     assert runner.resolve_device is resolve_device and runner.resolve_dtype is resolve_dtype
+
+
+def test_a_bare_cuda_is_the_current_gpu_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11's torch.cuda.set_device refuses torch.device("cuda") (no index): every engine
+    # on a GPU failed to start with it. Resolution gives the index once, where the device is made.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("auto") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=2, tp_size=4) == torch.device("cuda", 2)

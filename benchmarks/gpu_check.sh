@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks and figures in one run, for a lent GPU machine whose python3 already holds torch,
+# triton and transformers (the rest of Stoker's dependencies travel as wheels in .whl/).
+# Stages (STAGES, space-separated, in this order; default "tests doctor figures"):
+#   tests    make test-gpu's tests (tests/gpu, compiled Triton), four pytest workers
+#   doctor   `stoker doctor` on the real GPU (NVML, copy rate, GEMM, a short soak)
+#   figures  benchmarks/gpu_figures.py --parts all on a Llama-3-8B-shaped random bf16 checkpoint
+#   profile  gpu_figures.py --parts profile: each decode kernel's device time at B = 1 and 64
+#   fp8      gpu_figures.py --parts prefill,decode with FP8 weights and an FP8 KV cache
+#   w4a16    benchmarks/w4a16_gpu.py (the Triton W4A16 GEMM beside its peers)
+#   moe      benchmarks/moe_gpu.py (the fused-MoE kernel beside the per-expert loop)
+# The checkpoint is written while the tests run, so timed stages have the GPU to themselves.
+# Each stage has its own time cap so a slow one cannot starve the next. Logs go to $OUT
+# (default ./gpu-out).
+#   STAGES="tests profile fp8" bash benchmarks/gpu_check.sh [TEST_CAP_S] [FIGURES_CAP_S]
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+TEST_CAP=${1:-200}
+FIG_CAP=${2:-290}
+STAGES=" ${STAGES:-tests doctor figures} "
+has() { [[ "$STAGES" == *" $1 "* ]]; }
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
+FIG=/tmp/gpu-figures
+CKPT=$FIG/ckpt-llama3-8b
+mkdir -p $FIG
+{
+  date -u; nvidia-smi; nproc; free -g | head -2
+  python3 -c "import torch, triton, transformers, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__); p = torch.cuda.get_device_properties(0); print(p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+} > "$OUT/env.txt" 2>&1
+tail -4 "$OUT/env.txt"
+
+# the 8B checkpoint, written beside the tests (disk and a little GPU; nothing timed yet)
+(timeout 200 python3 benchmarks/gpu_figures.py --out $FIG --parts checkpoint > $FIG/checkpoint.log 2>&1) &
+CKPT_PID=$!
+
+if has tests; then
+  t0=$SECONDS
+  timeout -k 10 "$TEST_CAP" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 4 --dist loadfile \
+    --timeout 180 -rfE > "$OUT/test_gpu.log" 2>&1
+  echo "tests/gpu: rc=$? in $((SECONDS - t0)) s"; tail -15 "$OUT/test_gpu.log"
+fi
+wait $CKPT_PID; tail -2 $FIG/checkpoint.log
+if has doctor; then
+  timeout 60 python3 -m stoker doctor --device cuda --soak-minutes 0.1 --out "$OUT/doctor.json" > $FIG/doctor.log 2>&1
+  echo "doctor rc=$?"; tail -12 $FIG/doctor.log
+fi
+run_figures() {  # NAME CAP ARGS...
+  local name=$1 cap=$2 t0=$SECONDS
+  shift 2
+  timeout -k 10 "$cap" python3 benchmarks/gpu_figures.py --out $FIG --checkpoint $CKPT "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s"
+  grep -v "it/s\]" "$OUT/$name.log" | tail -40
+}
+if has figures; then
+  run_figures figures "$FIG_CAP" --parts all
+  cp $FIG/serve_startup.log "$OUT"/ 2>/dev/null
+fi
+has profile && run_figures profile 90 --parts profile
+has fp8 && run_figures fp8 120 --parts prefill,decode --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1 64 256
+cp $FIG/*.json "$OUT"/ 2>/dev/null
+if has w4a16; then
+  timeout 120 python3 benchmarks/w4a16_gpu.py > "$OUT/w4a16.log" 2>&1
+  echo "w4a16 rc=$?"; tail -30 "$OUT/w4a16.log"
+fi
+if has moe; then
+  timeout 90 python3 benchmarks/moe_gpu.py --weights bf16 fp8 > "$OUT/moe.log" 2>&1
+  echo "moe rc=$?"; tail -20 "$OUT/moe.log"
+fi
