@@ -210,11 +210,15 @@ def tile_config(head_dim: int, group: int, dtype: torch.dtype) -> dict[str, int]
 def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Enough splits that B * Hkv * splits programs give every SM about two, from shapes only.
 
-    max_context is an upper bound (block_tables width * block_size): only caps the count.
+    max_context is an upper bound (block_tables width * block_size): it caps the count at one
+    BLOCK_N step per split. A split's K/V steps run one after another, each waiting on its
+    block-table load, so at small batch the kernel is latency-bound: on an H200, Llama-3-8B at
+    B = 1, context 1024, 8 splits of 2 steps took 11.8 us per layer for 4 MB of KV
+    (docs/benchmarks.md, "GPU figures"). Splits beyond the context return at once.
     Rounded down to a power of two so at most log2(_MAX_SPLITS) + 1 kernel variants get compiled.
     """
     want = triton.cdiv(2 * num_sms(device.index if device.type == "cuda" else None), num_seqs * num_kv_heads)
-    splits = max(1, min(want, triton.cdiv(max_context, 4 * block_n), _MAX_SPLITS))
+    splits = max(1, min(want, triton.cdiv(max_context, block_n), _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
 

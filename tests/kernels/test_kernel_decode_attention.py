@@ -119,6 +119,9 @@ def test_num_splits_heuristic_fills_the_gpu() -> None:
     assert decode_mod._pick_num_splits(1, 1, 32768, 64, cpu) == 64  # MQA: capped at 64
     assert decode_mod._pick_num_splits(256, 8, 32768, 64, cpu) == 1  # big batch: one pass
     assert decode_mod._pick_num_splits(1, 8, 64, 64, cpu) == 1  # short context: nothing to split
+    # a graph's block table as wide as max_model_len 2240: one 64-token step per split, not four
+    assert decode_mod._pick_num_splits(1, 8, 2240, 64, cpu) == 32
+    assert decode_mod._pick_num_splits(1, 8, 512, 64, cpu) == 8
 
 
 def test_decode_rejects_bad_arguments() -> None:
