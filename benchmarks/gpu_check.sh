@@ -6,9 +6,13 @@
 #   doctor   `stoker doctor` on the real GPU (NVML, copy rate, GEMM, a short soak)
 #   figures  benchmarks/gpu_figures.py --parts all on a Llama-3-8B-shaped random bf16 checkpoint
 #   profile  gpu_figures.py --parts profile: each decode kernel's device time at B = 1 and 64
+#   quick    gpu_figures.py: offline 1000 x 128 -> 128 (no HF), the graph decode sweep, profile
 #   fp8      gpu_figures.py --parts prefill,decode with FP8 weights and an FP8 KV cache
 #   w4a16    benchmarks/w4a16_gpu.py (the Triton W4A16 GEMM beside its peers)
 #   moe      benchmarks/moe_gpu.py (the fused-MoE kernel beside the per-expert loop)
+#   fleet    `stoker top --once` and `stoker telemetry`'s /metrics on real NVML
+# W4A16_ARGS narrows the w4a16 stage (e.g. "--rows 1 16 64 2048 --projections qkv gate_up").
+# Everything also lands in $OUT/results.tgz after each stage (the logs and the JSON results).
 # The checkpoint is written while the tests run, so timed stages have the GPU to themselves.
 # Each stage has its own time cap so a slow one cannot starve the next. Logs go to $OUT
 # (default ./gpu-out).
@@ -61,14 +65,24 @@ if has figures; then
   run_figures figures "$FIG_CAP" --parts all
   cp $FIG/serve_startup.log "$OUT"/ 2>/dev/null
 fi
-has profile && run_figures profile 90 --parts profile
-has fp8 && run_figures fp8 120 --parts prefill,decode --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1 64 256
-cp $FIG/*.json "$OUT"/ 2>/dev/null
+pack() { mkdir -p $FIG/res; cp $FIG/*.json "$OUT"/*.log $FIG/res/ 2>/dev/null; tar czf "$OUT/results.tgz" -C $FIG res; }
+pack
+has profile && run_figures profile 90 --parts profile && pack
+has quick && run_figures quick 150 --parts offline,decode,profile --no-eager --no-hf --workloads 1000:128:128 && pack
+has fp8 && run_figures fp8 120 --parts prefill,decode --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1 64 256 \
+  ${FP8_ARGS:-} && pack
 if has w4a16; then
-  timeout 120 python3 benchmarks/w4a16_gpu.py > "$OUT/w4a16.log" 2>&1
-  echo "w4a16 rc=$?"; tail -30 "$OUT/w4a16.log"
+  timeout 120 python3 benchmarks/w4a16_gpu.py ${W4A16_ARGS:-} > "$OUT/w4a16.log" 2>&1
+  echo "w4a16 rc=$?"; grep -v "^ *$" "$OUT/w4a16.log" | tail -40; pack
 fi
 if has moe; then
   timeout 90 python3 benchmarks/moe_gpu.py --weights bf16 fp8 > "$OUT/moe.log" 2>&1
-  echo "moe rc=$?"; tail -20 "$OUT/moe.log"
+  echo "moe rc=$?"; tail -20 "$OUT/moe.log"; pack
+fi
+if has fleet; then
+  { timeout 20 python3 -m stoker top --once
+    (timeout 25 python3 -m stoker telemetry --port 9400 > $FIG/telemetry.log 2>&1 &)
+    sleep 8; python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9400/metrics', timeout=5).read().decode())" | grep -E "^DCGM_|^# HELP DCGM" | head -40
+  } > "$OUT/fleet.log" 2>&1
+  echo "fleet:"; tail -45 "$OUT/fleet.log"; pack
 fi

@@ -236,13 +236,14 @@ def prefill_mfu(llm: LLM, cfg: dict[str, Any], ceil: dict[str, float], small: bo
             "mfu_measured": flops / t / 1e12 / ceil["matmul_tflops"], "tokens_per_s": tokens / t}
 
 
-def decode_sweep(llm: LLM, batch_sizes: list[int], input_len: int, output_len: int, ceil: dict[str, float]) -> list[dict[str, Any]]:
+def decode_sweep(llm: LLM, batch_sizes: list[int], input_len: int, output_len: int, ceil: dict[str, float],
+                 eager: bool = True) -> list[dict[str, Any]]:
     runner = llm.engine.executor.driver_runner
     _, weight_bytes = body_params(runner.model)
     kv_per_token = runner.kv_spec.bytes_per_token
     results = []
     saved = runner.graph_runner
-    for graphs in ([True, False] if saved is not None else [False]):
+    for graphs in ([True, False] if saved is not None and eager else [True] if saved is not None else [False]):
         runner.graph_runner = saved if graphs else None
         sizes = batch_sizes if graphs else [b for b in batch_sizes if b in (1, 64)] or batch_sizes[:1]
         timer = StepTimer(llm)
@@ -304,11 +305,11 @@ def profile_decode(llm: LLM, batch_sizes: list[int], input_len: int, ceil: dict[
     return out
 
 
-def offline_stoker(llm: LLM, small: bool) -> list[dict[str, Any]]:
+def offline_stoker(llm: LLM, small: bool, workloads: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     rng = random.Random(2)
     vocab = llm.engine.hf_config["vocab_size"]
     out = []
-    workloads = [(1000, 128, 128), (200, 2048, 128)] if not small else [(16, 32, 16)]
+    workloads = workloads if not small else [(16, 32, 16)]
     for n, inp, outp in workloads:
         prompts = random_prompts(rng, n, inp, vocab)
         params = SamplingParams(temperature=0, max_tokens=outp, ignore_eos=True)
@@ -355,6 +356,10 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--kv-cache-gib", type=float, default=40.0)
     ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument("--no-eager", action="store_true", help="decode: graphs only, no eager rows")
+    ap.add_argument("--workloads", nargs="+", default=["1000:128:128", "200:2048:128"],
+                    help="offline: PROMPTS:INPUT:OUTPUT each")
+    ap.add_argument("--no-hf", action="store_true", help="offline: Stoker only")
     ap.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weights quantized at load")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
@@ -401,24 +406,7 @@ def main() -> None:
         save()
 
     cfg = json.loads((ckpt / "config.json").read_text())
-    if "profile" in parts:
-        llm = LLM(str(ckpt), device=args.device, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=16384,
-                  kv_cache_memory_bytes=int((8 if not small else 0.25) * 2**30), enforce_eager=True,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-        prof = profile_decode(llm, [1, 64] if not small else [1, 4], 1024 if not small else 64, ceil)
-        result["profile"] = prof
-        for p in prof:
-            print(f"# decode kernels, B={p['batch_size']}: {p['kernel_us_per_step']:.0f} us of kernels per step, "
-                  f"floor {p['floor_us']:.0f} us (bytes / copy rate)")
-            for k in p["kernels"][:14]:
-                print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.0f}  {k['name']}")
-        save()
-        llm.shutdown()
-        del llm
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if {"prefill", "decode", "offline"} & set(parts):
+    if {"prefill", "decode", "offline", "profile"} & set(parts):
         input_len, output_len = (1024, 32) if not small else (64, 8)
         max_model_len = 2048 + 128 + 64 if not small else 256
         t0 = time.perf_counter()
@@ -434,14 +422,14 @@ def main() -> None:
                   f"MFU {100 * p['mfu_measured']:.1f}% of the measured matmul rate", flush=True)
             save()
         if "offline" in parts:
-            o = offline_stoker(llm, small)
+            o = offline_stoker(llm, small, [tuple(int(v) for v in w.split(":")) for w in args.workloads])
             result["offline"] = o
             for r in o:
                 print(f"# offline stoker {r['prompts']} x {r['input']}->{r['output']}: {r['seconds']:.1f} s, "
                       f"{r['output_tokens_per_s']:.0f} output tok/s", flush=True)
             save()
         if "decode" in parts:
-            d = decode_sweep(llm, args.batch_sizes if not small else [1, 4], input_len, output_len, ceil)
+            d = decode_sweep(llm, args.batch_sizes if not small else [1, 4], input_len, output_len, ceil, eager=not args.no_eager)
             result["decode"] = d
             print(f"# decode, prompt {input_len}, {output_len} out; ms medians over pure-decode steps")
             print("| B | graphs | steps | step ms | forward GPU ms | forward host ms | host % | tokens/s | MBU (GPU fwd) | MBU (step) |")
@@ -452,12 +440,26 @@ def main() -> None:
                       f"{m['forward_gpu']:.3f} | {m['forward']:.3f} | {r['host_pct']:.0f} | {r['tokens_per_s']:.0f} | "
                       f"{100 * r['mbu_forward']:.1f}% | {100 * r['mbu_step']:.1f}% |", flush=True)
             save()
+        if "profile" in parts:
+            runner = llm.engine.executor.driver_runner
+            graphs, runner.graph_runner = runner.graph_runner, None  # eager: one launch per kernel
+            try:
+                prof = profile_decode(llm, [1, 64] if not small else [1, 4], input_len, ceil)
+            finally:
+                runner.graph_runner = graphs
+            result["profile"] = prof
+            for p in prof:
+                print(f"# decode kernels, B={p['batch_size']}: {p['kernel_us_per_step']:.0f} us of kernels per step, "
+                      f"floor {p['floor_us']:.0f} us (bytes / copy rate)")
+                for k in p["kernels"][:14]:
+                    print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.0f}  {k['name']}")
+            save()
         llm.shutdown()
         del llm
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if "offline" in parts:
+        if "offline" in parts and not args.no_hf:
             h = offline_hf(ckpt, device, dtype, small)
             result["offline"].append(h)
             print(f"# offline HF generate batch {h['batch']} x {h['input']}->{h['output']}: {h['seconds']:.1f} s, "
