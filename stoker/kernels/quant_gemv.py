@@ -5,21 +5,23 @@ float32; within float32-accumulation tolerance of `reference.w4a16_linear` / `w8
 float32 x, see below for 16-bit x).
 
 Why a GEMV: at decode (M = 1..8 rows) the quantized GEMMs (w4a16_linear.py, w8_linear.py) pad
-M to a 16-row tl.dot tile and read narrow weight tiles; on the H200 (docs/benchmarks.md,
-benchmarks/w4a16_gpu.py) the W4A16 tile kernel took 0.0856 ms on Llama-3-8B's qkv at M = 1
-where bf16 F.linear took 0.0225, and the int8 tile kernel 0.0377, though they read a quarter
-and a half of bf16's bytes. Here nothing is a dot: each program owns BLOCK_N output rows and
-a chunk of K, and every thread owns VEC contiguous bytes of a weight row per step (a 16-byte
-vector at M <= 2: THREADS_K = 32 threads of a warp cover 512 bytes of a row), so the weight is
-read once, contiguously, at full vector width. x is loaded once per step for all rows and
-broadcast over the BLOCK_N weight rows; products are summed in float32 within the thread
-(over its VEC bytes), multiplied by the group's scale once per thread and step, and kept per
-thread (BLOCK_M, BLOCK_N, THREADS_K) until the end, where one cross-thread tl.sum finishes.
+M to a 16-row tl.dot tile and read narrow weight tiles; on the H200 (benchmarks/w4a16_gpu.py)
+the W4A16 tile kernel took 0.0856 ms on Llama-3-8B's qkv at M = 1 where bf16 F.linear took
+0.0225, and the int8 tile kernel 0.0377, though they read a quarter and a half of bf16's
+bytes. Here nothing is a dot. A program owns BLOCK_N output rows and a chunk of K; all its
+THREADS_K = 128 threads (four warps) lie along K, each owning VEC contiguous bytes of every one
+of the BLOCK_N rows per step (VEC = 4 for 4-bit, 8 for 8-bit: the thread's 8 columns of a
+16-bit x row are then one 16-byte load, laid out as its weight bytes, so the compiler needs no
+shuffle through shared memory; a warp reads 128 / 256 contiguous bytes of a row per step). Each
+row of x (up to 8) is loaded once per step and broadcast over the BLOCK_N weight rows; each
+has its own (BLOCK_N, THREADS_K) float32 accumulator: products are summed within the thread,
+multiplied by the group's scale once per thread and step, and one cross-thread tl.sum per
+row finishes at the end.
 
 4-bit: the int4 method's held form (w4a16_linear.py): w = (q - 8) * s + o' with packed
 (N, K / 2) uint8 codes (even k in the low nibble), s float16 / float32 per row and group of
 group_k columns, o' float32 or None (symmetric). A nibble becomes q - 8 exactly without an
-int->float conversion (those issue at a quarter of the FMA rate): (q | 0x4B000000) read as a
+int->float conversion (a conversion instruction issues at a fraction of the FMA rate): (q | 0x4B000000) read as a
 float is 2^23 + q, minus (2^23 + 8). Per group and row the kernel sums (q - 8) * x over the
 thread's columns, then multiplies by s once and adds o' * sum(x) once: w itself is never
 formed, so it is never rounded to x's dtype. That differs from `reference.w4a16_linear`,
@@ -33,13 +35,14 @@ differs from the old twin by the twin's bf16 weight rounding (~1e-3 relative). I
 of group_k columns (per channel: G = 1), as w8_linear.py. Same structure: sum q * x over the
 thread's VEC columns in float32, times s once.
 
-Few rows only (M <= GEMV_ROWS = 8): every weight costs ~3 ALU ops to decode plus one FMA per
-row; on an H200 (4.8 TB/s over 132 SMs, ~18 bytes a clock per SM) the 4-bit decode at 2
-weights a byte reaches ~36 weights a clock per SM, so at M = 8 the ~11 ops a weight exceed
-the SM's 128 FP32 lanes about 3x (still several times under the tile kernel), and beyond 8
-rows the tile kernels' tl.dot wins. The tiling depends only on BLOCK_M = next_pow2(M), and the
-per-thread x working set (BLOCK_M x columns of a thread) is held near 64 floats by narrowing
-VEC as BLOCK_M grows (tile_config).
+Few rows only (M <= GEMV_ROWS = 8), an estimate, not a measurement: every 4-bit weight costs
+~3 ALU ops to decode plus one FMA per row; the H200's measured 4.25 TB/s copy rate over 132
+SMs at ~2 GHz is ~16 bytes, ~32 4-bit weights, a clock per SM, so at M = 8 the ~11 ops a
+weight ask ~350 of the SM's 128 FP32 lanes a clock: ~3x the memory time, which the 0.109 ms
+measured for the tile kernel at M = 16 on qkv (~35x the 3 us qkv's 4-bit bytes take to read) still leaves
+well ahead; past 8 rows the ALU work grows on and the tile kernels' tl.dot should win. BLOCK_N narrows as BLOCK_M = next_pow2(M) grows so
+that the accumulators fit in registers (tile_config); a row's sums do not depend on BLOCK_N, so
+a row's result depends on the batch only through the split of K.
 
 Split K: when the N blocks alone would not give every SM two programs (a K/V projection of
 N = 1024, tensor-parallel shards), K is split into SPLIT_K chunks whose float32 partial sums
@@ -66,7 +69,6 @@ GEMV_ROWS = 8  # at most this many rows of x (see the module docstring)
 NUM_WARPS = 4
 THREADS_K = 32 * NUM_WARPS  # every thread of a program along K (see tile_config)
 MAX_SPLIT_K = 16
-MAGIC = 0x4B000000  # float bits of 2^23: (MAGIC | u) read as float32 is 2^23 + u for u < 2^23
 
 
 @triton.jit
