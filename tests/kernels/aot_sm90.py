@@ -166,7 +166,7 @@ def variants():
         split = tiles.pop("SPLIT_K")
         yield (f"gemv_w8 {wtype} M{rows} N{n} K{k} group{group} split{split}", quant_gemv._gemv_w8_kernel,
                {"*": "bf16", "w_ptr": wtype, "scale_ptr": "fp32", "out_ptr": "fp32" if split > 1 else "bf16"},
-               dict(HAS_BIAS=True, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div)
+               dict(INT8=wtype == "i8", HAS_BIAS=True, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div)
     for block_b, asym in ((quant_gemv.DEQUANT_BLOCK_B, False), (16, True)):
         yield (f"dequant_w4 BLOCK_B{block_b}{' asym' if asym else ''}", quant_gemv._dequant_w4_kernel,
                {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32"},
