@@ -14,9 +14,13 @@ of the BLOCK_N rows per step (VEC = 4 for 4-bit, 8 for 8-bit: the thread's 8 col
 16-bit x row are then one 16-byte load, laid out as its weight bytes, so the compiler needs no
 shuffle through shared memory; a warp reads 128 / 256 contiguous bytes of a row per step). Each
 row of x (up to 8) is loaded once per step and broadcast over the BLOCK_N weight rows; each
-has its own (BLOCK_N, THREADS_K) float32 accumulator: products are summed within the thread,
-multiplied by the group's scale once per thread and step, and one cross-thread tl.sum per
-row finishes at the end.
+has its own (BLOCK_N, THREADS_K) float32 accumulator: a thread's 8 products are summed as one
+multiply and seven FMAs (`_dot8`; tl.sum multiplied all and added in a tree), multiplied by
+the group's scale once per thread and step, and one cross-thread tl.sum per row finishes at
+the end. ptxas (tests/kernels/aot_sm90.py) compiles every launch config without spills or
+shared-memory shuffles in the loop; in PTX a 4-bit weight costs ~5 instructions at M = 1
+(byte extract, nibble mask / shift, OR of the exponent, FADD, FMA), so the 4-bit GEMV may be
+bound by issue near the copy rate rather than by bytes: the H200 run will say.
 
 4-bit: the int4 method's held form (w4a16_linear.py): w = (q - 8) * s + o' with packed
 (N, K / 2) uint8 codes (even k in the low nibble), s float16 / float32 per row and group of
@@ -73,10 +77,45 @@ MAX_SPLIT_K = 16
 
 
 @triton.jit
+def _halves(t):
+    """(A, B, 2C) -> two (A, B, C): the even and the odd entries of the last dim (in-thread)."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
+
+
+@triton.jit
+def _dot8(w, x):
+    """(A, B) sums over the last dim (8, held by one thread) of w * x as one multiply and seven
+    FMAs (tl.sum would multiply all eight and add them in a tree)."""
+    w0, w1 = _halves(w)
+    x0, x1 = _halves(x)
+    w00, w01 = _halves(w0)
+    w10, w11 = _halves(w1)
+    x00, x01 = _halves(x0)
+    x10, x11 = _halves(x1)
+    wa, wb = _halves(w00)
+    xa, xb = _halves(x00)
+    acc = wa * xa
+    acc = tl.fma(wb, xb, acc)
+    wa, wb = _halves(w01)
+    xa, xb = _halves(x01)
+    acc = tl.fma(wa, xa, acc)
+    acc = tl.fma(wb, xb, acc)
+    wa, wb = _halves(w10)
+    xa, xb = _halves(x10)
+    acc = tl.fma(wa, xa, acc)
+    acc = tl.fma(wb, xb, acc)
+    wa, wb = _halves(w11)
+    xa, xb = _halves(x11)
+    acc = tl.fma(wa, xa, acc)
+    acc = tl.fma(wb, xb, acc)
+    return tl.reshape(acc, (acc.shape[0], acc.shape[1]))
+
+
+@triton.jit
 def _w4_row(acc, x_ptr, row, M, stride_xm, col, c_mask, w, s, o, HAS_OFFSET: tl.constexpr):
     """acc (BN, T) += s * sum over the thread's columns of (q - 8) * x[row] (+ o' * sum x[row])."""
     xs = tl.load(x_ptr + row * stride_xm + col, mask=c_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, 2V)
-    acc += tl.sum(w * xs, axis=2) * s
+    acc += _dot8(w, tl.broadcast_to(xs, w.shape)) * s
     if HAS_OFFSET:
         acc += tl.sum(xs, axis=2) * o
     return acc
@@ -198,7 +237,7 @@ def _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M
 def _w8_row(acc, x_ptr, row, M, stride_xm, k, k_mask, q, s):
     """acc (BN, T) += s * sum over the thread's columns of q * x[row]."""
     xs = tl.load(x_ptr + row * stride_xm + k, mask=k_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, V)
-    return acc + tl.sum(q * xs, axis=2) * s
+    return acc + _dot8(q, tl.broadcast_to(xs, q.shape)) * s
 
 
 @triton.jit
@@ -285,6 +324,8 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
     block_m = next_pow2(num_rows)
     vec = 4 if bits == 4 else 8
     block_n = min(32 // vec, 16 // block_m)
+    if bits == 8 and block_m == 8:
+        block_n = 1  # fp8 at 2 rows a thread spilled 44 bytes (the e4m3 -> float32 conversions' registers)
     n_blocks = -(-out_features // block_n)
     steps = -(-row_bytes // (THREADS_K * vec))
     split = 1
