@@ -312,15 +312,16 @@ def _gemv_w8_kernel(
 
 def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms: int) -> dict[str, int]:
     """The launch config for `num_rows` (<= GEMV_ROWS) rows, N = out_features and `row_bytes`
-    bytes of a weight row. VEC, a thread's bytes of a row per step, is chosen so that the
-    thread's columns of a 16-bit x row are one 16-byte load, laid out as its weight bytes:
-    4 bytes (8 columns) for 4-bit weights, 8 for 8-bit; a warp then reads 128 / 256
-    contiguous bytes of a row per step. BLOCK_N: four warps of R rows, R = 32 bytes of weights a
-    thread per step (8 rows of 4-bit, 4 of 8-bit) while R * BLOCK_M <= 16, fewer beyond: each
-    row of x (up to 8) keeps its own (BLOCK_N, THREADS_K) float32 accumulator, R values a
-    thread, and more would spill (tests/kernels/aot_sm90.py). SPLIT_K: doubled while the N blocks alone give fewer than two programs per SM
-    and each split keeps >= 2 steps. Not yet timed on a GPU; tests/kernels/aot_sm90.py checks
-    that these configs compile for sm_90 without spills."""
+    bytes of a weight row. Four warps, all THREADS_K = 128 threads along K. VEC, a thread's
+    bytes of a row per step, makes the thread's columns of a 16-bit x row one 16-byte load
+    laid out as its weight bytes: 4 bytes (8 columns) for 4-bit weights, 8 for 8-bit; a
+    program then reads 512 / 1024 contiguous bytes of each of its rows per step. BLOCK_N (the
+    rows each thread reads): 32 bytes of weights a thread per step (8 rows of 4-bit, 4 of
+    8-bit) while BLOCK_N * BLOCK_M <= 16, fewer beyond, since each row of x keeps its own
+    accumulator of BLOCK_N values a thread and more spilled. SPLIT_K: doubled while the N
+    blocks alone give fewer than two programs per SM and each split keeps >= 2 steps (Llama-3-
+    8B's qkv at M = 1: 768 programs, one pass). Not yet timed on a GPU; tests/kernels/aot_sm90.py
+    checks that these configs compile for sm_90 without spills."""
     block_m = next_pow2(num_rows)
     vec = 4 if bits == 4 else 8
     block_n = min(32 // vec, 16 // block_m)
