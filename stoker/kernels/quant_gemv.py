@@ -46,8 +46,9 @@ SMs at ~2 GHz is ~16 bytes, ~32 4-bit weights, a clock per SM, so at M = 8 the ~
 weight ask ~350 of the SM's 128 FP32 lanes a clock: ~3x the memory time, which the 0.109 ms
 measured for the tile kernel at M = 16 on qkv (~35x the 3 us qkv's 4-bit bytes take to read) still leaves
 well ahead; past 8 rows the ALU work grows on and the tile kernels' tl.dot should win. BLOCK_N narrows as BLOCK_M = next_pow2(M) grows so
-that the accumulators fit in registers (tile_config); a row's sums do not depend on BLOCK_N, so
-a row's result depends on the batch only through the split of K.
+that the accumulators fit in registers (tile_config); a row's sums do not depend on BLOCK_N and
+the split of K does not depend on M, so for 1..8 rows a row's result does not depend on the
+batch it is in (a batch of 9+ rows takes another kernel, with other sums).
 
 Split K: when the N blocks alone would not give every SM two programs (a K/V projection of
 N = 1024, tensor-parallel shards), K is split into SPLIT_K chunks whose float32 partial sums
@@ -327,7 +328,9 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
     block_n = min(32 // vec, 16 // block_m)
     if bits == 8 and block_m == 8:
         block_n = 1  # fp8 at 2 rows a thread spilled 44 bytes (the e4m3 -> float32 conversions' registers)
-    n_blocks = -(-out_features // block_n)
+    # the split counts blocks of the widest BLOCK_N whatever M is: the same split, so the same
+    # order of every row's sums, for 1..8 rows (a row's result does not depend on its batch)
+    n_blocks = -(-out_features // (32 // vec))
     steps = -(-row_bytes // (THREADS_K * vec))
     split = 1
     while split < MAX_SPLIT_K and n_blocks * split < 2 * sms and steps // (2 * split) >= 2:

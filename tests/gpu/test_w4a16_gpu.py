@@ -71,8 +71,8 @@ def test_gemv_w4_matches_twin(n: int, k: int, group: int, symmetric: bool, rows:
     assert not out.isnan().any()
     assert rel_err(out, reference.gemv_w4(x, packed, scale, offset, group, bias)) < 5e-3
     assert rel_err(out, reference.w4a16_linear(x, packed, scale, offset, group, bias)) < 1e-2
-    if rows > 4:  # the same tiling (BLOCK_M 8) for 5..8 rows
-        assert torch.equal(out[:5], gemv_w4(x[:5], packed, scale, offset, group, bias))
+    # a row's sums keep their order whatever BLOCK_M (1..8) and BLOCK_N: the split of K does not depend on M
+    assert torch.equal(out[:1], gemv_w4(x[:1], packed, scale, offset, group, bias))
 
 
 @compiled_only

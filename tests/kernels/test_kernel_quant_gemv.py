@@ -106,17 +106,24 @@ def test_tiling_and_split_k() -> None:
     assert tile_config(1, 1024, 2048, 4, 132)["SPLIT_K"] == 2
     assert tile_config(8, 6144, 2048, 4, 132)["BLOCK_N"] == 2  # 8 accumulators of 2 rows a thread
     assert tile_config(8, 6144, 4096, 8, 132)["BLOCK_N"] == 1
-    # a row's sums do not depend on the batch: the tiling of 5..8 rows is one
+    # a row's sums do not depend on the batch: the tiling of 5..8 rows is one, the split of K is M's for every M
     assert tile_config(5, 4096, 2048, 4, 132) == tile_config(8, 4096, 2048, 4, 132)
+    for n, row_bytes, bits in ((1024, 2048, 4), (20, 2048, 4), (1024, 4096, 8), (5, 4096, 8), (6144, 2048, 4)):
+        assert len({tile_config(m, n, row_bytes, bits, 132)["SPLIT_K"] for m in range(1, GEMV_ROWS + 1)}) == 1
 
 
-def test_a_row_does_not_depend_on_its_batch() -> None:
-    packed, scale, offset = w4_weights(24, 512, 64, symmetric=False)
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+@pytest.mark.parametrize("in_features", [512, 4096])  # one pass; K split in two
+def test_a_row_does_not_depend_on_its_batch(in_features: int) -> None:
+    packed, scale, offset = w4_weights(24, in_features, 64, symmetric=False)
+    assert tile_config(1, 24, in_features // 2, 4, 132)["SPLIT_K"] == (1 if in_features == 512 else 2)
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     whole = gemv_w4(x, packed, scale, offset, 64)
-    assert torch.equal(whole[:5], gemv_w4(x[:5].contiguous(), packed, scale, offset, 64))  # the same BLOCK_M (8)
-    # another BLOCK_M narrows BLOCK_N only: each row's sums keep their order (same threads along K, no split here)
-    assert torch.equal(whole[5:6], gemv_w4(x[5:6].contiguous(), packed, scale, offset, 64))
+    for rows in (slice(0, 5), slice(5, 6), slice(1, 3), slice(3, 7)):  # BLOCK_M 8, 1, 2, 4
+        assert torch.equal(whole[rows], gemv_w4(x[rows].contiguous(), packed, scale, offset, 64)), rows
+    q, s = formats.quantize_rows(torch.randn(24, in_features, generator=torch.Generator().manual_seed(5)), "int8")
+    whole = gemv_w8(x, q, s, in_features)
+    for rows in (slice(0, 5), slice(5, 6), slice(1, 3), slice(3, 7)):
+        assert torch.equal(whole[rows], gemv_w8(x[rows].contiguous(), q, s, in_features)), rows
 
 
 @pytest.mark.parametrize("group, in_features", [(32, 256), (64, 192), (128, 512), (96, 96)])
