@@ -29,10 +29,11 @@ Backends, chosen once at build (models/method_chooser.py):
                                tile kernel 6.82 ms at M = 2048 and 0.872 at M = 256, where even
                                the torch dequantizing twin took 0.516 and 0.406 and bf16
                                F.linear 0.148 at 2048; at M = 64 the tile kernel (0.313) still
-                               beat the twin (0.400), hence 256. The tile kernel is not fixed
-                               here; the dequantized weight is a transient (N, K) tensor of x's
-                               dtype per call (prefill only; the profile run sizes memory
-                               with it).
+                               beat the twin (0.400), hence 256 (dequant_w4 should be
+                               faster than that torch twin, so the crossover may be lower:
+                               benchmarks/w4a16_gpu.py's dequant+F.linear rows say). The tile
+                               kernel is not fixed here; the dequantized weight is a transient
+                               (N, K) tensor of x's dtype per call, one layer's at a time.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -59,6 +60,11 @@ from stoker.quantization import formats, int4
 from stoker.quantization.config import WeightScheme
 
 BACKENDS = ("cpu_q4", "triton_w4a16", "dequant")
+PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
+# AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i] of its eight, so
+# column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 DEQUANT_ROWS = 256  # triton_w4a16 from this many rows: dequantize + F.linear (see the docstring)
 
 
@@ -70,11 +76,6 @@ def w4a16_route(num_rows: int, in_features: int, group_k: int) -> str:
     if supports(num_rows, in_features, group_k, 4):
         return "gemv"
     return "dequant_linear" if num_rows >= DEQUANT_ROWS else "tile"
-PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
-# AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i] of its eight, so
-# column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 class Int4LinearMethod(FusedGateUpMixin, LinearMethod):

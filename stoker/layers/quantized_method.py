@@ -12,9 +12,9 @@ at build (`models/method_chooser.py`):
              input_scale), `torch._scaled_mm`, from GEMV_ROWS + 1 = 9 rows up. At decode
              (M <= 8 rows, K a multiple of 32) the FP8 weights are read by the weight-only
              GEMV instead (kernels/quant_gemv.py gemv_w8) with the activations in the model
-             dtype: weight-only numerics at decode, W8A8 at prefill. Measured on the H200:
-             the scaled_mm engine's decode step at batch 1 took 6.49 ms GPU forward against
-             bf16's 4.70 (per-token quantization of x plus _scaled_mm at M = 1).
+             dtype: weight-only numerics at decode, W8A8 at prefill. Measured on the H200 with
+             _scaled_mm at every M: the FP8 engine's decode step at batch 1 took 6.49 ms GPU
+             forward against bf16's 4.70, where its bytes would allow ~1.8.
   triton_w8  other CUDA cases (INT8, FP8 blocks, GPUs without FP8 units): weight-only; the
              GEMV (kernels/quant_gemv.py gemv_w8) at M <= 8 rows (K a multiple of 32), the
              Triton GEMM dequantizing in the tile (kernels/w8_linear.py) above; the tile
