@@ -18,9 +18,16 @@ peak HBM bandwidth (stoker/roofline/hardware.py's figure for the device torch na
   triton w8         kernels/w8_linear.py, int8 per channel (the 8-bit weight-only backend)
   bf16 F.linear     cuBLAS on the bf16 weight (the unquantized model)
   dequant twin      reference.int4_linear: what the int4 method runs without the kernel
+  gemv w4a16        kernels/quant_gemv.py gemv_w4, M <= 8 only (the int4 backend's decode path)
+  gemv w8 int8      quant_gemv.gemv_w8 on the int8 per-channel weight, M <= 8 (triton_w8's decode)
+  gemv w8 fp8       quant_gemv.gemv_w8 on an fp8 e4m3 per-channel weight, M <= 8 (the decode path
+                    of both fp8 backends, scaled_mm and triton_w8)
+  dequant+F.linear  quant_gemv.dequant_w4 to bf16, then cuBLAS (the int4 backend from 256 rows)
 
-Each quantized peer is first checked against the twin (relative error printed); one that
-disagrees is reported, not timed. Without CUDA (and without --smoke) it says so and exits 0.
+Each quantized peer is first checked against its twin (relative error printed: the 4-bit
+peers against reference.int4_linear, the 8-bit ones against reference.w8_linear on their own
+weights); one that disagrees is reported, not timed. Without CUDA (and without --smoke) it
+says so and exits 0.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ import torch.nn.functional as F  # noqa: E402
 from stoker.kernels import reference  # noqa: E402
 from stoker.quantization import formats, int4  # noqa: E402
 
-INT4_PEERS = ("triton w4a16", "int4pack", "dequant twin")
+INT4_PEERS = ("triton w4a16", "int4pack", "dequant twin", "gemv w4a16", "dequant+F.linear")
+INT8_PEERS = ("triton w8", "gemv w8 int8")
+FP8_PEERS = ("gemv w8 fp8",)
+GEMV_PEERS = ("gemv w4a16", "gemv w8 int8", "gemv w8 fp8")  # timed at M <= quant_gemv.GEMV_ROWS only
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -55,7 +65,7 @@ class Row:
     gb: float  # bytes that must move, in 1e9
     gb_per_s: float
     mbu: float  # gb_per_s / peak
-    rel_err: float  # 4-bit peers: against the dequantizing twin; nan for the others
+    rel_err: float  # quantized peers: against the twin of their weights; nan for bf16
 
 
 def bench(fn: Callable[[], object], device: torch.device) -> float:
@@ -101,7 +111,7 @@ def int4pack_peer(q: torch.Tensor, scale: torch.Tensor, offset8: torch.Tensor | 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256, 2048])
     parser.add_argument("--group", type=int, default=128, choices=[32, 64, 128])
     parser.add_argument("--asymmetric", action="store_true", help="weights with offsets (zero points), float32 scales")
     parser.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
@@ -121,6 +131,7 @@ def main() -> int:
     if args.smoke:
         projections, rows_list = {"smoke": (96, 256)}, [1, 33]
 
+    from stoker.kernels.quant_gemv import GEMV_ROWS, dequant_w4, gemv_w4, gemv_w8
     from stoker.kernels.w4a16_linear import hold_scales, w4a16_linear
     from stoker.kernels.w8_linear import w8_linear
 
@@ -135,6 +146,8 @@ def main() -> int:
         q_dev, s_dev, o_dev = q.to(device), s.to(device), o.to(device)
         q8, s8 = formats.quantize_rows(w, "int8")
         q8, s8 = q8.to(device), s8.to(device)
+        qf8, sf8 = formats.quantize_rows(w, "fp8")
+        qf8, sf8 = qf8.to(device), sf8.to(device)
         w16 = w.to(device, torch.bfloat16)
         del w
         peers: dict[str, tuple[Callable, int]] = {
@@ -142,6 +155,11 @@ def main() -> int:
             "triton w8": (lambda x: w8_linear(x, q8, s8, k), nbytes(q8, s8)),
             "bf16 F.linear": (lambda x: F.linear(x, w16), nbytes(w16)),
             "dequant twin": (lambda x: reference.int4_linear(x, q_dev, s_dev, o_dev, args.group), nbytes(packed, scale, offset)),
+            "gemv w4a16": (lambda x: gemv_w4(x, packed, scale, offset, args.group), nbytes(packed, scale, offset)),
+            "gemv w8 int8": (lambda x: gemv_w8(x, q8, s8, k), nbytes(q8, s8)),
+            "gemv w8 fp8": (lambda x: gemv_w8(x, qf8, sf8, k), nbytes(qf8, sf8)),
+            "dequant+F.linear": (lambda x: F.linear(x, dequant_w4(packed, scale, offset, args.group, x.dtype)),
+                                 nbytes(packed, scale, offset)),
         }
         if device.type == "cuda":
             try:
@@ -150,10 +168,14 @@ def main() -> int:
                 print(f"int4pack: not available here ({type(exc).__name__}: {str(exc)[:200]})")
         for rows in rows_list:
             x = torch.randn(rows, k, generator=gen).to(device, torch.bfloat16)
-            twin = reference.int4_linear(x, q_dev, s_dev, o_dev, args.group).float()
+            twins = {INT4_PEERS: reference.int4_linear(x, q_dev, s_dev, o_dev, args.group).float(),
+                     INT8_PEERS: reference.w8_linear(x, q8, s8, k).float(), FP8_PEERS: reference.w8_linear(x, qf8, sf8, k).float()}
             for impl, (fn, held) in peers.items():
-                # the 4-bit peers compute the twin's weight (int4pack rounds scales to bf16); the others other weights
-                err = float((fn(x).float() - twin).norm() / twin.norm()) if impl in INT4_PEERS else float("nan")
+                if impl in GEMV_PEERS and rows > GEMV_ROWS:
+                    continue
+                # each quantized peer against the twin of its own weights (int4pack rounds scales to bf16)
+                twin = next((t for group, t in twins.items() if impl in group), None)
+                err = float((fn(x).float() - twin).norm() / twin.norm()) if twin is not None else float("nan")
                 if err > 2e-2:
                     print(f"{proj} M{rows} {impl}: relative error {err:.2e} against the twin; not timed")
                     continue
@@ -161,15 +183,15 @@ def main() -> int:
                 moved = held + nbytes(x) + rows * n * 2
                 gb_per_s = moved / (ms * 1e-3) / 1e9
                 results.append(Row(proj, rows, impl, ms, moved / 1e9, gb_per_s, gb_per_s / peak, err))
-        del packed, scale, offset, q_dev, s_dev, o_dev, q8, s8, w16, peers
+        del packed, scale, offset, q_dev, s_dev, o_dev, q8, s8, qf8, sf8, w16, peers
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     kind = f"int4 group {args.group} {'asymmetric' if args.asymmetric else 'symmetric'}"
     print(f"Llama-3-8B projections, x bf16, {kind}; peak {peak:.0f} GB/s from {peak_source}")
-    print(f"{'proj':8} {'M':>5} {'impl':15} {'ms':>9} {'GB':>7} {'GB/s':>8} {'MBU':>6} {'rel err':>8}")
+    print(f"{'proj':8} {'M':>5} {'impl':16} {'ms':>9} {'GB':>7} {'GB/s':>8} {'MBU':>6} {'rel err':>8}")
     for r in results:
-        print(f"{r.projection:8} {r.rows:5d} {r.impl:15} {r.ms:9.4f} {r.gb:7.4f} {r.gb_per_s:8.0f} {r.mbu:6.1%} {r.rel_err:8.1e}")
+        print(f"{r.projection:8} {r.rows:5d} {r.impl:16} {r.ms:9.4f} {r.gb:7.4f} {r.gb_per_s:8.0f} {r.mbu:6.1%} {r.rel_err:8.1e}")
     if args.smoke:
         print("(smoke: interpreted on CPU, the times mean nothing)")
     if args.json:

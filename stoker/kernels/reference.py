@@ -608,6 +608,79 @@ def w4a16_linear(
     return out.to(x.dtype)
 
 
+def dequant_w4(
+    qweight: torch.Tensor,  # (N, K / 2) uint8, even k in the low nibble
+    scale: torch.Tensor,  # (N, G) float16 / float32
+    offset: torch.Tensor | None,  # (N, G) float32 o', or None
+    group_k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (N, K)
+    """Twin of quant_gemv.dequant_w4: w = (q - 8) * s (+ o') in float32, rounded to `dtype`
+    (the weight `w4a16_linear` below multiplies by)."""
+    k = 2 * qweight.shape[1]
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(qweight.shape[0], k)
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.float().repeat_interleave(group_k, dim=1)[:, :k]
+
+    w = (codes.float() - 8.0) * per_column(scale)
+    if offset is not None:
+        w = w + per_column(offset)
+    return w.to(dtype)
+
+
+def _grouped_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
+    """float32 (M, N): sum over groups g of s[:, g] * (x_g @ q_g^T), with x and q float32."""
+    k = q.shape[1]
+    groups = scale.shape[1]
+    width = group_k if groups > 1 else k
+    pad = groups * width - k  # a short last group
+    xg = F.pad(x, (0, pad)).reshape(-1, groups, width)
+    qg = F.pad(q, (0, pad)).reshape(q.shape[0], groups, width)
+    return torch.einsum("mgk,ngk->mng", xg, qg).mul(scale.float()[None]).sum(-1)
+
+
+def gemv_w4(
+    x: torch.Tensor,  # (..., K)
+    qweight: torch.Tensor,  # (N, K / 2) uint8, even k in the low nibble
+    scale: torch.Tensor,  # (N, G) float16 / float32
+    offset: torch.Tensor | None,  # (N, G) float32 o', or None
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """Twin of quant_gemv.gemv_w4: in float32, per row and group, s * sum((q - 8) * x) + o' * sum(x),
+    the groups summed, + bias, rounded once to x's dtype. The weight is never formed, so never
+    rounded to x's dtype (w4a16_linear above rounds it: the two agree to float32 accumulation
+    for float32 x, to x's rounding of the weight for 16-bit x)."""
+    k = 2 * qweight.shape[1]
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(qweight.shape[0], k).float() - 8.0
+    rows = x.reshape(-1, k).float()
+    out = _grouped_gemv(rows, codes, scale, group_k)
+    if offset is not None:
+        groups = scale.shape[1]
+        out = out + rows.reshape(rows.shape[0], groups, -1).sum(-1) @ offset.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
+def gemv_w8(
+    x: torch.Tensor,  # (..., K)
+    qweight: torch.Tensor,  # (N, K) int8 / float8_e4m3fn
+    scale: torch.Tensor,  # (N, G) float32
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # (..., N)
+    """Twin of quant_gemv.gemv_w8: in float32, per row and group, s * sum(q * x), the groups
+    summed, + bias, rounded once to x's dtype (w8_linear above rounds q * s to x's dtype first)."""
+    k = qweight.shape[1]
+    rows = x.reshape(-1, k).float()
+    out = _grouped_gemv(rows, qweight.float(), scale, group_k)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
 def mla_decode_attention(
     query: torch.Tensor,  # (B, H, kv_lora_rank + rope): the W_UK-absorbed nope part, then q_pe
     latent_cache: torch.Tensor,  # (num_blocks, block_size, 1, kv_lora_rank + rope): [latent | k_pe] rows

@@ -17,8 +17,23 @@ Backends, chosen once at build (models/method_chooser.py):
            through linear_q4_a8.h instead: x quantized to int8 per block of 32 (llama.cpp's
            Q8_0), integer dot products, one float multiply per block (groups a multiple of 32).
   triton_w4a16  CUDA with Triton (group sizes that are multiples of 32, or per channel):
-           the W4A16 GEMM (kernels/w4a16_linear.py) on the packed codes as loaded, scales
-           in float16 where exact, offsets o' = o + 8 s dropped where zero, as cpu_q4.
+           the packed codes as loaded, scales in float16 where exact, offsets o' = o + 8 s
+           dropped where zero, as cpu_q4; one of three paths by the rows M of the call
+           (`w4a16_route`), chosen on the host from the shape alone (CUDA-graph safe):
+             M <= 8 (decode)   the GEMV (kernels/quant_gemv.py gemv_w4): weights read once,
+                               contiguously, no tl.dot; K a multiple of 32.
+             8 < M < 256       the W4A16 tile GEMM (kernels/w4a16_linear.py).
+             M >= 256          dequantize the layer to x's dtype (quant_gemv.dequant_w4, the
+                               twin's weight exactly) and F.linear (cuBLAS). Measured on the
+                               H200 (benchmarks/w4a16_gpu.py, Llama-3-8B qkv, group 128): the
+                               tile kernel 6.82 ms at M = 2048 and 0.872 at M = 256, where even
+                               the torch dequantizing twin took 0.516 and 0.406 and bf16
+                               F.linear 0.148 at 2048; at M = 64 the tile kernel (0.313) still
+                               beat the twin (0.400), hence 256 (dequant_w4 should be
+                               faster than that torch twin, so the crossover may be lower:
+                               benchmarks/w4a16_gpu.py's dequant+F.linear rows say). The tile
+                               kernel is not fixed here; the dequantized weight is a transient
+                               (N, K) tensor of x's dtype per call, one layer's at a time.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -50,6 +65,17 @@ PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
 # column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+DEQUANT_ROWS = 256  # triton_w4a16 from this many rows: dequantize + F.linear (see the docstring)
+
+
+def w4a16_route(num_rows: int, in_features: int, group_k: int) -> str:
+    """The triton_w4a16 backend's path for a call of `num_rows` rows: "gemv" (decode),
+    "tile" (the W4A16 GEMM) or "dequant_linear" (prefill)."""
+    from stoker.kernels.quant_gemv import supports
+
+    if supports(num_rows, in_features, group_k, 4):
+        return "gemv"
+    return "dequant_linear" if num_rows >= DEQUANT_ROWS else "tile"
 
 
 class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
@@ -269,6 +295,7 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             self.kernel = linear_q4.linear_q4_a8 if self.activations == "int8" else linear_q4.linear_q4
             self._forward = self._cpu_q4
         elif self.backend == "triton_w4a16":
+            from stoker.kernels.quant_gemv import dequant_w4, gemv_w4
             from stoker.kernels.w4a16_linear import hold_scales, w4a16_linear
 
             # the codes stay as loaded ((N, K / 2), even k in the low nibble: the kernel's layout)
@@ -276,6 +303,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             layer.weight_scale = nn.Parameter(scales, requires_grad=False)
             layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
             self.kernel = w4a16_linear
+            self.gemv = gemv_w4
+            self.dequantize = dequant_w4
             self._forward = self._triton
         else:
             self.kernel = reference.int4_linear
@@ -295,6 +324,12 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
                            layer.bias, False)
 
     def _triton(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        route = w4a16_route(x.numel() // x.shape[-1], x.shape[-1], self.group_k)
+        if route == "gemv":
+            return self.gemv(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
+        if route == "dequant_linear":
+            w = self.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, x.dtype)
+            return torch.nn.functional.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
         return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
 
     def _dequant(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

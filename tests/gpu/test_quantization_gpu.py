@@ -84,6 +84,33 @@ def test_w8_linear(dtype: str, group_k: int, rows: int) -> None:
 
 
 @compiled_only
+@pytest.mark.parametrize("dtype, n, k, group_k", [("int8", 6144, 4096, 4096), ("fp8", 1024, 4096, 4096), ("fp8", 4096, 14336, 128),
+                                                  ("int8", 28672, 4096, 4096)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_w8(dtype: str, n: int, k: int, group_k: int, rows: int) -> None:
+    """The decode GEMV (quant_gemv.gemv_w8) in bf16 against its twin and the w8_linear twin;
+    every element of a NaN-poisoned output written."""
+    from stoker.kernels.quant_gemv import gemv_w8
+
+    gen = torch.Generator().manual_seed(5)
+    q, s = formats.quantize_rows(torch.randn(n, k, generator=gen), dtype)
+    if group_k < k:
+        s = torch.rand(n, k // group_k, generator=gen) * 0.01 + 1e-3
+    q, s = q.cuda(), s.cuda()
+    x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    out = gemv_w8(x, q, s, group_k, bias, out=torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    assert not out.isnan().any()
+    assert rel_err(out, reference.gemv_w8(x, q, s, group_k, bias)) < 5e-3
+    assert rel_err(out, reference.w8_linear(x.float(), q, s, group_k, bias)) < 1e-2
+    assert torch.equal(out[:1], gemv_w8(x[:1], q, s, group_k, bias))  # a row's result does not depend on its batch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@compiled_only
 def test_scaled_mm_backend_is_chosen_on_fp8_gpus(tiny_checkpoints) -> None:
     from stoker import LLM
     from stoker.models.method_chooser import fp8_matmul_supported

@@ -51,6 +51,66 @@ def test_w4a16_linear_matches_twin(n: int, k: int, group: int, symmetric: bool, 
 
 
 @compiled_only
+@pytest.mark.parametrize("n, k, group, symmetric", [(6144, 4096, 128, True), (1024, 4096, 32, False), (28672, 4096, 64, True),
+                                                    (4096, 14336, 128, False), (4096, 14336, 14336, True)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_w4_matches_twin(n: int, k: int, group: int, symmetric: bool, rows: int) -> None:
+    """The decode GEMV (quant_gemv.gemv_w4) in bf16 against its twin (float32 products of the
+    unrounded weight) and the W4A16 twin (which rounds the weight to bf16 first); every
+    element of a NaN-poisoned output written; a row's result does not depend on its batch."""
+    from stoker.kernels.quant_gemv import gemv_w4
+    from stoker.kernels.w4a16_linear import hold_scales
+
+    gen = torch.Generator().manual_seed(0)
+    q, s, o = int4.quantize(torch.randn(n, k, generator=gen) / k**0.5, group, symmetric)
+    scale, offset = hold_scales(s.cuda(), o.cuda())
+    packed = int4.pack(q).cuda()
+    x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    out = gemv_w4(x, packed, scale, offset, group, bias, out=torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    assert not out.isnan().any()
+    assert rel_err(out, reference.gemv_w4(x, packed, scale, offset, group, bias)) < 5e-3
+    assert rel_err(out, reference.w4a16_linear(x, packed, scale, offset, group, bias)) < 1e-2
+    # a row's sums keep their order whatever BLOCK_M (1..8) and BLOCK_N: the split of K does not depend on M
+    assert torch.equal(out[:1], gemv_w4(x[:1], packed, scale, offset, group, bias))
+
+
+@compiled_only
+def test_gemv_w4_replays_in_a_cuda_graph() -> None:
+    """Decode runs under CUDA graphs: the launch (and its split-K partial buffer) captures and replays."""
+    from stoker.kernels.quant_gemv import gemv_w4
+    from stoker.kernels.w4a16_linear import hold_scales
+
+    gen = torch.Generator().manual_seed(3)
+    q, s, o = int4.quantize(torch.randn(1024, 4096, generator=gen) / 64, 128, True)  # N 1024: split K
+    scale, offset = hold_scales(s.cuda(), o.cuda())
+    packed = int4.pack(q).cuda()
+    x = torch.randn(1, 4096, generator=gen).to("cuda", torch.bfloat16)
+    gemv_w4(x, packed, scale, offset, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_w4(x, packed, scale, offset, 128)
+    x.copy_(torch.randn(1, 4096, generator=gen).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference.gemv_w4(x, packed, scale, offset, 128)) < 5e-3
+
+
+@compiled_only
+@pytest.mark.parametrize("group", [32, 128, 4096])
+def test_dequant_w4_is_the_twins_weight(group: int) -> None:
+    from stoker.kernels.quant_gemv import dequant_w4
+    from stoker.kernels.w4a16_linear import hold_scales
+
+    gen = torch.Generator().manual_seed(4)
+    q, s, o = int4.quantize(torch.randn(3000, 4096, generator=gen) / 64, group, False)
+    scale, offset = hold_scales(s.cuda(), o.cuda())
+    packed = int4.pack(q).cuda()
+    w = dequant_w4(packed, scale, offset, group, torch.bfloat16)
+    assert torch.equal(w, reference.dequant_w4(packed, scale, offset, group, torch.bfloat16))
+
+
+@compiled_only
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_projection_equals_the_dequantized_matmul(symmetric: bool) -> None:
     from stoker.layers.int4_method import Int4LinearMethod
@@ -67,7 +127,7 @@ def test_int4_projection_equals_the_dequantized_matmul(symmetric: bool) -> None:
     layer.method.process_after_loading(layer)
     assert layer.weight.device.type == "cuda" and (layer.weight_offset is None) == symmetric
     dense = int4.dequantize(q, s, o, 128).cuda()
-    for rows in (1, 33, 300):
+    for rows in (1, 8, 33, 300):  # the GEMV, the GEMV, the tile GEMM, dequantize + F.linear
         x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
         assert rel_err(layer(x), F.linear(x.float(), dense)) < 1e-2
 

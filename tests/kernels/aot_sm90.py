@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
-from stoker.kernels import fused_moe, mla_decode_attention, store_kvcache, w4a16_linear, w8_linear  # noqa: E402
+from stoker.kernels import fused_moe, mla_decode_attention, quant_gemv, store_kvcache, w4a16_linear, w8_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
@@ -51,8 +51,12 @@ def spill_bytes(ptx: str, ptxas: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
-def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int) -> object:
-    """pointers: argument name -> element type; '*' is the default for other *_ptr arguments."""
+def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int,
+                    divisible: frozenset[str] = frozenset()) -> object:
+    """pointers: argument name -> element type; '*' is the default for other *_ptr arguments.
+    divisible: arguments the launch specializes as multiples of 16 (pointers 16-byte aligned,
+    integers divisible by 16), as Triton does at run time; the vector widths of loads follow
+    from them, so kernels tuned for 16-byte loads compile here as they will on the GPU."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -61,12 +65,13 @@ def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object],
             signature[name] = "*" + pointers.get(name, pointers["*"])
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def variants():
-    """(label, jit fn, pointer types, constexprs, num_warps) for the configs launchers pick."""
+    """(label, jit fn, pointer types, constexprs, num_warps[, divisible]) for the configs launchers pick."""
     idx = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "cu_seqlens_q_ptr": "i32"}
     part = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32"}
     for fp8 in (False, True):
@@ -140,6 +145,32 @@ def variants():
     for split in (4, 16):
         yield (f"w4a16_linear split sum split{split}", w4a16_linear._split_sum_kernel, {"*": "bf16", "partial_ptr": "fp32"},
                dict(SPLIT_K=split, HAS_BIAS=True, BLOCK=w4a16_linear.SPLIT_SUM_BLOCK, RNE_BF16=False), 4)
+    # decode GEMVs (quant_gemv.py) at Llama-3-8B shapes, compiled with the run-time specialization
+    # of Llama's sizes (pointers aligned, N, K, strides and splits multiples of 16): M = 1, 2, 4, 8
+    gemv_div = frozenset({"x_ptr", "w_ptr", "scale_ptr", "offset_ptr", "bias_ptr", "out_ptr", "N", "K", "half_k",
+                          "bytes_per_split", "k_per_split", "group_k", "stride_xm", "stride_wn", "stride_om", "stride_os"})
+    for rows, n, k, group, asym in ((1, 6144, 4096, 128, False), (2, 1024, 4096, 32, True), (4, 28672, 4096, 64, False),
+                                    (8, 4096, 14336, 128, True), (1, 4096, 14336, 14336, False)):
+        tiles = quant_gemv.tile_config(rows, n, k // 2, 4, 132)
+        warps = tiles.pop("num_warps")
+        split = tiles.pop("SPLIT_K")
+        yield (f"gemv_w4 M{rows} N{n} K{k} group{group}{' asym' if asym else ''} split{split}", quant_gemv._gemv_w4_kernel,
+               {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32",
+                "out_ptr": "fp32" if split > 1 else "bf16"},
+               dict(HAS_OFFSET=asym, HAS_BIAS=not asym, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps,
+               gemv_div | ({"stride_sn"} if group <= 128 and k // group % 16 == 0 else set()))
+    for wtype, rows, n, k, group in (("i8", 1, 6144, 4096, 4096), ("fp8e4nv", 1, 1024, 4096, 4096), ("i8", 4, 28672, 4096, 4096),
+                                     ("fp8e4nv", 8, 4096, 14336, 128), ("i8", 2, 4096, 14336, 14336)):
+        tiles = quant_gemv.tile_config(rows, n, k, 8, 132)
+        warps = tiles.pop("num_warps")
+        split = tiles.pop("SPLIT_K")
+        yield (f"gemv_w8 {wtype} M{rows} N{n} K{k} group{group} split{split}", quant_gemv._gemv_w8_kernel,
+               {"*": "bf16", "w_ptr": wtype, "scale_ptr": "fp32", "out_ptr": "fp32" if split > 1 else "bf16"},
+               dict(INT8=wtype == "i8", HAS_BIAS=True, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div)
+    for block_b, asym in ((quant_gemv.DEQUANT_BLOCK_B, False), (16, True)):
+        yield (f"dequant_w4 BLOCK_B{block_b}{' asym' if asym else ''}", quant_gemv._dequant_w4_kernel,
+               {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32"},
+               dict(HAS_OFFSET=asym, BLOCK_N=quant_gemv.DEQUANT_BLOCK_N, BLOCK_B=block_b, RNE_BF16=False), 4)
     # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
     moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",
                "pair_weight_ptr": "fp32"}
@@ -166,9 +197,9 @@ def variants():
 def main() -> int:
     ptxas = ptxas_path()
     failures = 0
-    for label, fn, pointers, constexprs, warps in variants():
+    for label, fn, pointers, constexprs, warps, *divisible in variants():
         try:
-            kernel = compile_variant(fn, pointers, constexprs, warps)
+            kernel = compile_variant(fn, pointers, constexprs, warps, *divisible)
         except Exception as exc:  # noqa: BLE001 - report every variant, then fail
             print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}")
             failures += 1
