@@ -273,13 +273,16 @@ def _moe_small_gate_up_kernel(
     gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
     up_rows = gate_rows + I * stride_wn
     s_rows = scale_ptr + expert * stride_se + n.to(tl.int64) * stride_sn  # (BLOCK_N,)
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + kk
         k_mask = k < H
-        a = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_K)
         w_mask = n_mask[:, None] & k_mask[None, :]
+        # x's row for each weight row (L1 hits): loaded in the weight tile's layout, so no
+        # conversion through shared memory (and its barrier) per K tile
+        a = tl.load(x_row + (k[None, :] + zero_rows), mask=w_mask, other=0.0).to(tl.float32)
         wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
         wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
         if QUANT:  # BLOCK_K divides the group: one scale per row in this tile; rounded as the twin
@@ -287,9 +290,9 @@ def _moe_small_gate_up_kernel(
             su = tl.load(s_rows + I * stride_sn + k0 // group_k, mask=n_mask, other=0.0)[:, None]
             wg = _rounded(wg * sg, x_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
             wu = _rounded(wu * su, x_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
-        acc_gate += wg * a
-        acc_up += wu * a
-    out = _gate(tl.sum(acc_gate, axis=1), ACT) * tl.sum(acc_up, axis=1)  # (BLOCK_N,)
+        acc_gate += tl.sum(wg * a, axis=1)
+        acc_up += tl.sum(wu * a, axis=1)
+    out = _gate(acc_gate, ACT) * acc_up  # (BLOCK_N,)
     tl.store(act_ptr + pair * stride_am + n, _rounded(out, act_ptr.dtype.element_ty, RNE_BF16), mask=n_mask)
 
 
@@ -326,20 +329,21 @@ def _moe_small_down_kernel(
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
     s_rows = scale_ptr + expert * stride_se + n.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_start = split * k_chunk
     k_stop = tl.minimum(k_start + k_chunk, I)
     for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + kk
         k_mask = k < k_stop
-        a = tl.load(a_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        a = tl.load(a_row + (k[None, :] + zero_rows), mask=w_mask, other=0.0).to(tl.float32)  # as in gate/up
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
         if QUANT:
             s = tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
             w = _rounded(w * s, act_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
-        acc += w * a
-    h = tl.sum(acc, axis=1)
-    tl.store(partial_ptr + pair * stride_pm + split * stride_ps + n, h, mask=n_mask)  # every split writes, empty ones 0
+        acc += tl.sum(w * a, axis=1)
+    tl.store(partial_ptr + pair * stride_pm + split * stride_ps + n, acc, mask=n_mask)  # every split writes, empty ones 0
 
 
 @triton.jit
@@ -427,7 +431,7 @@ def small_tile_config(num_pairs: int, weight_bytes: int, group_k13: int, group_k
                       sms: int = 132) -> dict[str, int]:
     """Tiles of the small-batch kernels, from shapes only. BLOCK_K: one 16-byte vector per lane
     of a warp along a weight row (256 bf16, 128 float32, 512 8-bit columns), halved until it
-    divides the 8-bit scale groups; BLOCK_N: 32 accumulator elements per thread at 4 warps,
+    divides the 8-bit scale groups; BLOCK_N: 32 weight elements per thread and tile at 4 warps,
     halved (gate/up) until P x I / BLOCK_N programs cover the SMs 8 times; the down GEMM's K is
     split (a power of 2, at least 4 K tiles per split) until P x H / BLOCK_N x SPLIT_K does."""
 
