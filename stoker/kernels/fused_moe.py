@@ -31,6 +31,15 @@ Steps, all on the device with shapes fixed by (T, k, E, BLOCK_M), so a CUDA grap
    order (the choices are put in that order before step 1, as layers/moe.expert_by_expert
    sums them), rounded once.
 
+Few pairs (T * k <= SMALL_BATCH_PAIRS, decode; chosen from the shapes, `small_batch` forces
+either way): steps 1-4 above pad each touched expert's one or two pairs to a BLOCK_M >= 16 tl.dot
+tile and leave the down GEMM to P x H / 64 programs walking all of I, far from memory speed
+(measured on an H200 at batch 1: 14% of its bandwidth). The small-batch path instead: the pairs
+sorted by expert on the device, then GEMV-style kernels (`_moe_small_gate_up_kernel`,
+`_moe_small_down_kernel`, section below) with one program per (pair, BLOCK_N rows, K split),
+float32 partials of the down GEMM, and `_moe_small_sum_kernel` adding splits, routing weights
+and choices in the twin's order and roundings.
+
 8-bit weights are dequantized in the tile as kernels/w8_linear.py does (q * scale in float32,
 then the operand dtype), so the GEMMs see the weight the twin dequantizes; BLOCK_K divides the
 scale group so one K tile reads one scale per row. Activations stay in the model dtype
