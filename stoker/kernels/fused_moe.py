@@ -87,6 +87,28 @@ def _rounded(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _as_operand(w, dtype: tl.constexpr, BITS_BF16: tl.constexpr, RNE_BF16: tl.constexpr):
+    """A dequantized float32 weight rounded to the operand dtype and back to float32 (the twin's
+    weight). BITS_BF16: to bfloat16 by round-to-nearest-even on the bits (integer ops, already
+    float32: no conversion instructions, which run at a quarter of the FMA rate, in the small-batch
+    kernels' inner loop); otherwise through the dtype."""
+    if BITS_BF16:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return _rounded(w, dtype, RNE_BF16).to(tl.float32)
+
+
+@triton.jit
+def _weight_f32(w):
+    """Loaded weights as float32; int8 by the 1.5 * 2^23 trick (integer add, float subtract),
+    not the int-to-float conversion instruction, a quarter of the FMA rate on the GPU."""
+    if w.dtype == tl.int8:
+        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr,  # (T, H)
     w_ptr,  # (E, 2I, H)
@@ -244,7 +266,8 @@ def _moe_sum_kernel(
 # down GEMM, whose float32 partials the top-k sum pass adds in a fixed order: deterministic).
 # Pairs are taken in expert order, so two pairs of one expert are adjacent programs and the
 # second reads the weight tile from L2. 8-bit weights are dequantized as the tiled kernels do
-# (q * scale in float32, rounded to x's dtype: the twin's weight; BLOCK_K divides the scale group).
+# (q * scale in float32, rounded to x's dtype: the twin's weight, for bfloat16 on the bits,
+# `_as_operand`; BLOCK_K divides the scale group).
 # Applying the scale after the sum instead would save ~3 operations per weight but moves bf16
 # outputs ~4.5e-3 (relative norm) off the twin, a full rounding: not done while unmeasured.
 
@@ -271,6 +294,7 @@ def _moe_small_gate_up_kernel(
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BITS_BF16: tl.constexpr,  # x is bfloat16: round dequantized weights on the bits
     RNE_BF16: tl.constexpr,
 ):
     pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
@@ -292,13 +316,13 @@ def _moe_small_gate_up_kernel(
         # x's row for each weight row (L1 hits): loaded in the weight tile's layout, so no
         # conversion through shared memory (and its barrier) per K tile
         a = tl.load(x_row + (k[None, :] + zero_rows), mask=w_mask, other=0.0).to(tl.float32)
-        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        wg = _weight_f32(tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0))
+        wu = _weight_f32(tl.load(up_rows + k[None, :], mask=w_mask, other=0.0))
         if QUANT:  # BLOCK_K divides the group: one scale per row in this tile; rounded as the twin
             sg = tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
             su = tl.load(s_rows + I * stride_sn + k0 // group_k, mask=n_mask, other=0.0)[:, None]
-            wg = _rounded(wg * sg, x_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
-            wu = _rounded(wu * su, x_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
+            wg = _as_operand(wg * sg, x_ptr.dtype.element_ty, BITS_BF16, RNE_BF16)
+            wu = _as_operand(wu * su, x_ptr.dtype.element_ty, BITS_BF16, RNE_BF16)
         acc_gate += tl.sum(wg * a, axis=1)
         acc_up += tl.sum(wu * a, axis=1)
     out = _gate(acc_gate, ACT) * acc_up  # (BLOCK_N,)
@@ -327,6 +351,7 @@ def _moe_small_down_kernel(
     QUANT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BITS_BF16: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
     pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
@@ -347,10 +372,10 @@ def _moe_small_down_kernel(
         k_mask = k < k_stop
         w_mask = n_mask[:, None] & k_mask[None, :]
         a = tl.load(a_row + (k[None, :] + zero_rows), mask=w_mask, other=0.0).to(tl.float32)  # as in gate/up
-        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        w = _weight_f32(tl.load(w_rows + k[None, :], mask=w_mask, other=0.0))
         if QUANT:
             s = tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
-            w = _rounded(w * s, act_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)
+            w = _as_operand(w * s, act_ptr.dtype.element_ty, BITS_BF16, RNE_BF16)
         acc += tl.sum(w * a, axis=1)
     tl.store(partial_ptr + pair * stride_pm + split * stride_ps + n, acc, mask=n_mask)  # every split writes, empty ones 0
 
@@ -479,6 +504,7 @@ def _fused_moe_small(x, w13, w2, pair_weights, ids, activation, s13, s2, gk13, g
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True).to(torch.int32)  # pairs by expert: one expert's programs adjacent
     rne_bf16 = interpreting() and x.dtype == torch.bfloat16
+    bits_bf16 = x.dtype == torch.bfloat16
     s13 = s13 if quant else pair_weights  # any tensor for the unused pointer
     s2 = s2 if quant else pair_weights
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
@@ -487,7 +513,7 @@ def _fused_moe_small(x, w13, w2, pair_weights, ids, activation, s13, s2, gk13, g
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if quant else 0, s13.stride(1) if quant else 0,
         act.stride(0),
         TOP_K=top_k, QUANT=quant, ACT=ACTIVATIONS[activation], BLOCK_N=t["BLOCK_N13"],
-        BLOCK_K=t["BLOCK_K13"], RNE_BF16=rne_bf16, num_warps=t["num_warps"],
+        BLOCK_K=t["BLOCK_K13"], BITS_BF16=bits_bf16, RNE_BF16=rne_bf16, num_warps=t["num_warps"],
     )  # fmt: skip
     split = t["SPLIT_K"]
     k_chunk = triton.cdiv(triton.cdiv(inter, split), t["BLOCK_K2"]) * t["BLOCK_K2"]
@@ -496,7 +522,7 @@ def _fused_moe_small(x, w13, w2, pair_weights, ids, activation, s13, s2, gk13, g
         act, w2, s2, order, flat, partial, hidden, inter, gk2, k_chunk,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
         partial.stride(0), partial.stride(1),
-        QUANT=quant, BLOCK_N=t["BLOCK_N2"], BLOCK_K=t["BLOCK_K2"], RNE_BF16=rne_bf16,
+        QUANT=quant, BLOCK_N=t["BLOCK_N2"], BLOCK_K=t["BLOCK_K2"], BITS_BF16=bits_bf16, RNE_BF16=rne_bf16,
         num_warps=t["num_warps"],
     )  # fmt: skip
     block = 1024

@@ -173,11 +173,13 @@ def variants():
         quant = wtype not in ("bf16", "fp32")
         label = f"{wtype} H{hidden} I{inter} pairs{num_pairs}"
         yield (f"fused_moe small gate_up {label} N{t['BLOCK_N13']} K{t['BLOCK_K13']}", fused_moe._moe_small_gate_up_kernel,
-               ptrs, dict(TOP_K=2, QUANT=quant, ACT=0, BLOCK_N=t["BLOCK_N13"], BLOCK_K=t["BLOCK_K13"], RNE_BF16=False),
+               ptrs, dict(TOP_K=2, QUANT=quant, ACT=0, BLOCK_N=t["BLOCK_N13"], BLOCK_K=t["BLOCK_K13"],
+                          BITS_BF16=xtype == "bf16", RNE_BF16=False),
                t["num_warps"], ("*",))
         yield (f"fused_moe small down {label} N{t['BLOCK_N2']} K{t['BLOCK_K2']} split{t['SPLIT_K']}",
                fused_moe._moe_small_down_kernel, ptrs,
-               dict(QUANT=quant, BLOCK_N=t["BLOCK_N2"], BLOCK_K=t["BLOCK_K2"], RNE_BF16=False), t["num_warps"], ("*",))
+               dict(QUANT=quant, BLOCK_N=t["BLOCK_N2"], BLOCK_K=t["BLOCK_K2"], BITS_BF16=xtype == "bf16", RNE_BF16=False),
+               t["num_warps"], ("*",))
     for split in (1, 4, 8):
         yield (f"fused_moe small sum top2 split{split}", fused_moe._moe_small_sum_kernel,
                {"*": "bf16", "partial_ptr": "fp32", "pair_weight_ptr": "fp32"},
