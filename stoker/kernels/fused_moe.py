@@ -260,16 +260,17 @@ def _moe_sum_kernel(
 # row, and the alignment's grid is sized for the worst routing, so most programs exit at once; the
 # down GEMM's few live programs (P x H / 64) each walked all of I alone. Here instead each program
 # owns BLOCK_N rows of one pair's expert weight and a K chunk: the rows are read contiguous along
-# K (16-byte vectors per thread), multiplied by the pair's x (or act) row in float32 into a
-# (BLOCK_N, BLOCK_K) accumulator that is reduced once at the end (tl.sum), and the grid has enough
-# programs to cover the SMs several times (BLOCK_N small for the gate/up GEMM; K split for the
-# down GEMM, whose float32 partials the top-k sum pass adds in a fixed order: deterministic).
-# Pairs are taken in expert order, so two pairs of one expert are adjacent programs and the
-# second reads the weight tile from L2. 8-bit weights are dequantized as the tiled kernels do
-# (q * scale in float32, rounded to x's dtype: the twin's weight, for bfloat16 on the bits,
-# `_as_operand`; BLOCK_K divides the scale group).
-# Applying the scale after the sum instead would save ~3 operations per weight but moves bf16
-# outputs ~4.5e-3 (relative norm) off the twin, a full rounding: not done while unmeasured.
+# K (16-byte vectors per thread, a warp per row), multiplied by the pair's x (or act) row in
+# float32 and each K tile reduced with tl.sum (within a warp) into BLOCK_N float32 sums, which
+# keeps registers low (32-96 at the sm_90 configs) and so many programs resident; the grid covers
+# the SMs several times (BLOCK_N small for the gate/up GEMM; K split for the down GEMM, whose
+# float32 partials the top-k sum pass adds in a fixed order: deterministic). Pairs are taken in
+# expert order, so two pairs of one expert are adjacent programs and the second reads the weight
+# tile from L2. 8-bit weights are dequantized as the tiled kernels do (q * scale in float32,
+# rounded to x's dtype: the twin's weight; BLOCK_K divides the scale group) but without
+# conversion instructions for int8 and the bfloat16 rounding (`_weight_f32`, `_as_operand`).
+# Applying the scale after the sum instead would save ~3 more operations per weight but moves
+# bf16 outputs ~4.5e-3 (relative norm) off the twin, a full rounding: not done while unmeasured.
 
 
 @triton.jit
@@ -298,7 +299,7 @@ def _moe_small_gate_up_kernel(
     RNE_BF16: tl.constexpr,
 ):
     pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    expert = tl.load(ids_ptr + pair)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)  # int64 offsets: E x 2I x H passes 2^31 (DeepSeek-V3)
     x_row = x_ptr + (pair // TOP_K) * stride_xm
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < I
@@ -356,7 +357,7 @@ def _moe_small_down_kernel(
 ):
     pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     split = tl.program_id(2)
-    expert = tl.load(ids_ptr + pair)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)  # int64 offsets: E x 2I x H passes 2^31 (DeepSeek-V3)
     a_row = act_ptr + pair * stride_am
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < H

@@ -355,3 +355,11 @@ def test_small_batch_other_gates_and_an_idle_expert() -> None:
 
 
 ACTIVATIONS_UNDER_TEST = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def test_small_batch_takes_int32_expert_ids() -> None:
+    w13, w2 = experts(4, 24, 16)
+    x = torch.randn(2, 24, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(2, 4, 2)
+    out = fused_moe(x, w13, w2, weights, ids.int(), small_batch=True)
+    torch.testing.assert_close(out, reference.fused_moe_grouped(x, w13, w2, weights, ids), rtol=0, atol=1e-5)
