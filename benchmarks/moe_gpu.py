@@ -3,6 +3,7 @@
     python benchmarks/moe_gpu.py                          # bf16 experts, batch 1 and 128, needs a GPU
     python benchmarks/moe_gpu.py --weights fp8 int8       # 8-bit experts (per-channel scales) too
     python benchmarks/moe_gpu.py --batch 1 8 128 --json moe.json
+    python benchmarks/moe_gpu.py --graph                  # the Triton rows as CUDA-graph replays (as decode runs)
     python benchmarks/moe_gpu.py --smoke                  # tiny shapes on CPU via the interpreter:
                                                           # exercises this script, times nothing useful
 
@@ -10,8 +11,12 @@ Each row: the median time of one layer call (routing given), the bytes it must r
 weights of the experts the routing touches, their scales, x, and the output written) and
 MBU = bytes / time / peak HBM bandwidth, the peak from stoker/roofline/hardware.py for the
 device torch names (`--peak-gb-s` overrides it; a device missing from the table needs it).
-The peer measured in the same run is the per-expert torch loop the other methods run
-(layers/moe.expert_by_expert: cuBLAS GEMMs, weights dequantized in torch for 8-bit). Routing:
+Impls: "triton fused_moe" is the tiled path (tl.dot over BLOCK_M pairs of one expert),
+forced; "triton fused_moe small-batch" the GEMV-style path fused_moe picks for T * k <=
+SMALL_BATCH_PAIRS (timed only at those batches: above it re-reads an expert's weights per pair);
+the peer is the per-expert torch loop the other methods run (layers/moe.expert_by_expert:
+cuBLAS GEMMs, weights dequantized in torch for 8-bit). Before timing, the small-batch output is
+checked against the twin (reference.fused_moe_grouped): its relative error is printed. Routing:
 softmax top-2 of random logits (seeded), so batch 128 touches all 8 experts and batch 1 two.
 Without CUDA (and without --smoke) it says so and exits 0.
 """
@@ -46,16 +51,19 @@ class Row:
     impl: str
     experts_touched: int
     ms: float
+    graph: bool  # timed as CUDA-graph replays
     gb: float  # bytes that must move, in 1e9
     gb_per_s: float
     mbu: float  # gb_per_s / peak
 
 
-def bench(fn: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds per call."""
+def bench(fn: Callable[[], object], device: torch.device, graph: bool = False) -> float:
+    """Median milliseconds per call; graph: of a CUDA graph holding the call, replayed."""
     if device.type == "cuda":
         import triton.testing
 
+        if graph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
     fn()  # smoke mode: one warm call, one timed call
     t0 = time.perf_counter()
@@ -94,10 +102,11 @@ def experts(kind: str, dtype: torch.dtype, device: torch.device, hidden: int, in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 128])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 128])
     parser.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8", "int8"])
     parser.add_argument("--peak-gb-s", type=float, default=None, help="HBM bandwidth to divide by (default: the table's)")
     parser.add_argument("--no-peer", action="store_true", help="skip the per-expert torch loop")
+    parser.add_argument("--graph", action="store_true", help="time the Triton impls as CUDA-graph replays")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -111,7 +120,7 @@ def main() -> int:
     dtype = torch.bfloat16
     peak, peak_source = peak_gb_per_s(device, args.peak_gb_s)
 
-    from stoker.kernels.fused_moe import fused_moe
+    from stoker.kernels.fused_moe import SMALL_BATCH_PAIRS, fused_moe
 
     rows: list[Row] = []
     for kind in args.weights:
@@ -128,7 +137,13 @@ def main() -> int:
             moved = touched * per_expert_bytes + 2 * x.numel() * x.element_size()  # weights + x in + out
             gk = (hidden, inter) if s13 is not None else (None, None)
             impls: dict[str, Callable[[], object]] = {
-                "triton fused_moe": lambda: fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, *gk)}
+                "triton fused_moe": lambda: fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, *gk, small_batch=False)}
+            if batch * TOP_K <= SMALL_BATCH_PAIRS:
+                small = lambda: fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, *gk, small_batch=True)  # noqa: E731
+                impls["triton fused_moe small-batch"] = small
+                twin = reference.fused_moe_grouped(x, w13, w2, weights, ids, "silu", s13, s2, *gk).float()
+                err = float((small().float() - twin).norm() / twin.norm())
+                print(f"check {kind} batch {batch}: small-batch vs twin relative error {err:.2e}")
             if not args.no_peer:
                 if s13 is None:
                     fwd = lambda e, r: reference.silu_and_mul(r @ w13[e].t()) @ w2[e].t()  # noqa: E731
@@ -137,19 +152,20 @@ def main() -> int:
                         reference.silu_and_mul(reference.w8_linear(r, w13[e], s13[e], hidden)), w2[e], s2[e], inter)
                 impls["torch per-expert loop"] = lambda: expert_by_expert(x, weights, ids, num_experts, fwd)
             for impl, fn in impls.items():
-                ms = bench(fn, device)
+                graph = args.graph and impl.startswith("triton")  # the loop reads the routing on the host
+                ms = bench(fn, device, graph)
                 gb_per_s = moved / (ms * 1e-3) / 1e9
-                rows.append(Row(kind, batch, impl, touched, ms, moved / 1e9, gb_per_s, gb_per_s / peak))
+                rows.append(Row(kind, batch, impl, touched, ms, graph, moved / 1e9, gb_per_s, gb_per_s / peak))
         del w13, w2, s13, s2
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     print(f"Mixtral-8x7B-shaped MoE layer: H {hidden}, I {inter}, E {num_experts}, top-{TOP_K}; x bf16; "
           f"peak {peak:.0f} GB/s from {peak_source}")
-    print(f"{'weights':8} {'batch':>5} {'impl':24} {'experts':>7} {'ms':>9} {'GB':>7} {'GB/s':>8} {'MBU':>6}")
+    print(f"{'weights':8} {'batch':>5} {'impl':29} {'experts':>7} {'ms':>9} {'graph':>5} {'GB':>7} {'GB/s':>8} {'MBU':>6}")
     for r in rows:
-        print(f"{r.weights:8} {r.batch:5d} {r.impl:24} {r.experts_touched:7d} {r.ms:9.3f} {r.gb:7.3f} "
-              f"{r.gb_per_s:8.0f} {r.mbu:6.1%}")
+        print(f"{r.weights:8} {r.batch:5d} {r.impl:29} {r.experts_touched:7d} {r.ms:9.3f} {'yes' if r.graph else 'no':>5} "
+              f"{r.gb:7.3f} {r.gb_per_s:8.0f} {r.mbu:6.1%}")
     if args.smoke:
         print("(smoke: interpreted on CPU, the times mean nothing)")
     if args.json:

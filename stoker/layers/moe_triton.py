@@ -3,8 +3,10 @@
 The parameters are the base method's, unchanged (w13 (E, 2I, H), w2 (E, H, I) in the model
 dtype), so loading and expert parallelism are the base method's too; `apply` is one call of the
 kernel: the pairs aligned per expert on the device, both GEMMs with the activation and the
-routing weight fused, the top-k sum. No host read of the routing, so the decode CUDA graphs
-can hold the layer (`graph_capturable`).
+routing weight fused, the top-k sum. At decode's few pairs (T * k <= SMALL_BATCH_PAIRS, known
+from the shapes) the kernel takes its GEMV-style small-batch path instead: each program streams
+rows of one pair's expert weight, no tl.dot tile of padding. No host read of the routing either
+way, so the decode CUDA graphs can hold the layer (`graph_capturable`).
 """
 
 from __future__ import annotations

@@ -101,3 +101,74 @@ def test_captures_in_a_cuda_graph_and_follows_the_routing() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
+
+# ---- the small-batch path (GEMV-style kernels, T * k <= SMALL_BATCH_PAIRS) ----------------------------
+# Shapes: Mixtral-like decode (2 pairs); 16 pairs (the threshold) over 8 experts; the down GEMM's K
+# split 8 ways (I 8192 at 2 pairs); odd H / I and k = E; Qwen3-MoE-like (128 experts, top-8, 1 token).
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens",
+                         [(8, 2, 4096, 1024, 1), (8, 2, 1024, 768, 8), (4, 2, 512, 8192, 1), (6, 6, 520, 136, 2),
+                          (128, 8, 2048, 768, 1)])
+def test_small_batch_matches_the_twin(num_experts, k, hidden, inter, num_tokens, dtype) -> None:
+    from stoker.kernels.fused_moe import fused_moe, small_tile_config
+
+    if (hidden, inter) == (512, 8192):
+        assert small_tile_config(2, 2, 512 + 64, 8192 + 64, 512, 8192)["SPLIT_K"] == 8
+    x, w13, w2, weights, ids = case(num_experts, k, hidden, inter, num_tokens, dtype)
+    out = torch.full_like(x, float("nan"))
+    out.copy_(fused_moe(x, w13, w2, weights, ids, small_batch=True))
+    assert not out.isnan().any()
+    assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[dtype]
+
+
+@compiled_only
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("block", [None, 128], ids=["per-channel", "blocks-128"])
+def test_small_batch_8bit_experts_match_the_twin(qdtype: str, block: int | None) -> None:
+    from stoker.kernels.fused_moe import fused_moe
+
+    x, w13, w2, weights, ids = case(8, 2, 1024, 768, 2, torch.bfloat16)
+    quantized = []
+    for w in (w13, w2):
+        if block is None:
+            qs = [formats.quantize_rows(we, qdtype) for we in w.float()]
+            quantized.append((torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs]), w.shape[2]))
+            continue
+        e, n, kk = w.shape
+        blocks = w.float().abs().reshape(e, n // block, block, kk // block, block).amax(dim=(2, 4))
+        blocks = blocks / (formats.FP8_MAX if qdtype == "fp8" else formats.INT8_MAX)
+        rows = blocks.repeat_interleave(block, dim=1)
+        quantized.append((formats.quantize_with(w.float(), rows.repeat_interleave(block, dim=2), qdtype), rows.contiguous(), block))
+    (q13, s13, g13), (q2, s2, g2) = quantized
+    out = fused_moe(x, q13, q2, weights, ids, "silu", s13, s2, g13, g2, small_batch=True)
+    twin = reference.fused_moe_grouped(x, q13, q2, weights, ids, "silu", s13, s2, g13, g2)
+    assert not out.isnan().any() and rel_err(out, twin) < TOL[torch.bfloat16]
+
+
+@compiled_only
+def test_small_batch_captures_in_a_cuda_graph_and_follows_the_routing() -> None:
+    """Decode's shape: 4 tokens x top-2 = 8 pairs takes the small path by default, and its
+    expert order is found on the device, so one graph serves any routing."""
+    from stoker.kernels.fused_moe import SMALL_BATCH_PAIRS, fused_moe
+
+    assert 4 * 2 <= SMALL_BATCH_PAIRS
+    x, w13, w2, weights, ids = case(8, 2, 1024, 2048, 4, torch.bfloat16)
+    fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        w_new, ids_new = softmax_topk(torch.randn(4, 8, generator=gen).cuda(), 2, renormalize=True)
+        ids_new[:, 0] = 6  # every token on one expert: adjacent programs share its weights
+        ids_new[:, 1] = torch.where(ids_new[:, 1] == 6, 1, ids_new[:, 1])
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]

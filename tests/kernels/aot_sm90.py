@@ -52,11 +52,11 @@ def spill_bytes(ptx: str, ptxas: str) -> int:
 
 
 def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int,
-                    divisible: frozenset[str] = frozenset()) -> object:
+                    divisible: "frozenset[str] | tuple[str, ...]" = ()) -> object:
     """pointers: argument name -> element type; '*' is the default for other *_ptr arguments.
-    divisible: arguments the launch specializes as multiples of 16 (pointers 16-byte aligned,
-    integers divisible by 16), as Triton does at run time; the vector widths of loads follow
-    from them, so kernels tuned for 16-byte loads compile here as they will on the GPU."""
+    divisible: arguments a launch passes as multiples of 16 (pointers 16-byte aligned, integers
+    divisible by 16), which the JIT specializes on (tt.divisibility 16) and which decide the
+    loads' vector width, so kernels tuned for 16-byte loads compile here as on the GPU; "*": all."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -65,7 +65,8 @@ def compile_variant(fn, pointers: dict[str, str], constexprs: dict[str, object],
             signature[name] = "*" + pointers.get(name, pointers["*"])
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name] != "constexpr" and (name in divisible or "*" in divisible)}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
@@ -184,6 +185,33 @@ def variants():
         yield (f"fused_moe down {wtype} pairs{num_pairs}", fused_moe._moe_down_kernel,
                {"*": "bf16", "w_ptr": wtype, **moe_idx}, common, warps)
     yield ("fused_moe sum top2", fused_moe._moe_sum_kernel, {"*": "bf16"}, dict(TOP_K=2, BLOCK=1024, RNE_BF16=False), 4)
+    # ---- begin fused_moe small-batch (GEMV-style) block ----
+    # decode pair counts at the launcher's tiles: Mixtral-8x7B (H 4096, I 14336, 2 and 16 pairs),
+    # Qwen3-30B-A3B (H 2048, I 768, 8 pairs); bf16 and float32 x, int8 per channel, fp8 128-column groups.
+    # Every pointer and int argument 16-divisible, as at those shapes, so the loads are the vectorized ones
+    for xtype, wtype, wbytes, group_k, hidden, inter, num_pairs in (
+        ("bf16", "bf16", 2, 0, 4096, 14336, 2), ("bf16", "bf16", 2, 0, 4096, 14336, 16), ("bf16", "bf16", 2, 0, 2048, 768, 8),
+        ("fp32", "fp32", 4, 0, 4096, 14336, 2), ("bf16", "i8", 1, 0, 4096, 14336, 2), ("bf16", "fp8e4nv", 1, 128, 4096, 14336, 2),
+    ):
+        gk13, gk2 = (group_k, group_k) if group_k else (hidden + 64, inter + 64)
+        t = fused_moe.small_tile_config(num_pairs, wbytes, gk13, gk2, hidden, inter, 132)
+        ptrs = {"*": xtype, "w_ptr": wtype, "scale_ptr": "fp32", "order_ptr": "i32", "ids_ptr": "i64",
+                "partial_ptr": "fp32"}
+        quant = wtype not in ("bf16", "fp32")
+        label = f"{wtype} H{hidden} I{inter} pairs{num_pairs}"
+        yield (f"fused_moe small gate_up {label} N{t['BLOCK_N13']} K{t['BLOCK_K13']}", fused_moe._moe_small_gate_up_kernel,
+               ptrs, dict(TOP_K=2, QUANT=quant, ACT=0, BLOCK_N=t["BLOCK_N13"], BLOCK_K=t["BLOCK_K13"],
+                          BITS_BF16=xtype == "bf16", RNE_BF16=False),
+               t["num_warps"], ("*",))
+        yield (f"fused_moe small down {label} N{t['BLOCK_N2']} K{t['BLOCK_K2']} split{t['SPLIT_K']}",
+               fused_moe._moe_small_down_kernel, ptrs,
+               dict(QUANT=quant, BLOCK_N=t["BLOCK_N2"], BLOCK_K=t["BLOCK_K2"], BITS_BF16=xtype == "bf16", RNE_BF16=False),
+               t["num_warps"], ("*",))
+    for split in (1, 4, 8):
+        yield (f"fused_moe small sum top2 split{split}", fused_moe._moe_small_sum_kernel,
+               {"*": "bf16", "partial_ptr": "fp32", "pair_weight_ptr": "fp32"},
+               dict(TOP_K=2, SPLIT_K=split, BLOCK=1024, RNE_BF16=False), 4, ("*",))
+    # ---- end fused_moe small-batch block ----
     for residual in (False, True):
         yield (f"rms_norm residual={residual} hidden8192", rms_norm._rms_norm_kernel, {"*": "bf16"},
                dict(HAS_RESIDUAL=residual, BLOCK=8192), 16)

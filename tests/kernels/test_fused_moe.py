@@ -251,3 +251,115 @@ def test_expert_parallel_ranks_on_the_triton_method_sum_to_the_whole_layer() -> 
             layer.w2.copy_(w2[held.start:held.stop])
         layer(x, weights, ids)
     assert rel_err(group.seen[0] + group.seen[1], loop(x, w13, w2, weights, ids)) < 1e-6
+
+
+# ---- the small-batch path (GEMV-style kernels, T * k <= SMALL_BATCH_PAIRS) ----------------------------
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float buffer the launcher allocates starts as NaN, so a kernel that leaves one
+    element unwritten (an output column, an empty K split's partial) shows in the result."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def test_small_batch_is_chosen_from_shapes_only() -> None:
+    from stoker.kernels import fused_moe as module
+
+    calls = []
+    real = module._fused_moe_small
+    w13, w2 = experts(4, 24, 16)
+    for num_tokens, k in ((1, 2), (8, 2), (9, 2), (2, 4)):
+        x = torch.randn(num_tokens, 24)
+        weights, ids = routing(num_tokens, 4, k)
+        module._fused_moe_small = lambda *a, **kw: calls.append(1) or real(*a, **kw)  # type: ignore[assignment]
+        try:
+            n = len(calls)
+            fused_moe(x, w13, w2, weights, ids)
+            assert (len(calls) > n) == (num_tokens * k <= module.SMALL_BATCH_PAIRS)
+        finally:
+            module._fused_moe_small = real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES, ids=IDS)
+def test_small_batch_matches_the_twin(num_experts, k, hidden, inter, num_tokens, dtype, poisoned) -> None:
+    w13, w2 = (w.to(dtype) for w in experts(num_experts, hidden, inter))
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights, ids = routing(num_tokens, num_experts, k)
+    out = fused_moe(x, w13, w2, weights, ids, small_batch=True)
+    assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[dtype]
+    assert rel_err(out, loop(x, w13, w2, weights, ids)) < LOOP_TOL[dtype]
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_small_batch_split_k_and_narrow_tiles(split: int, monkeypatch, poisoned) -> None:
+    """Tiles narrower than the shapes (several N and K tiles, a partial last one) and the down
+    GEMM's K split in 4 with the last split empty (I 40 in chunks of 16): its partial must be 0."""
+    from stoker.kernels import fused_moe as module
+
+    tiles = {"BLOCK_N13": 8, "BLOCK_K13": 16, "BLOCK_N2": 16, "BLOCK_K2": 16, "SPLIT_K": split, "num_warps": 4}
+    monkeypatch.setattr(module, "small_tile_config", lambda *a, **kw: dict(tiles))
+    w13, w2 = (w.bfloat16() for w in experts(5, 40, 40))
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    weights, ids = routing(3, 5, 3)
+    out = fused_moe(x, w13, w2, weights, ids, small_batch=True)
+    assert not out.isnan().any()
+    assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
+
+def test_small_batch_tiles_cover_the_sms() -> None:
+    """Mixtral-shaped decode (H 4096, I 14336, 2 pairs): at least 8 programs per SM of 132 in both
+    GEMMs, 16-byte weight vectors along K, and the 8-bit K tile dividing 128-column scale groups."""
+    from stoker.kernels.fused_moe import small_tile_config
+
+    for weight_bytes, group in ((2, None), (1, None), (1, 128)):
+        gk13, gk2 = (group, group) if group else (4096 + 64, 14336 + 64)
+        t = small_tile_config(2, weight_bytes, gk13, gk2, 4096, 14336, 132)
+        assert t["BLOCK_K13"] * weight_bytes == 512 // (4 if group else 1) and (not group or group % t["BLOCK_K2"] == 0)
+        assert 2 * -(-14336 // t["BLOCK_N13"]) >= 8 * 132
+        assert 2 * -(-4096 // t["BLOCK_N2"]) * t["SPLIT_K"] >= 8 * 132
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("block", [None, 64], ids=["per-channel", "blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_small_batch_8bit_experts(qdtype: str, block: int | None, dtype: torch.dtype, poisoned) -> None:
+    num_experts, hidden, inter, num_tokens, k = 3, 144, 136, 2, 2
+    w13, w2 = experts(num_experts, hidden, inter)
+    q13, s13, g13 = quantized_experts(w13, qdtype, block)
+    q2, s2, g2 = quantized_experts(w2, qdtype, block)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights, ids = routing(num_tokens, num_experts, k)
+    out = fused_moe(x, q13, q2, weights, ids, "silu", s13, s2, g13, g2, small_batch=True)
+    assert not out.isnan().any()
+    twin = reference.fused_moe_grouped(x, q13, q2, weights, ids, "silu", s13, s2, g13, g2)
+    assert rel_err(out, twin) < TOL[dtype]
+
+
+def test_small_batch_other_gates_and_an_idle_expert() -> None:
+    w13, w2 = experts(5, 24, 16)
+    w13[2], w2[2] = float("nan"), float("nan")  # never read: no pair routes to it
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(3, 5, 2, idle=2)
+    for activation in ACTIVATIONS_UNDER_TEST:
+        out = fused_moe(x, w13, w2, weights, ids, activation, small_batch=True)
+        torch.testing.assert_close(out, reference.fused_moe_grouped(x, w13, w2, weights, ids, activation), rtol=0, atol=1e-5)
+
+
+ACTIVATIONS_UNDER_TEST = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def test_small_batch_takes_int32_expert_ids() -> None:
+    w13, w2 = experts(4, 24, 16)
+    x = torch.randn(2, 24, generator=torch.Generator().manual_seed(1))
+    weights, ids = routing(2, 4, 2)
+    out = fused_moe(x, w13, w2, weights, ids.int(), small_batch=True)
+    torch.testing.assert_close(out, reference.fused_moe_grouped(x, w13, w2, weights, ids), rtol=0, atol=1e-5)
