@@ -22,7 +22,7 @@ from typing import Any
 
 from stoker.core.sequence import Sequence, SequenceStatus
 from stoker.core.step import PromptLogprobChunk, SampledTokens, StepResult
-from stoker.engine.detokenizer import DetokenizerState, decode_increment, find_stop_string, new_state
+from stoker.engine.detokenizer import DetokenizerState, decode_increment, fast_decode, find_stop_string, new_state
 from stoker.engine.input_processor import EngineRequest
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -46,12 +46,16 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if not s.is_finished:
+                return False
+        return True
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int, finish_seq: FinishSeq) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer)  # tokenizer.decode's text, made cheaper per call
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.finish_seq = finish_seq
@@ -88,15 +92,18 @@ class OutputProcessor:
         return list(touched.values())
 
     def _process_seq(self, state: RequestState, seq_id: int, sampled: SampledTokens, now: float) -> None:
-        seq = next(s for s in state.seqs if s.seq_id == seq_id)
+        seqs = state.seqs
+        seq = seqs[0] if seqs[0].seq_id == seq_id else next(s for s in seqs if s.seq_id == seq_id)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
-        num_new = len(sampled.token_ids)
+        token_ids = sampled.token_ids
+        num_new = len(token_ids)
         first = seq.num_output_tokens - num_new  # index of the first new token in the output
-        for j, token in enumerate(sampled.token_ids):
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        for j, token in enumerate(token_ids):
             self.num_generation_tokens += 1
             seq.cumulative_logprob += sampled.logprobs[j]
-            if seq.sampling_params.logprobs is not None:
+            if wants_logprobs:
                 seq.output_logprobs.append(self._logprob_entry(token, sampled.logprobs[j], sampled.top_logprobs[j]))
             stopped = self._append_text_and_check_stop(state, seq, token, first + j + 1)
             if stopped is not None:
@@ -121,16 +128,17 @@ class OutputProcessor:
         (status, stop reason) or None."""
         p = seq.sampling_params
         past_min = num_output >= p.min_tokens  # as vLLM: no stop of any kind before min_tokens
-        is_eos = not p.ignore_eos and token in self.eos_token_ids and past_min
-        is_stop_token = token in p.stop_token_ids and past_min
+        is_eos = past_min and not p.ignore_eos and token in self.eos_token_ids
+        is_stop_token = past_min and bool(p.stop_token_ids) and token in p.stop_token_ids
         # As vLLM: the token that ends the output (EOS or a stop token) adds no text unless
         # include_stop_str_in_output (with skip_special_tokens off, EOS would write "<|eot_id|>").
         delta = ""
         if not ((is_stop_token or is_eos) and not p.include_stop_str_in_output):
             detok = state.detok[seq.seq_id]
             window = seq.tokens_slice(detok.prefix_offset, seq.num_prompt_tokens + num_output)
-            delta = decode_increment(self.tokenizer, window, detok, p.skip_special_tokens)
-            seq.output_text += delta
+            delta = decode_increment(self.tokenizer, window, detok, p.skip_special_tokens, self._decode)
+            if delta:
+                seq.output_text += delta
         if is_eos:
             return SequenceStatus.FINISHED_STOPPED, None
         if is_stop_token:
@@ -166,27 +174,31 @@ class OutputProcessor:
     # ------------------------------------------------------------------ outputs
     @staticmethod
     def make_output(state: RequestState) -> RequestOutput:
-        completions = [
-            CompletionOutput(
+        completions = []
+        finished = True
+        for seq in state.seqs:
+            status = seq.status
+            done = status.is_finished
+            finished = finished and done
+            completions.append(CompletionOutput(
                 index=seq.index,
                 text=seq.output_text,
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
-                finish_reason=seq.status.value if seq.is_finished else None,
+                finish_reason=status.value if done else None,
                 stop_reason=seq.stop_reason,
-            )
-            for seq in state.seqs
-        ]
+            ))
         req = state.request
+        first = state.seqs[0]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             metrics=state.metrics,
-            num_cached_tokens=state.seqs[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
             # Shared, not copied per step: complete once the prompt is in, and never changed after.
-            prompt_logprobs=state.seqs[0].prompt_logprobs,
+            prompt_logprobs=first.prompt_logprobs,
         )
