@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from stoker.core.step import StepResult
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled sequence per step
 class ScheduledSequence:
     """One sequence's share of a step: compute tokens [start_pos, start_pos + num_tokens), the
     last `num_draft_tokens` of them proposed drafts to verify."""
@@ -155,7 +155,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_uncomputed = seq.num_uncomputed_tokens
+            num_uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
             num_new = min(num_uncomputed + len(seq.draft_token_ids), budget)
             if num_new > num_uncomputed and not bm.can_allocate(seq, num_new):
                 # Drafts are a bet: never preempt a sequence (a recompute) to make room for them.
