@@ -155,6 +155,9 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed_blocks.get(seq.seq_id, 0)
+        if num_full <= start:  # no block filled since the last call: most decode steps
+            self._num_hashed_blocks[seq.seq_id] = start
+            return
         parent_hash = self.blocks[table[start - 1]].block_hash if start > 0 else _root_hash(seq)
         parent_id = table[start - 1] if start > 0 else -1
         for i in range(start, num_full):

@@ -53,7 +53,9 @@ class ScheduledSequence:
     do_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.do_sample = self.start_pos + self.num_tokens - self.num_draft_tokens == self.seq.num_tokens
+        seq = self.seq
+        self.do_sample = (self.start_pos + self.num_tokens - self.num_draft_tokens
+                          == len(seq.prompt_token_ids) + len(seq.output_token_ids))
 
     @property
     def context_len(self) -> int:

@@ -69,16 +69,24 @@ def _rust_backed_decode(cls: type) -> Any:
 
 
 def decode_increment(tokenizer: Any, window: list[int], state: DetokenizerState, skip_special_tokens: bool,
-                     decode: Decode | None = None) -> str:
+                     decode: Decode | None = None, one_token: dict[int, str] | None = None) -> str:
     """Text added by the tokens after `state.read_offset`; advances the state when complete.
 
     window: the sequence's token ids from `state.prefix_offset` to the end of what is known
     (prompt and output; a few context tokens, not the whole sequence, are copied per call).
-    decode: `fast_decode(tokenizer)`, made once by the caller (default: `tokenizer.decode`)."""
+    decode: `fast_decode(tokenizer)`, made once by the caller (default: `tokenizer.decode`).
+    one_token: the caller's cache of one token's text under this skip_special_tokens (token ->
+    decode([token])). Once decoding is under way the prefix is the last step's one token, so
+    the cache saves one of the two decodes per generated token."""
     if decode is None:
         decode = tokenizer.decode
     num_prefix = state.read_offset - state.prefix_offset
-    prefix_text = decode(window[:num_prefix], skip_special_tokens=skip_special_tokens)
+    if num_prefix == 1 and one_token is not None:
+        prefix_text = one_token.get(window[0])
+        if prefix_text is None:
+            prefix_text = one_token[window[0]] = decode(window[:1], skip_special_tokens=skip_special_tokens)
+    else:
+        prefix_text = decode(window[:num_prefix], skip_special_tokens=skip_special_tokens)
     full_text = decode(window, skip_special_tokens=skip_special_tokens)
     if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
         # A tokenizer that rewrites earlier text also gets the length difference.
