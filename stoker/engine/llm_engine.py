@@ -421,8 +421,9 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self.output_processor.num_generation_tokens,
-            running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
-            waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
+            # (the server takes these after every step: no scan of the queues without LoRA)
+            running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})) if self.lora is not None else (),
+            waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})) if self.lora is not None else (),
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
             kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
             host_kv=self.host_kv.stats() if self.host_kv is not None else None,
