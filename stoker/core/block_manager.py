@@ -106,7 +106,10 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
         """Whether `num_new_tokens` more tokens of seq fit, after reusing `cached_block_ids`."""
-        cached_block_ids = cached_block_ids or []
+        if not cached_block_ids:  # the common case (every running sequence, every step): no hit to revive
+            table = self.block_tables.get(seq.seq_id)
+            num_held = len(table) if table is not None else 0
+            return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - num_held <= len(self.free_block_ids)
         table = self.get_block_table(seq)
         num_computed = seq.num_computed_tokens + len(cached_block_ids) * self.block_size
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached_block_ids)
@@ -130,7 +133,7 @@ class BlockManager:
             seq.num_computed_tokens += num_hit
             seq.num_cached_tokens = num_hit
             self._num_hashed_blocks[seq.seq_id] = len(cached_block_ids)
-        num_needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         for _ in range(num_needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
             if self.on_evict is not None and self.blocks[block_id].block_hash is not None:
@@ -152,6 +155,9 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed_blocks.get(seq.seq_id, 0)
+        if num_full <= start:  # no block filled since the last call: most decode steps
+            self._num_hashed_blocks[seq.seq_id] = start
+            return
         parent_hash = self.blocks[table[start - 1]].block_hash if start > 0 else _root_hash(seq)
         parent_id = table[start - 1] if start > 0 else -1
         for i in range(start, num_full):

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from stoker.core.step import StepResult
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled sequence per step
 class ScheduledSequence:
     """One sequence's share of a step: compute tokens [start_pos, start_pos + num_tokens), the
     last `num_draft_tokens` of them proposed drafts to verify."""
@@ -53,7 +53,9 @@ class ScheduledSequence:
     do_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.do_sample = self.start_pos + self.num_tokens - self.num_draft_tokens == self.seq.num_tokens
+        seq = self.seq
+        self.do_sample = (self.start_pos + self.num_tokens - self.num_draft_tokens
+                          == len(seq.prompt_token_ids) + len(seq.output_token_ids))
 
     @property
     def context_len(self) -> int:
@@ -155,7 +157,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_uncomputed = seq.num_uncomputed_tokens
+            num_uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
             num_new = min(num_uncomputed + len(seq.draft_token_ids), budget)
             if num_new > num_uncomputed and not bm.can_allocate(seq, num_new):
                 # Drafts are a bet: never preempt a sequence (a recompute) to make room for them.

@@ -45,6 +45,9 @@ class EngineRequest:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     priority: int = 0  # lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    # vLLM's RequestOutputKind.FINAL_ONLY (what its LLM.generate asks): `LLMEngine.step` returns
+    # this request's output only once it is finished, not the cumulative one of every step
+    final_only: bool = False
 
 
 @dataclass(frozen=True)

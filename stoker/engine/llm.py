@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence as Seq
@@ -142,6 +143,8 @@ class LLM:
                 text, token_ids = _split_prompt(prompt)
                 request = self.engine.input_processor.process(request_id, text, params, token_ids,
                                                               lora_name=lr.lora_name if lr is not None else None)
+                # _run reads only the finished outputs: no cumulative output built per step (vLLM's FINAL_ONLY)
+                request = dataclasses.replace(request, final_only=True)
                 self.engine.add_request(request)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)

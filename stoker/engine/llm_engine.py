@@ -262,11 +262,14 @@ class LLMEngine:
                                    "request needs; raise kv_cache_memory_bytes or lower max_model_len")
             return []
         now = time.time()
+        seq_to_request = self._seq_to_request
         for s in plan.scheduled:
-            state = self._seq_to_request[s.seq.seq_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-            if s.seq.is_prefill:
+            seq = s.seq
+            metrics = seq_to_request[seq.seq_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            num_output = len(seq.output_token_ids)  # seq.is_prefill, inlined (every sequence, every step)
+            if num_output == 0 or len(seq.prompt_token_ids) + num_output - seq.num_computed_tokens > 1:
                 self._prompt_tokens += s.num_tokens
         lora_slots = None
         if self.lora is not None:
@@ -300,14 +303,17 @@ class LLMEngine:
         self.scheduler.update_after_step(plan, result)
         failures: dict[str, BaseException] = {}
         touched = self.output_processor.process(result, self._seq_to_request, failures)
-        outputs = [self.output_processor.make_output(s) for s in touched if s.request_id not in failures]
+        make_output = self.output_processor.make_output
+        # A final-only request (LLM.generate's) gets its output once, when it finishes
+        outputs = [make_output(s) for s in touched
+                   if s.request_id not in failures and (not s.request.final_only or s.finished)]
         if self.kv_connector is not None:  # the prefill leg's params; reads failed under policy "fail"
             for out in outputs:
                 out.kv_transfer_params = self.kv_connector.take_kv_transfer_params(out.request_id)
             failures.update(self._kv_load_failures())
         for state in touched:
             if state.finished and state.request_id not in failures:
-                self._finish_request(state)
+                self._release_request(state)  # its output is in `outputs` already
         self.collect_unloaded_loras()
         if failures:
             for request_id in failures:
@@ -383,15 +389,19 @@ class LLMEngine:
         self.executor.release(seq.seq_id)
 
     def _finish_request(self, state: RequestState) -> RequestOutput:
-        state.metrics.finished_time = time.time()
         output = self.output_processor.make_output(state)
+        self._release_request(state)
+        return output
+
+    def _release_request(self, state: RequestState) -> None:
+        """Forget a finished request: its sequences, their runner state, their drafts' tree."""
+        state.metrics.finished_time = time.time()  # outputs share the metrics object: theirs too
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
             self.executor.release(seq.seq_id)
             if self.proposer is not None:
                 self.proposer.on_finished(seq)  # suffix: its output joins the shared tree
-        return output
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
@@ -411,8 +421,9 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self.output_processor.num_generation_tokens,
-            running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})),
-            waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})),
+            # (the server takes these after every step: no scan of the queues without LoRA)
+            running_loras=tuple(sorted({s.lora_name for s in sched.running if s.lora_name})) if self.lora is not None else (),
+            waiting_loras=tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name})) if self.lora is not None else (),
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
             kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
             host_kv=self.host_kv.stats() if self.host_kv is not None else None,

@@ -22,7 +22,7 @@ from typing import Any
 
 from stoker.core.sequence import Sequence, SequenceStatus
 from stoker.core.step import PromptLogprobChunk, SampledTokens, StepResult
-from stoker.engine.detokenizer import DetokenizerState, decode_increment, find_stop_string, new_state
+from stoker.engine.detokenizer import DetokenizerState, decode_increment, fast_decode, find_stop_string, new_state
 from stoker.engine.input_processor import EngineRequest
 from stoker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -46,12 +46,19 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if not s.is_finished:
+                return False
+        return True
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int, finish_seq: FinishSeq) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer)  # tokenizer.decode's text, made cheaper per call
+        # skip_special_tokens -> {token: its text alone}: at most the vocabulary, per value
+        self._one_token: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        self._token_texts: dict[int, str] = {}  # token -> tokenizer.decode([token]): logprobs' names
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.finish_seq = finish_seq
@@ -77,42 +84,57 @@ class OutputProcessor:
         now = time.time()
         for seq_id, sampled in result.sampled.items():
             state = states.get(seq_id)
-            if state is None or state.request_id in failures:
+            if state is None:
+                continue
+            request_id = state.request.request_id
+            if failures and request_id in failures:
                 continue
             try:
                 self._process_seq(state, seq_id, sampled, now)
             except Exception as exc:
-                logger.exception("request %s failed while processing its sampled token", state.request_id)
-                failures[state.request_id] = exc
-            touched[state.request_id] = state
+                logger.exception("request %s failed while processing its sampled token", request_id)
+                failures[request_id] = exc
+            touched[request_id] = state
         return list(touched.values())
 
     def _process_seq(self, state: RequestState, seq_id: int, sampled: SampledTokens, now: float) -> None:
-        seq = next(s for s in state.seqs if s.seq_id == seq_id)
+        seqs = state.seqs
+        seq = seqs[0] if seqs[0].seq_id == seq_id else next(s for s in seqs if s.seq_id == seq_id)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
-        num_new = len(sampled.token_ids)
-        first = seq.num_output_tokens - num_new  # index of the first new token in the output
-        for j, token in enumerate(sampled.token_ids):
+        token_ids = sampled.token_ids
+        logprobs = sampled.logprobs
+        first = len(seq.output_token_ids) - len(token_ids)  # index of the first new token in the output
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        append_text_and_check_stop = self._append_text_and_check_stop
+        for j, token in enumerate(token_ids):
             self.num_generation_tokens += 1
-            seq.cumulative_logprob += sampled.logprobs[j]
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(self._logprob_entry(token, sampled.logprobs[j], sampled.top_logprobs[j]))
-            stopped = self._append_text_and_check_stop(state, seq, token, first + j + 1)
+            seq.cumulative_logprob += logprobs[j]
+            if wants_logprobs:
+                seq.output_logprobs.append(self._logprob_entry(token, logprobs[j], sampled.top_logprobs[j]))
+            stopped = append_text_and_check_stop(state, seq, token, first + j + 1)
             if stopped is not None:
                 del seq.output_token_ids[first + j + 1 :]  # accepted after the stop: not the client's
                 self.finish_seq(seq, *stopped)
                 return
 
     def _logprob_entry(self, token: int, logprob: float, top: tuple[int, list[int], list[float]] | None) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode
+        text = self._token_text
         entry: dict[int, Logprob] = {}
         if top is not None:
             rank, ids, vals = top
             for i, (tid, val) in enumerate(zip(ids, vals)):
-                entry[tid] = Logprob(val, i + 1, decode([tid]))
-            entry[token] = Logprob(logprob, rank, decode([token]))
+                entry[tid] = Logprob(val, i + 1, text(tid))
+            entry[token] = Logprob(logprob, rank, text(token))
         return entry
+
+    def _token_text(self, token: int) -> str:
+        """tokenizer.decode([token]) (its default arguments), cached: logprobs name k + 1 tokens
+        per generated token, from a vocabulary's worth at most."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _append_text_and_check_stop(
         self, state: RequestState, seq: Sequence, token: int, num_output: int
@@ -121,16 +143,23 @@ class OutputProcessor:
         (status, stop reason) or None."""
         p = seq.sampling_params
         past_min = num_output >= p.min_tokens  # as vLLM: no stop of any kind before min_tokens
-        is_eos = not p.ignore_eos and token in self.eos_token_ids and past_min
-        is_stop_token = token in p.stop_token_ids and past_min
+        is_eos = past_min and not p.ignore_eos and token in self.eos_token_ids
+        is_stop_token = past_min and bool(p.stop_token_ids) and token in p.stop_token_ids
         # As vLLM: the token that ends the output (EOS or a stop token) adds no text unless
         # include_stop_str_in_output (with skip_special_tokens off, EOS would write "<|eot_id|>").
         delta = ""
+        num_prompt = len(seq.prompt_token_ids)
         if not ((is_stop_token or is_eos) and not p.include_stop_str_in_output):
             detok = state.detok[seq.seq_id]
-            window = seq.tokens_slice(detok.prefix_offset, seq.num_prompt_tokens + num_output)
-            delta = decode_increment(self.tokenizer, window, detok, p.skip_special_tokens)
-            seq.output_text += delta
+            start = detok.prefix_offset
+            if start >= num_prompt:  # the window is all output (every token once past the prompt's end)
+                window = seq.output_token_ids[start - num_prompt : num_output]
+            else:
+                window = seq.tokens_slice(start, num_prompt + num_output)
+            skip = p.skip_special_tokens
+            delta = decode_increment(self.tokenizer, window, detok, skip, self._decode, self._one_token.get(skip))
+            if delta:
+                seq.output_text += delta
         if is_eos:
             return SequenceStatus.FINISHED_STOPPED, None
         if is_stop_token:
@@ -143,7 +172,7 @@ class OutputProcessor:
                 return SequenceStatus.FINISHED_STOPPED, stop
         if p.max_tokens is not None and num_output >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, None
-        if seq.num_prompt_tokens + num_output >= self.max_model_len:
+        if num_prompt + num_output >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None
         return None
 
@@ -166,27 +195,31 @@ class OutputProcessor:
     # ------------------------------------------------------------------ outputs
     @staticmethod
     def make_output(state: RequestState) -> RequestOutput:
-        completions = [
-            CompletionOutput(
+        completions = []
+        finished = True
+        for seq in state.seqs:
+            status = seq.status
+            done = status.is_finished
+            finished = finished and done
+            completions.append(CompletionOutput(
                 index=seq.index,
                 text=seq.output_text,
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
-                finish_reason=seq.status.value if seq.is_finished else None,
+                finish_reason=status.value if done else None,
                 stop_reason=seq.stop_reason,
-            )
-            for seq in state.seqs
-        ]
+            ))
         req = state.request
+        first = state.seqs[0]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             metrics=state.metrics,
-            num_cached_tokens=state.seqs[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
             # Shared, not copied per step: complete once the prompt is in, and never changed after.
-            prompt_logprobs=state.seqs[0].prompt_logprobs,
+            prompt_logprobs=first.prompt_logprobs,
         )

@@ -7,8 +7,10 @@ attention can run them as a single batched paged-decode call.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from stoker.core.step import PromptLogprobChunk, SeqStep, StepMessage
@@ -27,9 +29,15 @@ class ModelInputs:
     prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)
 
 
+# A sequence with at least this many new tokens (a prefill chunk) gets its slots from numpy;
+# below it a list comprehension is cheaper than building the arrays.
+_VECTOR_SLOTS_FROM = 64
+
+
 def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> ModelInputs:
     ordered = step.seqs
-    num_decodes = sum(1 for s in ordered if s.num_tokens == 1)
+    bs = block_size
+    num_decodes = 0
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -37,28 +45,57 @@ def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
     context_lens: list[int] = []
     logits_indices: list[int] = []
     sampled: list[SeqStep] = []
+    max_blocks = 0
+    end = 0
+    # One pass, per sequence rather than per token where it can: at a large decode batch this
+    # is host time of every step (benchmarks/step_overhead.py).
     for s in ordered:
-        input_ids.extend(s.token_ids)
+        tokens = s.token_ids
+        n = len(tokens)
+        start = s.start_pos
         table = s.block_table
-        for pos in range(s.start_pos, s.context_len):
-            positions.append(pos)
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-        cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_tokens)
-        context_lens.append(s.context_len)
+        if len(table) > max_blocks:
+            max_blocks = len(table)
+        input_ids += tokens
+        if n == 1:
+            num_decodes += 1
+            positions.append(start)
+            slot_mapping.append(table[start // bs] * bs + start % bs)
+        elif n >= _VECTOR_SLOTS_FROM:
+            pos = np.arange(start, start + n, dtype=np.int64)
+            positions += range(start, start + n)
+            slot_mapping += (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
+        else:
+            span = range(start, start + n)
+            positions += span
+            slot_mapping += [table[p // bs] * bs + p % bs for p in span]
+        end += n
+        cu_seqlens_q.append(end)
+        context_lens.append(start + n)
         if s.do_sample:
             # the last known token's row and one per draft: (1 + len(drafts)) rows, in order
-            logits_indices.extend(range(cu_seqlens_q[-1] - s.num_sampled, cu_seqlens_q[-1]))
+            num_sampled = 1 + len(s.draft_token_ids)
+            if num_sampled == 1:
+                logits_indices.append(end - 1)
+            else:
+                logits_indices += range(end - num_sampled, end)
             sampled.append(s)
-    max_blocks = max(len(s.block_table) for s in ordered)
-    block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in ordered]
+    # Padded with 0, built as one flat list (a nested list converts to a tensor element by element)
+    flat_tables: list[int] = []
+    zeros = [0] * max_blocks
+    for s in ordered:
+        table = s.block_table
+        flat_tables += table
+        if len(table) < max_blocks:
+            flat_tables += zeros[len(table):]
 
     def as_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         # Built on the host, copied once; pinned + non_blocking would overlap on GPU.
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return _host_tensor(values, dtype).to(device, non_blocking=True)
 
     metadata = AttentionMetadata(
         slot_mapping=as_tensor(slot_mapping, torch.int64),
-        block_tables=as_tensor(block_tables, torch.int32),
+        block_tables=as_tensor(flat_tables, torch.int32).view(len(ordered), max_blocks),
         context_lens=as_tensor(context_lens, torch.int32),
         cu_seqlens_q=cu_seqlens_q,
         context_lens_list=context_lens,
@@ -76,3 +113,14 @@ def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         sampled=sampled,
         ordered=ordered,
     )
+
+
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def _host_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of a list of ints: through array.array, about 3x cheaper than torch.tensor
+    (which converts element by element); the tensor keeps the array alive."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
