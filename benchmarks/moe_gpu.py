@@ -12,8 +12,9 @@ weights of the experts the routing touches, their scales, x, and the output writ
 MBU = bytes / time / peak HBM bandwidth, the peak from stoker/roofline/hardware.py for the
 device torch names (`--peak-gb-s` overrides it; a device missing from the table needs it).
 Impls: "triton fused_moe" is the tiled path (tl.dot over BLOCK_M pairs of one expert),
-forced; "triton fused_moe small-batch" the GEMV-style path fused_moe picks for T * k <=
-SMALL_BATCH_PAIRS (timed only at those batches: above it re-reads an expert's weights per pair);
+forced; "triton fused_moe small-batch" the GEMV-style path fused_moe picks for T <=
+SMALL_BATCH_TOKENS, forced, timed up to 16 pairs (above that it re-reads an expert's weights per
+pair);
 the peer is the per-expert torch loop the other methods run (layers/moe.expert_by_expert:
 cuBLAS GEMMs, weights dequantized in torch for 8-bit). Before timing, the small-batch output is
 checked against the twin (reference.fused_moe_grouped): its relative error is printed. Routing:
@@ -42,6 +43,7 @@ from stoker.layers.moe_router import softmax_topk  # noqa: E402
 from stoker.quantization import formats  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
+SMALL_TIMED_PAIRS = 16  # the small-batch row up to this many pairs: its crossover with the tiled path
 
 
 @dataclass
@@ -120,7 +122,7 @@ def main() -> int:
     dtype = torch.bfloat16
     peak, peak_source = peak_gb_per_s(device, args.peak_gb_s)
 
-    from stoker.kernels.fused_moe import SMALL_BATCH_PAIRS, fused_moe
+    from stoker.kernels.fused_moe import fused_moe
 
     rows: list[Row] = []
     for kind in args.weights:
@@ -138,7 +140,7 @@ def main() -> int:
             gk = (hidden, inter) if s13 is not None else (None, None)
             impls: dict[str, Callable[[], object]] = {
                 "triton fused_moe": lambda: fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, *gk, small_batch=False)}
-            if batch * TOP_K <= SMALL_BATCH_PAIRS:
+            if batch * TOP_K <= SMALL_TIMED_PAIRS:
                 small = lambda: fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, *gk, small_batch=True)  # noqa: E731
                 impls["triton fused_moe small-batch"] = small
                 twin = reference.fused_moe_grouped(x, w13, w2, weights, ids, "silu", s13, s2, *gk).float()

@@ -31,14 +31,18 @@ Steps, all on the device with shapes fixed by (T, k, E, BLOCK_M), so a CUDA grap
    order (the choices are put in that order before step 1, as layers/moe.expert_by_expert
    sums them), rounded once.
 
-Few pairs (T * k <= SMALL_BATCH_PAIRS, decode; chosen from the shapes, `small_batch` forces
+One token (T <= SMALL_BATCH_TOKENS, batch-1 decode; chosen from the shapes, `small_batch` forces
 either way): steps 1-4 above pad each touched expert's one or two pairs to a BLOCK_M >= 16 tl.dot
 tile and leave the down GEMM to P x H / 64 programs walking all of I, far from memory speed
 (measured on an H200 at batch 1: 14% of its bandwidth). The small-batch path instead: the pairs
 sorted by expert on the device, then GEMV-style kernels (`_moe_small_gate_up_kernel`,
 `_moe_small_down_kernel`, section below) with one program per (pair, BLOCK_N rows, K split),
 float32 partials of the down GEMM, and `_moe_small_sum_kernel` adding splits, routing weights
-and choices in the twin's order and roundings.
+and choices in the twin's order and roundings. Measured on the H200 (benchmarks/moe_gpu.py,
+Mixtral-8x7B-shaped layer, docs/benchmarks.md "GPU: one NVIDIA H200"): at 1 token the small
+path took 0.395 ms (bf16) / 0.516 (fp8) against the tiled path's 0.596 / 1.153; at 8 tokens
+(16 pairs, ~2 per touched expert, each re-read per pair) the tiled path won, 0.736 / 0.707
+against 0.985 / 1.216. Hence one token, where every pair has an expert of its own.
 
 8-bit weights are dequantized in the tile as kernels/w8_linear.py does (q * scale in float32,
 then the operand dtype), so the GEMMs see the weight the twin dequantizes; BLOCK_K divides the
@@ -458,8 +462,8 @@ def tile_config(num_pairs: int, num_experts: int, group_k13: int, group_k2: int,
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 8}
 
 
-# the small-batch path up to this many (token, slot) pairs (decode: batch x top-k); not yet tuned on a GPU
-SMALL_BATCH_PAIRS = 16
+# the small-batch path up to this many tokens (batch-1 decode; measured, see the module docstring)
+SMALL_BATCH_TOKENS = 1
 
 
 def small_tile_config(num_pairs: int, weight_bytes: int, group_k13: int, group_k2: int, hidden: int, inter: int,
@@ -564,7 +568,7 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,  # (E, H, G2) float32
     group_k13: int | None = None,
     group_k2: int | None = None,
-    small_batch: bool | None = None,  # the GEMV-style path; None: when T * k <= SMALL_BATCH_PAIRS
+    small_batch: bool | None = None,  # the GEMV-style path; None: when T <= SMALL_BATCH_TOKENS
 ) -> torch.Tensor:  # (T, H) in x's dtype
     check(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be (T, H) float16/bfloat16/float32, got {tuple(x.shape)} {x.dtype}")
     check(w13.dim() == 3 and w2.dim() == 3, f"w13 must be (E, 2I, H) and w2 (E, H, I), got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -589,7 +593,7 @@ def fused_moe(
     # each token's choices in ascending expert order (the order they are summed in), weights with them
     ids, perm = topk_ids.sort(dim=1)
     pair_weights = topk_weights.gather(1, perm).reshape(-1)  # (P,)
-    if small_batch if small_batch is not None else num_tokens * top_k <= SMALL_BATCH_PAIRS:
+    if small_batch if small_batch is not None else num_tokens <= SMALL_BATCH_TOKENS:
         return _fused_moe_small(x, w13, w2, pair_weights, ids, activation, w13_scale, w2_scale, gk13, gk2, out)
     tiles = tile_config(num_tokens * top_k, num_experts, gk13, gk2, hidden, inter)
     warps = tiles.pop("num_warps")

@@ -18,22 +18,24 @@ Backends, chosen once at build (models/method_chooser.py):
            Q8_0), integer dot products, one float multiply per block (groups a multiple of 32).
   triton_w4a16  CUDA with Triton (group sizes that are multiples of 32, or per channel):
            the packed codes as loaded, scales in float16 where exact, offsets o' = o + 8 s
-           dropped where zero, as cpu_q4; one of three paths by the rows M of the call
+           dropped where zero, as cpu_q4; one of two paths by the rows M of the call
            (`w4a16_route`), chosen on the host from the shape alone (CUDA-graph safe):
-             M <= 8 (decode)   the GEMV (kernels/quant_gemv.py gemv_w4): weights read once,
+             M <= 4 (decode)   the GEMV (kernels/quant_gemv.py gemv_w4): weights read once,
                                contiguously, no tl.dot; K a multiple of 32.
-             8 < M < 256       the W4A16 tile GEMM (kernels/w4a16_linear.py).
-             M >= 256          dequantize the layer to x's dtype (quant_gemv.dequant_w4, the
-                               twin's weight exactly) and F.linear (cuBLAS). Measured on the
-                               H200 (benchmarks/w4a16_gpu.py, Llama-3-8B qkv, group 128): the
-                               tile kernel 6.82 ms at M = 2048 and 0.872 at M = 256, where even
-                               the torch dequantizing twin took 0.516 and 0.406 and bf16
-                               F.linear 0.148 at 2048; at M = 64 the tile kernel (0.313) still
-                               beat the twin (0.400), hence 256 (dequant_w4 should be
-                               faster than that torch twin, so the crossover may be lower:
-                               benchmarks/w4a16_gpu.py's dequant+F.linear rows say). The tile
-                               kernel is not fixed here; the dequantized weight is a transient
-                               (N, K) tensor of x's dtype per call, one layer's at a time.
+             otherwise         dequantize the layer to x's dtype (quant_gemv.dequant_w4, the
+                               twin's weight exactly) and F.linear (cuBLAS); the dequantized
+                               weight is a transient (N, K) tensor of x's dtype, one layer's
+                               at a time.
+           Measured on the H200 (benchmarks/w4a16_gpu.py, Llama-3-8B projections, group 128;
+           docs/benchmarks.md, "GPU: one NVIDIA H200"): at M = 1 the GEMV took 0.030 / 0.079 /
+           0.043 ms (qkv / gate_up / down) against dequantize + F.linear's 0.043 / 0.170 /
+           0.099; at M = 8 the order reversed (0.049 / 0.182 / 0.124 against 0.042 / 0.171 /
+           0.088), so 4 sits between the two measured points. The W4A16 tile GEMM
+           (kernels/w4a16_linear.py) lost to dequantize + F.linear at every M measured (0.31
+           against 0.043 ms on qkv at M = 64, 6.9 against 0.16 at 2048) and is no longer
+           dispatched; it stays as a benchmark peer. torch's `_weight_int4pack_mm` beat both
+           paths at M <= 8 (0.013 / 0.038 / 0.022 ms at M = 1) but needs its own weight layout
+           beside the codes the dequantizing path reads; not yet adopted.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -65,17 +67,15 @@ PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
 # column j is nibble AWQ_NIBBLE_OF_COLUMN[j].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
-DEQUANT_ROWS = 256  # triton_w4a16 from this many rows: dequantize + F.linear (see the docstring)
+GEMV_ROWS = 4  # triton_w4a16: the GEMV up to this many rows, dequantize + F.linear above (see the docstring)
 
 
 def w4a16_route(num_rows: int, in_features: int, group_k: int) -> str:
-    """The triton_w4a16 backend's path for a call of `num_rows` rows: "gemv" (decode),
-    "tile" (the W4A16 GEMM) or "dequant_linear" (prefill)."""
+    """The triton_w4a16 backend's path for a call of `num_rows` rows: "gemv" (decode) or
+    "dequant_linear"."""
     from stoker.kernels.quant_gemv import supports
 
-    if supports(num_rows, in_features, group_k, 4):
-        return "gemv"
-    return "dequant_linear" if num_rows >= DEQUANT_ROWS else "tile"
+    return "gemv" if num_rows <= GEMV_ROWS and supports(num_rows, in_features, group_k, 4) else "dequant_linear"
 
 
 class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
@@ -296,13 +296,12 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             self._forward = self._cpu_q4
         elif self.backend == "triton_w4a16":
             from stoker.kernels.quant_gemv import dequant_w4, gemv_w4
-            from stoker.kernels.w4a16_linear import hold_scales, w4a16_linear
+            from stoker.kernels.w4a16_linear import hold_scales
 
             # the codes stay as loaded ((N, K / 2), even k in the low nibble: the kernel's layout)
             scales, offsets = hold_scales(layer.weight_scale.data, layer.weight_offset.data)
             layer.weight_scale = nn.Parameter(scales, requires_grad=False)
             layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
-            self.kernel = w4a16_linear
             self.gemv = gemv_w4
             self.dequantize = dequant_w4
             self._forward = self._triton
@@ -327,10 +326,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         route = w4a16_route(x.numel() // x.shape[-1], x.shape[-1], self.group_k)
         if route == "gemv":
             return self.gemv(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
-        if route == "dequant_linear":
-            w = self.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, x.dtype)
-            return torch.nn.functional.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
-        return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
+        w = self.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, x.dtype)
+        return torch.nn.functional.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
 
     def _dequant(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, int4.unpack(layer.weight), layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)

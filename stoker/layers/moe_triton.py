@@ -3,7 +3,7 @@
 The parameters are the base method's, unchanged (w13 (E, 2I, H), w2 (E, H, I) in the model
 dtype), so loading and expert parallelism are the base method's too; `apply` is one call of the
 kernel: the pairs aligned per expert on the device, both GEMMs with the activation and the
-routing weight fused, the top-k sum. At decode's few pairs (T * k <= SMALL_BATCH_PAIRS, known
+routing weight fused, the top-k sum. At decode's few pairs (T <= SMALL_BATCH_TOKENS, known
 from the shapes) the kernel takes its GEMV-style small-batch path instead: each program streams
 rows of one pair's expert weight, no tl.dot tile of padding. No host read of the routing either
 way, so the decode CUDA graphs can hold the layer (`graph_capturable`).

@@ -9,17 +9,19 @@ at build (`models/method_chooser.py`):
              `_weight_int8pack_mm` (measured far slower than cpu_q8: docs/benchmarks.md).
   scaled_mm  CUDA with FP8 matrix units (compute capability 8.9+), FP8 with per-row
              scales: W8A8, activations quantized per token (or with the checkpoint's static
-             input_scale), `torch._scaled_mm`, from GEMV_ROWS + 1 = 9 rows up. At decode
-             (M <= 8 rows, K a multiple of 32) the FP8 weights are read by the weight-only
-             GEMV instead (kernels/quant_gemv.py gemv_w8) with the activations in the model
-             dtype: weight-only numerics at decode, W8A8 at prefill. Measured on the H200 with
-             _scaled_mm at every M: the FP8 engine's decode step at batch 1 took 6.49 ms GPU
-             forward against bf16's 4.70, where its bytes would allow ~1.8.
+             input_scale), `torch._scaled_mm`, from 9 rows up. At decode (M <= 8 rows, K a
+             multiple of 32) the FP8 weights are read by the weight-only GEMV instead
+             (kernels/quant_gemv.py gemv_w8) with the activations in the model dtype:
+             weight-only numerics at decode, W8A8 at prefill. Measured on the H200
+             (docs/benchmarks.md, "GPU: one NVIDIA H200"), Llama-3-8B-shaped FP8 decode at
+             batch 1: 6.49 ms GPU forward with _scaled_mm at every M, 4.91 with the GEMV,
+             bf16 4.57: the GEMV streams FP8 at 0.9-1.6 TB/s, not yet at the copy rate.
   triton_w8  other CUDA cases (INT8, FP8 blocks, GPUs without FP8 units): weight-only; the
-             GEMV (kernels/quant_gemv.py gemv_w8) at M <= 8 rows (K a multiple of 32), the
-             Triton GEMM dequantizing in the tile (kernels/w8_linear.py) above; the tile
-             kernel measured ~2x bf16's time at M = 1 on the H200 (0.0377 ms against 0.0225
-             on Llama-3-8B's qkv) though it reads half the bytes.
+             GEMV (kernels/quant_gemv.py gemv_w8) for single rows (K a multiple of 32), the
+             Triton GEMM dequantizing in the tile (kernels/w8_linear.py) above. Measured on the
+             H200 (benchmarks/w4a16_gpu.py, int8 per channel, qkv + gate_up + down): at M = 1
+             the GEMV 0.150 ms against the tile kernel's 0.214; at M = 8 the tile kernel
+             0.214 against the GEMV's 0.373.
   dequant    anything else: the twin, which dequantizes one layer per call (never the whole
              model at once).
 
@@ -235,16 +237,22 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
 
     def _triton_w8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if w8_route(x.numel() // x.shape[-1], x.shape[-1], self.group_k) == "gemv":
+        if w8_route(x.numel() // x.shape[-1], x.shape[-1], self.group_k, TRITON_W8_GEMV_ROWS) == "gemv":
             return self.gemv(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.bias)
 
 
-def w8_route(num_rows: int, in_features: int, group_k: int) -> str:
+TRITON_W8_GEMV_ROWS = 1  # triton_w8: the GEMV for single rows only (measured; see the docstring)
+
+
+def w8_route(num_rows: int, in_features: int, group_k: int, max_rows: int | None = None) -> str:
     """The CUDA 8-bit backends' path for a call of `num_rows` rows: "gemv" (decode, weight-only
-    GEMV) or "gemm" (the backend's own GEMM: the Triton tile kernel or _scaled_mm)."""
+    GEMV, up to `max_rows` rows; None: as many as the GEMV serves) or "gemm" (the backend's own
+    GEMM: the Triton tile kernel or _scaled_mm)."""
     from stoker.kernels.quant_gemv import supports
 
+    if max_rows is not None and num_rows > max_rows:
+        return "gemm"
     return "gemv" if supports(num_rows, in_features, group_k, 8) else "gemm"
 
 

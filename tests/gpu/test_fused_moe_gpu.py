@@ -103,7 +103,7 @@ def test_captures_in_a_cuda_graph_and_follows_the_routing() -> None:
         assert rel_err(out, reference.fused_moe_grouped(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
 
 
-# ---- the small-batch path (GEMV-style kernels, T * k <= SMALL_BATCH_PAIRS) ----------------------------
+# ---- the small-batch path (GEMV-style kernels, T <= SMALL_BATCH_TOKENS by default) ----------------------------
 # Shapes: Mixtral-like decode (2 pairs); 16 pairs (the threshold) over 8 experts; the down GEMM's K
 # split 8 ways (I 8192 at 2 pairs); odd H / I and k = E; Qwen3-MoE-like (128 experts, top-8, 1 token).
 
@@ -151,17 +151,16 @@ def test_small_batch_8bit_experts_match_the_twin(qdtype: str, block: int | None)
 
 @compiled_only
 def test_small_batch_captures_in_a_cuda_graph_and_follows_the_routing() -> None:
-    """Decode's shape: 4 tokens x top-2 = 8 pairs takes the small path by default, and its
-    expert order is found on the device, so one graph serves any routing."""
-    from stoker.kernels.fused_moe import SMALL_BATCH_PAIRS, fused_moe
+    """4 tokens x top-2 = 8 pairs through the small path (forced: by default it serves one
+    token); its expert order is found on the device, so one graph serves any routing."""
+    from stoker.kernels.fused_moe import fused_moe
 
-    assert 4 * 2 <= SMALL_BATCH_PAIRS
     x, w13, w2, weights, ids = case(8, 2, 1024, 2048, 4, torch.bfloat16)
-    fused_moe(x, w13, w2, weights, ids)
+    fused_moe(x, w13, w2, weights, ids, small_batch=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, ids)
+        out = fused_moe(x, w13, w2, weights, ids, small_batch=True)
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
         w_new, ids_new = softmax_topk(torch.randn(4, 8, generator=gen).cuda(), 2, renormalize=True)
