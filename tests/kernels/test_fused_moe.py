@@ -269,6 +269,16 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
 
 
+@pytest.fixture
+def few_sms(monkeypatch):
+    """The small-batch tiles aim at 8 programs per SM of the GPU (132 under the interpreter): for
+    the tests' tiny shapes that is thousands of interpreted programs. 8 SMs keep the same code
+    paths (tiles narrower than the shapes, split K) at a fraction of the time."""
+    from stoker.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "num_sms", lambda index: 8)
+
+
 def test_small_batch_is_chosen_from_shapes_only() -> None:
     from stoker.kernels import fused_moe as module
 
@@ -288,8 +298,8 @@ def test_small_batch_is_chosen_from_shapes_only() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES, ids=IDS)
-def test_small_batch_matches_the_twin(num_experts, k, hidden, inter, num_tokens, dtype, poisoned) -> None:
+@pytest.mark.parametrize("num_experts, k, hidden, inter, num_tokens", SHAPES[:4], ids=IDS[:4])  # not 37 tokens: decode's path
+def test_small_batch_matches_the_twin(num_experts, k, hidden, inter, num_tokens, dtype, poisoned, few_sms) -> None:
     w13, w2 = (w.to(dtype) for w in experts(num_experts, hidden, inter))
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     weights, ids = routing(num_tokens, num_experts, k)
@@ -331,7 +341,7 @@ def test_small_batch_tiles_cover_the_sms() -> None:
 @pytest.mark.parametrize("qdtype", ["int8", "fp8"])
 @pytest.mark.parametrize("block", [None, 64], ids=["per-channel", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_small_batch_8bit_experts(qdtype: str, block: int | None, dtype: torch.dtype, poisoned) -> None:
+def test_small_batch_8bit_experts(qdtype: str, block: int | None, dtype: torch.dtype, poisoned, few_sms) -> None:
     num_experts, hidden, inter, num_tokens, k = 3, 144, 136, 2, 2
     w13, w2 = experts(num_experts, hidden, inter)
     q13, s13, g13 = quantized_experts(w13, qdtype, block)
