@@ -24,6 +24,9 @@ checkpoint names `experts.{e}.gate_proj.qweight`, ... as shard `(expert, "w1" | 
   gptq / gptq_v2       qweight (K / 8, N), qzeros (G, N / 8) (zero - 1 for "gptq"), scales (G, N),
                        g_idx read and refused by name unless in plain group order (desc_act)
   awq                  GEMM packing: qweight (K, N / 8), qzeros (G, N / 8) in AWQ's nibble order
+  gguf                 a GGUF file's Q4_0 / Q4_1 / Q4_K experts, decoded by models/gguf_loader.py
+                       (quantization/gguf_blocks.py): weight (N, K) uint8 codes, weight_scale and
+                       weight_offset (N, K / 32) float32, the offset itself (not a zero point)
 
 Tensor parallelism cuts I: each rank reads (or, online, quantizes) its rows of gate and up and
 its columns of down, so I / tp and the cut must be whole groups, and a pre-quantized cut whole
@@ -70,7 +73,7 @@ class Int4MoEMethod(MoEMethod):
         self.backend = backend
         self.name = name
         self.layout = "" if online else scheme.int4_layout
-        self.offset_is_zero_point = self.layout != ""  # until process_after_loading
+        self.offset_is_zero_point = self.layout not in ("", "gguf")  # until process_after_loading
         self.group_k13 = 0  # columns of H per w13 group; set by create_weights
         self.group_k2 = 0  # columns of I per w2 group
         self.activation: str | None = None  # the C kernel's name for the layer's gate (create_weights)
@@ -118,6 +121,8 @@ class Int4MoEMethod(MoEMethod):
     def checkpoint_params(self) -> tuple[str, ...]:
         if self.online:
             return ("weight",)
+        if self.layout == "gguf":
+            return ("weight", "weight_scale", "weight_offset")
         if self.layout == "compressed-tensors":
             return ("weight_packed", "weight_scale", "weight_shape") + (() if self.scheme.symmetric else ("weight_zero_point",))
         return ("qweight", "qzeros", "scales")  # gptq, gptq_v2, awq; GPTQ's g_idx is read when present
@@ -127,10 +132,13 @@ class Int4MoEMethod(MoEMethod):
     ) -> tuple[slice, ...] | None:
         if param == "bias":
             return layer.bias_slice(shard, shape)
-        if param == "weight":
+        if param == "weight":  # a float tensor, or (gguf) the unpacked codes (N, K): the float weight's part
             return layer.checkpoint_slice(shard, shape)
         if not layer.is_split or param == "weight_shape":
             return None
+        if self.layout == "gguf":  # scales and offsets (N, K / g): gate/up's rows, down's groups (whole: create_weights)
+            cut = slice(*layer.split.range(layer.checkpoint_intermediate_size))
+            return (cut,) if shard != "w2" else (slice(None), slice(cut.start // self.group_k2, cut.stop // self.group_k2))
         # this rank's [start, stop) of I: rows of gate and up, columns (K) of down, in whole groups
         # (create_weights checked) and whole int32s of eight packed values (checked here)
         cut = slice(*layer.split.range(layer.checkpoint_intermediate_size))
@@ -184,6 +192,13 @@ class Int4MoEMethod(MoEMethod):
                 codes.copy_(int4.pack(q))
                 scale.copy_(s)
                 offset.copy_(o)
+            elif self.layout == "gguf" and param in ("weight", "weight_scale", "weight_offset"):
+                if param == "weight":
+                    if tensor.dtype != torch.uint8 or (tensor.numel() and int(tensor.max()) > 15):
+                        raise ValueError(f"{where}: expected 4-bit codes (uint8 in [0, 15]), got {tensor.dtype}")
+                    codes.copy_(int4.pack(_shaped(tensor, (n, k), where)))
+                else:
+                    (scale if param == "weight_scale" else offset).copy_(_shaped(tensor, (n, k // group), where).float())
             elif param == "weight_packed" and self.layout == "compressed-tensors":
                 codes.copy_(int4.pack(_shaped(unpack_int32_nibbles(tensor, k, dim=1, where=where), (n, k), where)))
             elif param == "weight_scale" and self.layout == "compressed-tensors":

@@ -26,7 +26,10 @@ experts), qwen2, qwen3, qwen2moe and qwen3moe;
     an HF checkpoint (models/gguf_names.expert_names), each expert's slice read on its own:
     float types as they are, symmetric int8 blocks (Q8_0, Q6_K, Q5_0) as `weight` and
     `weight_scale` for the quantized MoE method (layers/moe_quant.py), whose int8 groups of K
-    per expert row are the blocks' own; other types are refused by name (quantization/gguf.py);
+    per expert row are the blocks' own, 4-bit blocks (Q4_0, Q4_1, Q4_K) decoded as for a dense
+    projection into `weight` (codes, uint8), `weight_scale` and `weight_offset` (per 32 columns)
+    for the int4 MoE method (layers/moe_int4.py, layout "gguf"); which layer runs how, and the
+    types and mixes refused by name, is quantization/gguf.py's (`expert_scheme`);
   * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
@@ -121,15 +124,19 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
                          f"dimension (head_dim {head_dim}); Stoker's {arch} model rotates the whole head")
     tensors = {t.name: t for t in reader.tensors}
     rope_freqs = tensors.pop(gguf_names.ROPE_FREQS, None)
+    layer_experts: dict[str, list[tuple[str, str]]] = {}
     for name, t in tensors.items():
         if gguf_names.is_experts(name):
             gguf_types.check_expert_type(name, _type_name(t))
+            layer_experts.setdefault(name.split(".")[1], []).append((name, _type_name(t)))
         else:
             gguf_names.hf_name(name, arch)  # refuses a tensor the model has no place for
             gguf_types.check_type(name, _type_name(t))
             if _BLOCK_ROUTER in name and _type_name(t) not in gguf_types.FLOAT_TYPES:
                 raise ValueError(f"GGUF tensor {name} (a MoE router) is {_type_name(t)}; Stoker's router runs in "
                                  f"float32 and takes {', '.join(gguf_types.FLOAT_TYPES)}")
+    for experts in layer_experts.values():  # one representation per layer, or refused naming its tensors
+        gguf_types.expert_scheme(experts)
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -284,7 +291,7 @@ class GGUFTensors:
         qc = config.get("quantization_config") or {}
         self.types: dict[str, list[str]] = qc.get("tensors", {})
         self.schemes = self._schemes(model)
-        # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "dequant")
+        # HF name -> (GGUF tensor, what to give: "float" | "q" | "scale" | "offset" | "dequant")
         self.entries: dict[str, tuple[Any, str]] = {}
         # HF name of one expert's slice of a stacked experts tensor -> that expert's index
         self.expert_of: dict[str, int] = {}
@@ -314,11 +321,12 @@ class GGUFTensors:
                 self.affine[module] = t  # not a key: handed whole to the method (load_affine_weights)
             else:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
-        self._decoded: dict[str, tuple[torch.Tensor, torch.Tensor, set[str]]] = {}
+        self._decoded: dict[str, tuple[dict[str, torch.Tensor], set[str]]] = {}
 
     def _add_experts(self, t: Any) -> None:
         """Each expert's slice of a stacked experts tensor under its per-expert HF name: float,
-        or (symmetric int8 blocks) `weight` and `weight_scale` for the quantized MoE method."""
+        or `weight` and `weight_scale` (int8 blocks, the quantized MoE method) and `weight_offset`
+        (4-bit blocks, the int4 MoE method), all decoded from one read of the expert's blocks."""
         for expert, hf in enumerate(gguf_names.expert_names(t.name, self.arch, int(t.shape[-1]))):
             module = hf.rpartition(".")[0]
             if _type_name(t) in gguf_types.FLOAT_TYPES:
@@ -328,6 +336,9 @@ class GGUFTensors:
             else:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
                 self.expert_of[f"{module}.weight_scale"] = expert
+                if self.schemes[module].dtype == "int4":
+                    self.entries[f"{module}.weight_offset"] = (t, "offset")
+                    self.expert_of[f"{module}.weight_offset"] = expert
             self.expert_of[hf] = expert
 
     def _schemes(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -378,7 +389,7 @@ class GGUFTensors:
             dims = dims[1:]
         if len(dims) == 1 and name.endswith(_SHARED_EXPERT_GATE):
             dims = (1, dims[0])
-        if what == "scale":
+        if what in ("scale", "offset"):
             return dims[0], dims[1] // self.schemes[name.rpartition(".")[0]].group_size
         return dims
 
@@ -392,13 +403,13 @@ class GGUFTensors:
                 out = out.reshape(1, -1)
         elif what == "dequant":
             out = gguf_blocks.dequantize(self._raw(t), _type_name(t))
-        else:  # weight and scale come from one decode, kept until both have been read
+        else:  # weight, scale (and offset) come from one decode, kept until each has been read
             if module not in self._decoded:
-                self._decoded[module] = (*self._decode(t, self.schemes[module].group_size, expert), set())
-            q, scale, taken = self._decoded[module]
-            out = q if what == "q" else scale
+                self._decoded[module] = (self._decode(t, self.schemes[module].group_size, expert), set())
+            parts, taken = self._decoded[module]
+            out = parts[what]
             taken.add(what)
-            if len(taken) == 2:
+            if len(taken) == len(parts):
                 del self._decoded[module]
         heads = gguf_names.permuted_heads(t.name, self.heads, self.kv_heads) if self.arch == "llama" else None
         return out if heads is None else gguf_names.unpermute_rows(out, heads)
@@ -461,10 +472,16 @@ class GGUFTensors:
             return data.view(torch.bfloat16).reshape(dims if expert is None else dims[1:])
         return data
 
-    def _decode(self, t: Any, group: int, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, t: Any, group: int, expert: int | None = None) -> dict[str, torch.Tensor]:
+        """{"q", "scale"} of symmetric int8 blocks, {"q", "scale", "offset"} of 4-bit ones
+        (MoE experts: int4 codes uint8 in [0, 15], groups of 32)."""
         kind = _type_name(t)
+        if kind in gguf_types.INT4_GROUPS:
+            q, scale, offset = gguf_blocks.AFFINE[kind](self._raw(t, expert))
+            assert group == gguf_blocks.GROUP_K[kind]
+            return {"q": q, "scale": scale, "offset": offset}
         q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t, expert))
         own = gguf_blocks.GROUP_K[kind]
         if group != own:  # a coarser shard of a merged projection: each scale repeated, exact
             scale = scale.repeat_interleave(own // group, dim=1)
-        return q, scale
+        return {"q": q, "scale": scale}

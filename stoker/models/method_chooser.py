@@ -188,19 +188,18 @@ class LinearMethodChooser:
                       and not layer.custom_activation and not layer.has_bias)
         if self.quant is not None and self.quant.experts_only:
             method = self._mxfp4(name, layer)
-        elif self.quant is not None and self.quant.weights.dtype == "int4" and self._experts_quantized(name, layer):
+        elif self.quant is not None and self._experts_scheme(name, layer).dtype == "int4" \
+                and self._experts_quantized(name, layer):
             from stoker.layers.moe_int4 import Int4MoEMethod
 
             # moe.c dequantizes each GEMM task's panel on CPU float32; torch dequantizes per expert elsewhere
-            method = Int4MoEMethod(self.quant.weights, self.quant.online, "cpu" if self.cpu_kernels else "dequant", name)
+            method = Int4MoEMethod(self._experts_scheme(name, layer), self.quant.online,
+                                   "cpu" if self.cpu_kernels else "dequant", name)
         elif self.quant is not None and self._experts_quantized(name, layer):
             from stoker.layers.moe_quant import QuantizedMoEMethod
 
             # the checkpoint's scheme; a GGUF file's is its expert tensors' own (their finest group)
-            w = self.quant.weights_for(self._expert_module_names(name, layer))
-            if w.dtype == "int4":
-                raise QuantizationError(f"int4 Mixture-of-Experts experts ({name}) are not supported yet; "
-                                        "quantize this model with --quantization int8 or fp8, or run it unquantized")
+            w = self._experts_scheme(name, layer)
             group = w.group_size if w.strategy == "group" else w.block[1] if w.strategy == "block" and w.block else None
             # the kernel reads one scale per K tile: a group of K that is not a multiple of 16 does not tile
             triton_groups = group is None or group % 16 == 0
@@ -228,6 +227,15 @@ class LinearMethodChooser:
 
         return Mxfp4MoEMethod("cpu" if self.cpu_kernels else "dequant")
 
+    def _experts_scheme(self, name: str, layer: FusedMoE) -> WeightScheme:
+        """The scheme the config holds this layer's experts in: the checkpoint's one scheme; a GGUF
+        file's, its expert tensors' own (quantization/gguf.py expert_scheme), float ones aside."""
+        assert self.quant is not None
+        names = self._expert_module_names(name, layer)
+        if all(self.quant.is_ignored(n) for n in names):
+            return self.quant.weights  # float experts: _experts_quantized says so
+        return self.quant.weights_for(names)
+
     def _experts_quantized(self, name: str, layer: FusedMoE) -> bool:
         """Whether the config quantizes this layer's experts: all of them, or none (then they load
         as floats); an ignore list that splits them is refused, as for a merged projection."""
@@ -241,7 +249,8 @@ class LinearMethodChooser:
             )
         if all(ignored):
             return False
-        if not self.quant.online and layer.is_split and self.quant.weights.dtype != "int4":  # int4 cuts at groups
+        # int4 experts (a GGUF file's: its expert tensors' own scheme) are cut at whole groups
+        if not self.quant.online and layer.is_split and self._experts_scheme(name, layer).dtype != "int4":
             raise QuantizationError(
                 f"pre-quantized Mixture-of-Experts experts ({name}) under tensor parallelism are not supported yet; "
                 "run with --tensor-parallel-size 1, or quantize a float checkpoint online (--quantization)"

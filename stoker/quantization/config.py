@@ -57,7 +57,7 @@ class WeightScheme:
     dynamic_activations: bool = False  # W8A8 with per-token activation scales (FP8 only)
     static_input_scale: bool = False  # the checkpoint carries input_scale (W8A8 static)
     symmetric: bool = True  # int4: False when the checkpoint carries zero points
-    int4_layout: str = ""  # int4 checkpoint tensors: "compressed-tensors", "gptq", "gptq_v2", "awq"; "" online
+    int4_layout: str = ""  # int4 checkpoint tensors: "compressed-tensors", "gptq", "gptq_v2", "awq", "gguf" (MoE experts); "" online
 
     @property
     def quantized_activations(self) -> bool:

@@ -17,11 +17,17 @@ type maps exactly onto a Stoker method (quantization/gguf_blocks.py decodes them
   anything else    refused, naming the tensor and its type (no float fallback, which would
                    hide the weight bytes): Q2_K, Q3_K, the IQ types, TQ, MXFP4 ...
 
-MoE experts (one 3-D tensor per projection, models/gguf_loader.py) run on Stoker's MoE methods:
-float types on the float one, the symmetric int8 types (Q8_0, Q6_K, Q5_0: int8 codes and one
-scale per group of K per expert row, exactly the quantized MoE method's int8 groups,
-layers/moe_quant.py) on the int8 one, a layer's gate, up and down at their finest group; the
-4- and 5-bit affine types have no MoE method and are refused by name (`check_expert_type`).
+MoE experts (one 3-D tensor per projection, models/gguf_loader.py) run on Stoker's MoE methods,
+one representation per layer, decided here (`expert_scheme`, which `weights_for` gives for a
+layer's expert modules): float types on the float one; the symmetric int8 types (Q8_0, Q6_K,
+Q5_0: int8 codes and one scale per group of K per expert row, exactly the quantized MoE method's
+int8 groups, layers/moe_quant.py) on the int8 one, at the layer's finest group; the 4-bit types
+(Q4_0, Q4_1, Q4_K: codes, a scale and an offset per 32 columns, as for a dense projection) on
+the int4 one (layers/moe_int4.py, layout "gguf": the decoded codes, scales and offsets as they
+are). Refused by name (`check_expert_type`, `expert_scheme`): the affine 5-bit types (Q5_K,
+Q5_1: no MoE method holds int8 codes with offsets) and a layer whose experts mix families (a
+Q4_K_M file's Q4_K gate/up beside a Q6_K or Q5_0 down: no MoE method holds int4 gate/up beside
+int8 down yet).
 
 A merged projection (q/k/v, gate/up) runs as one GEMM with one method when its shards share a
 representation family: int8 shards of different group sizes run at the finest group (16 beside
@@ -37,6 +43,7 @@ the runner reads it through `resolve` here rather than config.resolve.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +55,7 @@ INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q5_K": 32, "Q5_1": 32}  # co
 INT8_AFFINE = ("Q5_K", "Q5_1")  # with an offset per group
 INT4_GROUPS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32}  # columns of K per scale and offset
 SUPPORTED = "F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0"
-EXPERT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q6_K", "Q5_0")  # float, or int8 without offsets
+EXPERT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q6_K", "Q5_0", *INT4_GROUPS)  # float, int8 without offsets, or int4
 
 
 def check_type(tensor: str, kind: str) -> None:
@@ -64,8 +71,33 @@ def check_expert_type(tensor: str, kind: str) -> None:
     check_type(tensor, kind)
     if kind not in EXPERT_TYPES:
         raise QuantizationError(f"GGUF tensor {tensor} is {kind}: Mixture-of-Experts experts in {kind} have no exact "
-                                f"Stoker method yet (int4 and affine int8 experts are not supported); supported "
-                                f"expert types: {', '.join(EXPERT_TYPES)}")
+                                f"Stoker method yet (affine int8 experts, Q5_K and Q5_1, are not supported); "
+                                f"supported expert types: {', '.join(EXPERT_TYPES)}")
+
+
+def is_experts_tensor(tensor: str) -> bool:
+    """A MoE layer's stacked experts (blk.N.ffn_{gate,up,down}_exps.weight; models/gguf_names.py)."""
+    return tensor.startswith("blk.") and "_exps." in tensor
+
+
+def expert_scheme(tensors: list[tuple[str, str]]) -> WeightScheme | None:
+    """The one scheme a MoE layer's experts are held in, from their (gguf tensor, type)s:
+    None (float), int8 at the finest group, or int4 groups of 32 with the decoded offsets
+    (int4_layout "gguf", layers/moe_int4.py); a layer whose experts mix families is refused,
+    naming its tensors, since each MoE method holds one representation for gate, up and down."""
+    for tensor, kind in tensors:
+        check_expert_type(tensor, kind)
+    kinds = [k for _, k in tensors]
+    families = {family(k) for k in kinds}
+    if len(families) > 1:
+        named = ", ".join(f"{t} ({k})" for t, k in dict.fromkeys(tensors))
+        raise QuantizationError(f"GGUF tensors {named} are one Mixture-of-Experts layer's experts in different "
+                                f"representations ({' and '.join(sorted(families))}); Stoker holds a layer's experts "
+                                "in one (no MoE method holds gate, up and down in different representations yet)")
+    scheme = common_scheme(kinds)
+    if scheme is not None and scheme.dtype == "int4":
+        scheme = dataclasses.replace(scheme, int4_layout="gguf")
+    return scheme
 
 
 def family(kind: str) -> str:
@@ -129,6 +161,13 @@ class GGUFQuantConfig(QuantConfig):
         return [(idx, common_scheme(kinds)) for idx, kinds in runs]
 
     def weights_for(self, module_names: list[str]) -> WeightScheme:
+        types = self._types(module_names)
+        if all(is_experts_tensor(t) for t, _ in types):  # a MoE layer's experts: expert_scheme's
+            scheme = expert_scheme(types)
+            if scheme is None:
+                raise QuantizationError(f"GGUF tensors {', '.join(dict.fromkeys(t for t, _ in types))} are float experts: "
+                                        "they hold no quantized scheme")
+            return scheme
         runs = self.shard_runs(module_names)
         if len(runs) > 1 or runs[0][1] is None:
             types = self._types(module_names)

@@ -72,3 +72,22 @@ def test_gguf_q4_k_m_mix_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> No
         model = llm.engine.executor.driver_runner.model
         assert isinstance(model.get_submodule("model.layers.1.self_attn.qkv_proj").method, CompositeLinearMethod)
         assert isinstance(model.get_submodule("model.layers.1.self_attn.o_proj").method, AffineInt8LinearMethod)
+
+
+def test_gguf_moe_q4_experts_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    """Mixtral with Q4_K w1/w3 and Q4_0 w2 experts (the int4 MoE method, layout gguf): each rank
+    reads its rows of gate and up and its whole groups of 32 columns of down, scales and offsets
+    with them."""
+    from stoker.layers.moe import FusedMoE
+    from stoker.layers.moe_int4 import Int4MoEMethod
+
+    src = tiny_checkpoints("mixtral", hidden_size=256, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256)
+    types = {r"experts\.\d+\.w2": "Q4_0", r"experts": "Q4_K", r"proj\.weight": "Q8_0"}
+    path = write_gguf(src, tmp_path / "m.gguf", types, "llama")
+    copy_demo_tokenizer(tmp_path)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        moes = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(isinstance(m.method, Int4MoEMethod) and m.is_split for m in moes)
