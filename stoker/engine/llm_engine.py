@@ -306,13 +306,13 @@ class LLMEngine:
         make_output = self.output_processor.make_output
         # A final-only request (LLM.generate's) gets its output once, when it finishes
         outputs = [make_output(s) for s in touched
-                   if s.request_id not in failures and (not s.request.final_only or s.finished)]
+                   if (not failures or s.request_id not in failures) and (not s.request.final_only or s.finished)]
         if self.kv_connector is not None:  # the prefill leg's params; reads failed under policy "fail"
             for out in outputs:
                 out.kv_transfer_params = self.kv_connector.take_kv_transfer_params(out.request_id)
             failures.update(self._kv_load_failures())
         for state in touched:
-            if state.finished and state.request_id not in failures:
+            if state.finished and (not failures or state.request_id not in failures):
                 self._release_request(state)  # its output is in `outputs` already
         self.collect_unloaded_loras()
         if failures:
