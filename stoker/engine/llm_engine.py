@@ -265,12 +265,13 @@ class LLMEngine:
         seq_to_request = self._seq_to_request
         for s in plan.scheduled:
             seq = s.seq
-            metrics = seq_to_request[seq.seq_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
             num_output = len(seq.output_token_ids)  # seq.is_prefill, inlined (every sequence, every step)
             if num_output == 0 or len(seq.prompt_token_ids) + num_output - seq.num_computed_tokens > 1:
                 self._prompt_tokens += s.num_tokens
+                # A request is first scheduled with a prompt chunk (a decode's request has been before)
+                metrics = seq_to_request[seq.seq_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
         lora_slots = None
         if self.lora is not None:
             names = {s.seq.lora_name for s in plan.scheduled if s.seq.lora_name is not None}
