@@ -159,6 +159,9 @@ class BlockManager:
         """Register the blocks of seq that became full since the last call (after a step)."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_hashed_blocks.get(seq.seq_id)
+        if start is not None and seq.num_computed_tokens // self.block_size <= start:
+            return  # no block filled since the last call (most decode steps): nothing below would change
         table = self.block_tables.get(seq.seq_id)
         if not table:
             return

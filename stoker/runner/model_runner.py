@@ -423,7 +423,7 @@ class ModelRunner:
             return None
         if logits is None:
             return StepResult(prompt_logprobs=inputs.prompt_logprobs)
-        if any(s.draft_token_ids for s in inputs.sampled):
+        if inputs.has_drafts:  # any(s.draft_token_ids for s in inputs.sampled), counted by prepare_inputs
             return StepResult(self._verify(step, inputs, logits), inputs.prompt_logprobs)
         rows = []
         constrained = []  # (row, seq_id, spec): rows a grammar masks

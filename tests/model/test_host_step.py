@@ -114,6 +114,7 @@ def test_prepare_inputs_matches_the_per_token_loop(block_size: int) -> None:
         assert md.cu_seqlens_q == cu and md.context_lens_list == ctx
         assert md.num_decodes == sum(1 for s in step.seqs if s.num_tokens == 1)
         assert got.sampled == [s for s in step.seqs if s.do_sample] and got.ordered is step.seqs
+        assert got.has_drafts == any(s.draft_token_ids for s in got.sampled)
 
 
 def _reference_shape(step: StepMessage) -> StepShape:
