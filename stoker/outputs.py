@@ -16,6 +16,8 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+# The engine builds CompletionOutput and RequestOutput by position, once per request per step
+# (OutputProcessor.make_output): a new field goes last, with a default.
 @dataclass
 class CompletionOutput:
     index: int

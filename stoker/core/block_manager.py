@@ -104,6 +104,15 @@ class BlockManager:
             parent_hash, parent_id = h, block_id
         return hit
 
+    def held_table_if_room(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
+        """seq's block table when the blocks it holds have room for `num_new_tokens` more tokens
+        (then `can_allocate` is true and `allocate` takes nothing: most decode steps), else None.
+        The scheduler's shortcut for a running sequence: one call instead of three."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is not None and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return table
+        return None
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
         """Whether `num_new_tokens` more tokens of seq fit, after reusing `cached_block_ids`."""
         if not cached_block_ids:  # the common case (every running sequence, every step): no hit to revive
@@ -150,6 +159,9 @@ class BlockManager:
         """Register the blocks of seq that became full since the last call (after a step)."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_hashed_blocks.get(seq.seq_id)
+        if start is not None and seq.num_computed_tokens // self.block_size <= start:
+            return  # no block filled since the last call (most decode steps): nothing below would change
         table = self.block_tables.get(seq.seq_id)
         if not table:
             return

@@ -155,10 +155,20 @@ class Scheduler:
 
         # 1. Running sequences, oldest first; preempt the newest when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        running = self.running
+        scheduled = out.scheduled
+        held_table_if_room = bm.held_table_if_room
+        while i < len(running) and budget > 0:
+            seq = running[i]
             num_uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
             num_new = min(num_uncomputed + len(seq.draft_token_ids), budget)
+            table = held_table_if_room(seq, num_new)
+            if table is not None:  # its blocks have room: nothing to allocate (most decode steps)
+                scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, table,
+                                                   max(num_new - num_uncomputed, 0)))
+                budget -= num_new
+                i += 1
+                continue
             if num_new > num_uncomputed and not bm.can_allocate(seq, num_new):
                 # Drafts are a bet: never preempt a sequence (a recompute) to make room for them.
                 num_new = min(num_uncomputed, budget)
@@ -179,6 +189,8 @@ class Scheduler:
             break  # seq itself was preempted: everything newer is gone too
 
         # 2. Waiting sequences, FCFS, unless this step had to preempt (memory is tight).
+        if not self.waiting:  # nothing to admit (most steps of a full batch): no pass over the running ones
+            return self._finish_plan(out, budget)
         loras = {s.lora_name for s in self.running if s.lora_name is not None}
         no_slot: list[Sequence] = []  # waiting for a LoRA slot: passed over, kept in order
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
@@ -224,7 +236,9 @@ class Scheduler:
             if seq.lora_name is not None:
                 loras.add(seq.lora_name)
         self.waiting.extendleft(reversed(no_slot))
+        return self._finish_plan(out, budget)
 
+    def _finish_plan(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         if self.host_kv is not None:
             out.kv_host_saves = self.host_kv.take_saves()
@@ -255,7 +269,7 @@ class Scheduler:
                                        f"accepted {got} token(s): a runner must accept 1 to 1 + drafts")
                 accepted = sampled.token_ids
                 num_computed += len(accepted) - 1  # the accepted drafts; the last token is new
-                seq.append_tokens(accepted)
+                seq.output_token_ids.extend(accepted)  # seq.append_tokens, inlined (every sequence, every step)
             seq.num_computed_tokens = s.start_pos + num_computed
             if seq.draft_token_ids:  # verified, or cut by the budget: stale once a token is appended
                 seq.draft_token_ids = []

@@ -25,10 +25,10 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
-_FINISHED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+FINISHED_STATUSES = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
 
 
 _seq_counter = itertools.count()
@@ -101,7 +101,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status in FINISHED_STATUSES
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

@@ -233,14 +233,20 @@ def build_step(out: SchedulerOutput, eos_token_ids: tuple[int, ...], lora_slots:
         num_drafts = s.num_draft_tokens
         name = seq.lora_name
         slot = lora_slots[name] if name is not None and lora_slots is not None else -1
+        p = seq.sampling_params
         prompt_logprobs = (_prompt_logprob_targets(seq, s.start_pos, s.num_tokens - num_drafts)
-                           if seq.wants_prompt_logprobs else None)
-        seqs.append(SeqStep(seq.seq_id, s.token_ids, s.start_pos, list(s.block_table), s.do_sample,
+                           if p.prompt_logprobs is not None and seq.index == 0 else None)  # seq.wants_prompt_logprobs
+        start = s.start_pos
+        output_ids = seq.output_token_ids
+        if s.num_tokens == 1 and not num_drafts:  # one known token (a decode): s.token_ids, inlined
+            num_prompt = len(seq.prompt_token_ids)
+            token_ids = [output_ids[start - num_prompt] if start >= num_prompt else seq.prompt_token_ids[start]]
+        else:
+            token_ids = s.token_ids
+        seqs.append(SeqStep(seq.seq_id, token_ids, start, list(s.block_table), s.do_sample,
                             prompt_logprobs, slot, tuple(s.draft_token_ids) if num_drafts else ()))
         if s.do_sample:
-            p = seq.sampling_params
-            history_ids = (seq.prompt_token_ids, list(seq.output_token_ids)) if _needs_history(p) else None
-            sampling[seq.seq_id] = SampleSpec(p, seq.index, len(seq.output_token_ids), history_ids,
-                                              seq.bad_words_token_ids)
+            history_ids = (seq.prompt_token_ids, list(output_ids)) if _needs_history(p) else None
+            sampling[seq.seq_id] = SampleSpec(p, seq.index, len(output_ids), history_ids, seq.bad_words_token_ids)
     return StepMessage(seqs, sampling, tuple(eos_token_ids), tuple(out.kv_copies),
                        kv_host_saves=tuple(out.kv_host_saves), kv_host_loads=tuple(out.kv_host_loads))

@@ -18,7 +18,7 @@ Decode = Callable[..., str]  # decode(token_ids, skip_special_tokens=...) -> tex
 _CONTEXT_TOKENS = 5
 
 
-@dataclass
+@dataclass(slots=True)
 class DetokenizerState:
     prefix_offset: int
     read_offset: int

@@ -265,12 +265,13 @@ class LLMEngine:
         seq_to_request = self._seq_to_request
         for s in plan.scheduled:
             seq = s.seq
-            metrics = seq_to_request[seq.seq_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
             num_output = len(seq.output_token_ids)  # seq.is_prefill, inlined (every sequence, every step)
             if num_output == 0 or len(seq.prompt_token_ids) + num_output - seq.num_computed_tokens > 1:
                 self._prompt_tokens += s.num_tokens
+                # A request is first scheduled with a prompt chunk (a decode's request has been before)
+                metrics = seq_to_request[seq.seq_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
         lora_slots = None
         if self.lora is not None:
             names = {s.seq.lora_name for s in plan.scheduled if s.seq.lora_name is not None}
@@ -306,13 +307,13 @@ class LLMEngine:
         make_output = self.output_processor.make_output
         # A final-only request (LLM.generate's) gets its output once, when it finishes
         outputs = [make_output(s) for s in touched
-                   if s.request_id not in failures and (not s.request.final_only or s.finished)]
+                   if (not failures or s.request_id not in failures) and (not s.request.final_only or s.finished)]
         if self.kv_connector is not None:  # the prefill leg's params; reads failed under policy "fail"
             for out in outputs:
                 out.kv_transfer_params = self.kv_connector.take_kv_transfer_params(out.request_id)
             failures.update(self._kv_load_failures())
         for state in touched:
-            if state.finished and state.request_id not in failures:
+            if state.finished and (not failures or state.request_id not in failures):
                 self._release_request(state)  # its output is in `outputs` already
         self.collect_unloaded_loras()
         if failures:

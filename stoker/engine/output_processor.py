@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.core.sequence import Sequence, SequenceStatus
+from stoker.core.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from stoker.core.step import PromptLogprobChunk, SampledTokens, StepResult
 from stoker.engine.detokenizer import DetokenizerState, decode_increment, fast_decode, find_stop_string, new_state
 from stoker.engine.input_processor import EngineRequest
@@ -47,7 +47,7 @@ class RequestState:
     @property
     def finished(self) -> bool:
         for s in self.seqs:
-            if not s.is_finished:
+            if s.status not in FINISHED_STATUSES:  # s.is_finished, inlined
                 return False
         return True
 
@@ -106,6 +106,13 @@ class OutputProcessor:
         logprobs = sampled.logprobs
         first = len(seq.output_token_ids) - len(token_ids)  # index of the first new token in the output
         wants_logprobs = seq.sampling_params.logprobs is not None
+        if len(token_ids) == 1 and not wants_logprobs:  # one token, no logprobs: the loop below, unrolled
+            self.num_generation_tokens += 1
+            seq.cumulative_logprob += logprobs[0]
+            stopped = self._append_text_and_check_stop(state, seq, token_ids[0], first + 1)
+            if stopped is not None:
+                self.finish_seq(seq, *stopped)  # nothing was accepted after it
+            return
         append_text_and_check_stop = self._append_text_and_check_stop
         for j, token in enumerate(token_ids):
             self.num_generation_tokens += 1
@@ -152,12 +159,26 @@ class OutputProcessor:
         if not ((is_stop_token or is_eos) and not p.include_stop_str_in_output):
             detok = state.detok[seq.seq_id]
             start = detok.prefix_offset
+            skip = p.skip_special_tokens
+            one_token = self._one_token.get(skip)
             if start >= num_prompt:  # the window is all output (every token once past the prompt's end)
                 window = seq.output_token_ids[start - num_prompt : num_output]
             else:
                 window = seq.tokens_slice(start, num_prompt + num_output)
-            skip = p.skip_special_tokens
-            delta = decode_increment(self.tokenizer, window, detok, skip, self._decode, self._one_token.get(skip))
+            if detok.read_offset - start == 1 and one_token is not None:
+                # decode_increment's common case (a one-token prefix, its text cached), inlined:
+                # the same decodes and the same state changes, without the call per token
+                decode = self._decode
+                prefix_text = one_token.get(window[0])
+                if prefix_text is None:
+                    prefix_text = one_token[window[0]] = decode(window[:1], skip_special_tokens=skip)
+                full_text = decode(window, skip_special_tokens=skip)
+                if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+                    delta = full_text[len(prefix_text) :]
+                    detok.prefix_offset = read_offset = detok.read_offset
+                    detok.read_offset = read_offset + len(window) - 1
+            else:
+                delta = decode_increment(self.tokenizer, window, detok, skip, self._decode, one_token)
             if delta:
                 seq.output_text += delta
         if is_eos:
@@ -195,31 +216,34 @@ class OutputProcessor:
     # ------------------------------------------------------------------ outputs
     @staticmethod
     def make_output(state: RequestState) -> RequestOutput:
+        # Positional arguments (in the dataclasses' field order): a keyword call costs about
+        # twice as much, and this runs once per request per step while the server streams.
         completions = []
         finished = True
         for seq in state.seqs:
             status = seq.status
-            done = status.is_finished
-            finished = finished and done
+            done = status in FINISHED_STATUSES
+            if not done:
+                finished = False
             completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.output_text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
-                finish_reason=status.value if done else None,
-                stop_reason=seq.stop_reason,
+                seq.index,
+                seq.output_text,
+                list(seq.output_token_ids),
+                seq.cumulative_logprob,
+                list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+                status.value if done else None,  # finish_reason
+                seq.stop_reason,
             ))
         req = state.request
         first = state.seqs[0]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=state.metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            # Shared, not copied per step: complete once the prompt is in, and never changed after.
-            prompt_logprobs=first.prompt_logprobs,
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            state.metrics,
+            first.num_cached_tokens,
+            # prompt_logprobs: shared, not copied per step: complete once the prompt is in, and never changed after.
+            first.prompt_logprobs,
         )

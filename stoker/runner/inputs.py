@@ -27,6 +27,7 @@ class ModelInputs:
     ordered: list[SeqStep]  # all scheduled sequences, decodes first
     # Filled by the forward on the rank that gets logits: seq_id -> its prompt tokens' scores.
     prompt_logprobs: dict[int, PromptLogprobChunk] = field(default_factory=dict)
+    has_drafts: bool = False  # some sampling sequence verifies drafts (more rows than sequences)
 
 
 # A sequence with at least this many new tokens (a prefill chunk) gets its slots from numpy;
@@ -112,6 +113,7 @@ def prepare_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         logits_indices=as_tensor(logits_indices, torch.int64),
         sampled=sampled,
         ordered=ordered,
+        has_drafts=len(logits_indices) > len(sampled),
     )
 
 

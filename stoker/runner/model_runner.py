@@ -100,6 +100,7 @@ class ModelRunner:
         self.lora = ModelLoRASlots(self.model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device) if lora else None
         self.sampler = Sampler(config.model_config.seed, self.device)
         self.generators: dict[int, torch.Generator] = {}
+        self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, kept between steps (sample)
         cache = config.cache_config
         self.kv_dtype = FP8_KV_DTYPE if cache.fp8_kv else self.dtype
         self.kv_spec = self.model.kv_cache_spec("fp8_e4m3" if cache.fp8_kv else str(self.dtype).removeprefix("torch."))
@@ -422,25 +423,43 @@ class ModelRunner:
             return None
         if logits is None:
             return StepResult(prompt_logprobs=inputs.prompt_logprobs)
-        if any(s.draft_token_ids for s in inputs.sampled):
+        if inputs.has_drafts:  # any(s.draft_token_ids for s in inputs.sampled), counted by prepare_inputs
             return StepResult(self._verify(step, inputs, logits), inputs.prompt_logprobs)
         rows = []
         constrained = []  # (row, seq_id, spec): rows a grammar masks
+        sampling = step.sampling
+        kept = self._rows
+        eos = step.eos_token_ids
         for i, s in enumerate(inputs.sampled):
-            spec = step.sampling[s.seq_id]
-            prompt_ids, output_ids = spec.history_ids or ([], [])
-            rows.append(SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
-                                    self._generator(s.seq_id, spec), step.eos_token_ids, spec.bad_words_token_ids))
-            if spec.params.structured_outputs is not None:
-                constrained.append((i, s.seq_id, spec.params.structured_outputs))
+            seq_id = s.seq_id
+            spec = sampling[seq_id]
+            params = spec.params
+            row = kept.get(seq_id)
+            # A sequence keeps its row from step to step (its params, generator and bad words are
+            # the request's); only what a step changes is set. Another params object: a new row.
+            if (row is None or row.params is not params or row.eos_token_ids is not eos
+                    or row.bad_words_token_ids is not spec.bad_words_token_ids):
+                row = kept[seq_id] = self._new_row(seq_id, spec, eos)
+            else:
+                row.num_output_tokens = spec.num_output_tokens
+                if spec.history_ids is not None:
+                    row.prompt_ids, row.output_ids = spec.history_ids
+            rows.append(row)
+            if params.structured_outputs is not None:
+                constrained.append((i, seq_id, params.structured_outputs))
         if constrained:
             self.matchers.mask(logits, constrained)
         out = self.sampler(logits, rows)
         for i, seq_id, _ in constrained:
             self.matchers.accept(seq_id, out.token_ids[i])
-        sampled = {s.seq_id: SampledTokens([out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]])
-                   for i, s in enumerate(inputs.sampled)}
+        sampled = {s.seq_id: SampledTokens([token], [logprob], [top])
+                   for s, token, logprob, top in zip(inputs.sampled, out.token_ids, out.logprobs, out.top_logprobs)}
         return StepResult(sampled, inputs.prompt_logprobs)
+
+    def _new_row(self, seq_id: int, spec: SampleSpec, eos_token_ids: tuple[int, ...]) -> SamplingRow:
+        prompt_ids, output_ids = spec.history_ids or ([], [])
+        return SamplingRow(spec.params, prompt_ids, output_ids, spec.num_output_tokens,
+                           self._generator(seq_id, spec), eos_token_ids, spec.bad_words_token_ids)
 
     def _verify(self, step: StepMessage, inputs: ModelInputs, logits: torch.Tensor) -> dict[int, SampledTokens]:
         """Speculative decoding: (N, V) logits, 1 + len(drafts) rows per sampling sequence ->
@@ -491,6 +510,7 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
         if self.drafter is not None:
             self.drafter.release(seq_id)
         if self.matchers is not None:

@@ -9,7 +9,7 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,8 +17,14 @@ from stoker.sampling.penalties import apply_penalties
 from stoker.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
+    """One row of logits' sampling: its request's params and the per-step facts they need.
+
+    What the params ask for is read once, when the row is made (`greedy`, `plain`, `num_top`):
+    a request's SamplingParams are fixed for its life, and the runner keeps a sequence's row
+    from step to step (ModelRunner.sample), updating only `num_output_tokens` and the history."""
+
     params: SamplingParams
     prompt_ids: list[int]  # penalties only: empty when the row uses none
     output_ids: list[int]  # penalties only: empty when the row uses none
@@ -27,6 +33,25 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
     # bad_words as token ids: the last of each is banned where the output ends with the rest
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    greedy: bool = field(init=False)  # params.is_greedy
+    # nothing in `Sampler.prepare` touches this row's logits: no penalty, no min_tokens, no
+    # logit_bias, allowed_token_ids or bad_words
+    plain: bool = field(init=False)
+    num_top: int | None = field(init=False)  # params.logprobs
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = p.is_greedy
+        self.plain = not (_penalized(p) or p.min_tokens or _token_rules(p))
+        self.num_top = p.logprobs
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty)
+
+
+def _token_rules(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words)
 
 
 @dataclass
@@ -74,12 +99,12 @@ class Sampler:
         """logits: (S, V) float32, one row per sequence that samples this step."""
         raw_logprobs, logits = self.prepare(logits, rows)
         sampled = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        random_rows = [i for i, r in enumerate(rows) if not r.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=self.device)
             probs = self.target_probs(logits, rows, random_rows)
             sampled[idx] = self.draw(probs, [rows[i].generator for i in random_rows])
-        return self.to_host(raw_logprobs, sampled, [r.params.logprobs for r in rows])
+        return self.to_host(raw_logprobs, sampled, [r.num_top for r in rows])
 
     def _col(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
@@ -87,8 +112,13 @@ class Sampler:
     def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, V) logits -> (raw log-probabilities, what `logprobs` reports; the logits after
         penalties, min_tokens, logit_bias, allowed_token_ids and bad_words: greedy takes their argmax)."""
-        params = [r.params for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for r in rows:
+            if not r.plain:
+                break
+        else:  # the common batch: no row asks for any of it (one pass, not one per rule)
+            return raw_logprobs, logits
+        params = [r.params for r in rows]
         col = self._col
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
             logits = apply_penalties(

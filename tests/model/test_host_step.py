@@ -114,6 +114,7 @@ def test_prepare_inputs_matches_the_per_token_loop(block_size: int) -> None:
         assert md.cu_seqlens_q == cu and md.context_lens_list == ctx
         assert md.num_decodes == sum(1 for s in step.seqs if s.num_tokens == 1)
         assert got.sampled == [s for s in step.seqs if s.do_sample] and got.ordered is step.seqs
+        assert got.has_drafts == any(s.draft_token_ids for s in got.sampled)
 
 
 def _reference_shape(step: StepMessage) -> StepShape:
@@ -176,3 +177,64 @@ def test_generate_is_final_only_and_equals_stepping(tiny_llama) -> None:
     assert len(got[-1][0].outputs[0].token_ids) == 5
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+class _NoKeep(dict):
+    """A ModelRunner._rows that keeps nothing: every step builds every row afresh (as before)."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_kept_sampling_rows_sample_as_fresh_ones(tiny_llama) -> None:
+    """The runner keeps a sequence's SamplingRow between steps and updates only what a step
+    changes: penalties see the output so far, min_tokens the count, seeded rows their own
+    stream, n > 1 each completion's, bad words the output's tail, exactly as rows built afresh."""
+    llm = LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=8 << 20)
+    runner = llm.engine.executor.driver_runner
+    eos = llm.engine.eos_token_ids[0]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.5, frequency_penalty=0.7,
+                             presence_penalty=0.4),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=14, n=2, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=12, min_tokens=10, stop_token_ids=[eos]),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=2, max_tokens=10,
+                             bad_words=["the", " a"], logit_bias={7: 3.0})]
+    prompts = ["The quick brown fox", "héllo wörld", "1 2 3", "Once upon", "a b a b a b"]
+
+    def run() -> list:
+        return [[(c.text, c.token_ids, c.finish_reason, c.cumulative_logprob, c.logprobs) for c in o.outputs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    kept = run()
+    assert not runner._rows  # released with their sequences
+    runner._rows = _NoKeep()
+    try:
+        fresh = run()
+    finally:
+        runner._rows = {}
+    assert kept == fresh
+
+
+def test_sampler_skips_prepare_only_for_plain_rows() -> None:
+    from stoker.sampling.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 32)
+    plain = SamplingParams(temperature=0)
+    rows = [SamplingRow(plain, [], [], 0, None, (4,)) for _ in range(5)]
+    assert all(r.plain and r.greedy and r.num_top is None for r in rows)
+    out = Sampler(0, torch.device("cpu"))(logits[:5].clone(), rows)
+    assert out.token_ids == logits[:5].argmax(dim=-1).tolist()
+    # one row that is not plain: the whole batch goes through the rules, that row changed alone
+    for special in (SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0, logit_bias={3: 100}),
+                    SamplingParams(temperature=0, repetition_penalty=100.0), SamplingParams(temperature=0, bad_words=["x"])):
+        top = int(logits[5].argmax())  # each rule takes it away: the EOS below min_tokens, a bias elsewhere,
+        row = SamplingRow(special, [top], [top], 0, None, (top,), ((top,),))  # the penalty, the bad word
+        assert not row.plain
+        got = Sampler(0, torch.device("cpu"))(logits.clone(), rows + [row])
+        assert got.token_ids[:5] == out.token_ids
+        assert got.token_ids[5] != int(logits[5].argmax())
