@@ -39,9 +39,10 @@ def _measure(tmp_path):
 def test_steps_predicted_from_microbenchmarks_alone(tmp_path):
     # A burst of load from the other worker can land on the microbenchmarks or on the steps
     # (seen in CI: a batch-1 decode at 1.28x and a prefill at 1.37x in one run, within 10% the
-    # next): one miss is measured again, from scratch, before the check fails.
+    # next; once, right after the parallel phase, 0.64x then 1.31x, and within 25% in four runs
+    # alone after): a miss is measured again, from scratch, up to twice before the check fails.
     reports = []
-    for attempt in range(2):
+    for attempt in range(3):
         fit, mb, rows = _measure(tmp_path / f"attempt{attempt}")
         reports.append("\n".join(f"{r.point}: predicted {r.predicted.step_time_s * 1e3:.2f} ms {r.predicted.parts_s}, "
                                   f"measured {r.measured_s * 1e3:.2f} ms, ratio {r.ratio:.3f}" for r in rows))
