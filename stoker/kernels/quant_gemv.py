@@ -40,12 +40,12 @@ of group_k columns (per channel: G = 1), as w8_linear.py. Same structure: sum q 
 thread's VEC columns in float32, times s once. int8 codes become floats by the same trick
 ((q + 128) | 0x4B000000, minus 2^23 + 128); fp8 through the hardware's e4m3 conversion.
 
-Few rows only (M <= GEMV_ROWS = 8), an estimate, not a measurement: every 4-bit weight costs
-~3 ALU ops to decode plus one FMA per row; the H200's measured 4.25 TB/s copy rate over 132
-SMs at ~2 GHz is ~16 bytes, ~32 4-bit weights, a clock per SM, so at M = 8 the ~11 ops a
-weight ask ~350 of the SM's 128 FP32 lanes a clock: ~3x the memory time, which the 0.109 ms
-measured for the tile kernel at M = 16 on qkv (~35x the 3 us qkv's 4-bit bytes take to read) still leaves
-well ahead; past 8 rows the ALU work grows on and the tile kernels' tl.dot should win. BLOCK_N narrows as BLOCK_M = next_pow2(M) grows so
+Few rows only (M <= GEMV_ROWS = 8): every 4-bit weight costs ~3 ALU ops to decode plus one
+FMA per row, so the arithmetic grows with M while the bytes do not. Measured on an H200
+(benchmarks/w4a16_gpu.py; docs/benchmarks.md, "GPU: one NVIDIA H200"), the GEMVs stream 0.9-1.6
+TB/s at M = 1 (the copy rate is 4.3) and at M = 8 lose to dequantize + F.linear (4-bit) and to
+the tile kernel (int8): the methods that call them take them for M <= 4 (int4_method) and M = 1
+(triton_w8), and FP8 `scaled_mm` for M <= 8. BLOCK_N narrows as BLOCK_M = next_pow2(M) grows so
 that the accumulators fit in registers (tile_config); a row's sums do not depend on BLOCK_N and
 the split of K does not depend on M, so for 1..8 rows a row's result does not depend on the
 batch it is in (a batch of 9+ rows takes another kernel, with other sums).
