@@ -42,7 +42,7 @@ thread's VEC columns in float32, times s once. int8 codes become floats by the s
 
 Few rows only (M <= GEMV_ROWS = 8): every 4-bit weight costs ~3 ALU ops to decode plus one
 FMA per row, so the arithmetic grows with M while the bytes do not. Measured on an H200
-(benchmarks/w4a16_gpu.py; docs/benchmarks.md, "GPU: one NVIDIA H200"), the GEMVs stream 0.9-1.6
+(benchmarks/w4a16_gpu.py; docs/benchmarks.md, "GPU: one NVIDIA H200"), the GEMVs stream 0.4-1.6
 TB/s at M = 1 (the copy rate is 4.3) and at M = 8 lose to dequantize + F.linear (4-bit) and to
 the tile kernel (int8): the methods that call them take them for M <= 4 (int4_method) and M = 1
 (triton_w8), and FP8 `scaled_mm` for M <= 8. BLOCK_N narrows as BLOCK_M = next_pow2(M) grows so
