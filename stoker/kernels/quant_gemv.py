@@ -69,7 +69,7 @@ import triton.language as tl
 
 from stoker.kernels._common import check, check_last_dim_contiguous, check_same_device, interpreting, next_pow2, num_sms
 from stoker.kernels.fused_moe import _rounded
-from stoker.kernels.w4a16_linear import SPLIT_SUM_BLOCK, _split_sum_kernel
+from stoker.kernels.w4a16_linear import split_sum
 
 GEMV_ROWS = 8  # at most this many rows of x (see the module docstring)
 NUM_WARPS = 4
@@ -378,11 +378,7 @@ def _launch(kernel, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | 
         PARTIAL=split > 1, RNE_BF16=rne, **constexprs, **tiles,
     )  # fmt: skip
     if split > 1:
-        total = num_rows * n
-        _split_sum_kernel[(triton.cdiv(total, SPLIT_SUM_BLOCK),)](
-            partial, bias if bias is not None else partial, out, total, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, RNE_BF16=rne,
-        )  # fmt: skip
+        split_sum(partial, bias, out, rne_bf16=rne)
 
 
 def gemv_w4(

@@ -593,16 +593,7 @@ def w4a16_linear(
 ) -> torch.Tensor:  # (..., N)
     """Twin of kernels/w4a16_linear.py: w = (q - 8) * s (+ o') in float32, cast to x's dtype,
     then the product in float32 (x's dtype for float32 x), rounded once to x's dtype."""
-    k = 2 * qweight.shape[1]
-    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(qweight.shape[0], k)
-
-    def per_column(t: torch.Tensor) -> torch.Tensor:
-        return t.float().repeat_interleave(group_k, dim=1)[:, :k]
-
-    w = (codes.float() - 8.0) * per_column(scale)
-    if offset is not None:
-        w = w + per_column(offset)
-    out = x.float() @ w.to(x.dtype).float().t()
+    out = x.float() @ dequant_w4(qweight, scale, offset, group_k, x.dtype).float().t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

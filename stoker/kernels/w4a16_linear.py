@@ -223,9 +223,16 @@ def w4a16_linear(
         DOT_FP32=dot_fp32, PRECISION=precision, **tiles,
     )  # fmt: skip
     if split > 1:
-        total = num_rows * n
-        _split_sum_kernel[(triton.cdiv(total, SPLIT_SUM_BLOCK),)](
-            partial, bias if bias is not None else scale, out, total, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, RNE_BF16=dot_fp32,
-        )  # fmt: skip
+        split_sum(partial, bias, out, rne_bf16=dot_fp32)
     return out.view(*x.shape[:-1], n)
+
+
+def split_sum(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, rne_bf16: bool) -> None:
+    """out (M, N) = the sum of partial (SPLIT_K, M, N) float32 in split order, + bias (N,),
+    rounded once (`_split_sum_kernel`); shared by the split-K launchers."""
+    split, num_rows, n = partial.shape
+    total = num_rows * n
+    _split_sum_kernel[(triton.cdiv(total, SPLIT_SUM_BLOCK),)](
+        partial, bias if bias is not None else partial, out, total, n,
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, RNE_BF16=rne_bf16,
+    )  # fmt: skip
