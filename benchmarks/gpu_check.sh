@@ -8,9 +8,20 @@
 #   profile  gpu_figures.py --parts profile: each decode kernel's device time at B = 1 and 64
 #   quick    gpu_figures.py: offline 1000 x 128 -> 128 (no HF), the graph decode sweep, profile
 #   fp8      gpu_figures.py --parts prefill,decode with FP8 weights and an FP8 KV cache
+#   int4     gpu_figures.py --parts prefill,decode with online int4 weights (group 128; the tinygemm form)
 #   w4a16    benchmarks/w4a16_gpu.py (the Triton W4A16 GEMM beside its peers)
 #   moe      benchmarks/moe_gpu.py (the fused-MoE kernel beside the per-expert loop)
 #   fleet    `stoker top --once` and `stoker telemetry`'s /metrics on real NVML
+#   offline  gpu_figures.py --parts offline: 1000 x 128 -> 128 and 1000 x 1000 -> 1000, then HF
+#            transformers' generate (static batches) and continuous batching on 128 -> 128
+#   server   `stoker serve` with the offline engine's settings, then `stoker bench serve`: 1000
+#            requests 128 -> 128 sent at once (the offline workload through HTTP)
+#   sweep    benchmarks/w4a16_gpu.py --sweep: the 4-bit / 8-bit decode GEMVs' launch configurations
+#   mla      benchmarks/mla_gpu.py (the MLA decode kernel at DeepSeek-V3's latent shape)
+#   pooling  benchmarks/pooling_gpu.py (embeddings: Stoker's pooling runner beside sentence-transformers)
+#   lora     benchmarks/lora_gpu.py (4 LoRA adapters against the base model: kernel and engine)
+#   spec     benchmarks/spec_decode_gpu.py (speculative decoding at batch 1)
+# OFFLINE_WORKLOADS replaces the offline stage's workloads (default "1000:128:128 1000:1000:1000").
 # W4A16_ARGS narrows the w4a16 stage (e.g. "--rows 1 16 64 2048 --projections qkv gate_up").
 # Everything also lands in $OUT/results.tgz after each stage (the logs and the JSON results).
 # The checkpoint is written while the tests run, so timed stages have the GPU to themselves.
@@ -71,6 +82,7 @@ has profile && run_figures profile 90 --parts profile && pack
 has quick && run_figures quick 150 --parts offline,decode,profile --no-eager --no-hf --workloads 1000:128:128 && pack
 has fp8 && run_figures fp8 120 --parts prefill,decode --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1 64 256 \
   ${FP8_ARGS:-} && pack
+has int4 && run_figures int4 150 --parts prefill,decode --quantization int4 --batch-sizes 1 8 64 --no-eager && pack
 if has w4a16; then
   timeout 120 python3 benchmarks/w4a16_gpu.py ${W4A16_ARGS:-} > "$OUT/w4a16.log" 2>&1
   echo "w4a16 rc=$?"; grep -v "^ *$" "$OUT/w4a16.log" | tail -40; pack
@@ -86,3 +98,36 @@ if has fleet; then
   } > "$OUT/fleet.log" 2>&1
   echo "fleet:"; tail -45 "$OUT/fleet.log"; pack
 fi
+has offline && run_figures offline 260 --parts offline --workloads ${OFFLINE_WORKLOADS:-1000:128:128 1000:1000:1000} && pack
+if has server; then  # the offline engine's settings (gpu_figures.py's LLM(...)), 1000 requests at once
+  t0=$SECONDS
+  python3 -m stoker serve $CKPT --port 8312 --max-model-len 2240 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+    --kv-cache-memory-bytes $((40 * 1024 ** 3)) > $FIG/server.log 2>&1 &
+  SERVER_PID=$!
+  python3 - <<'PY'
+import time, urllib.request
+for _ in range(240):
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8312/health", timeout=1).status == 200:
+            break
+    except OSError:
+        time.sleep(0.5)
+PY
+  echo "server ready after $((SECONDS - t0)) s"
+  timeout 150 python3 -m stoker bench serve --base-url http://127.0.0.1:8312 --endpoint completions --dataset random \
+    --num-prompts 1000 --random-input-len 128 --random-output-len 128 --ignore-eos --tokenizer $CKPT \
+    --request-rate inf --disable-tqdm --save-result $FIG/server_bench.json > "$OUT/server.log" 2>&1
+  echo "server bench rc=$? in $((SECONDS - t0)) s"; grep -E "throughput|Successful|duration|Failed|Mean|Median" "$OUT/server.log"
+  kill $SERVER_PID; wait $SERVER_PID 2>/dev/null; tail -5 $FIG/server.log > "$OUT/server_process_tail.log"; pack
+fi
+run_script() {  # NAME CAP SCRIPT ARGS...
+  local name=$1 cap=$2 t0=$SECONDS
+  shift 2
+  timeout -k 10 "$cap" python3 "$@" --json $FIG/$name.json > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s"; grep -v "^ *$" "$OUT/$name.log" | tail -40; pack
+}
+has sweep && run_script sweep 90 benchmarks/w4a16_gpu.py --sweep
+has mla && run_script mla 60 benchmarks/mla_gpu.py
+has pooling && run_script pooling 75 benchmarks/pooling_gpu.py
+has lora && run_script lora 100 benchmarks/lora_gpu.py --checkpoint $CKPT
+has spec && run_script spec 100 benchmarks/spec_decode_gpu.py --checkpoint $CKPT

@@ -17,8 +17,10 @@ writes the checkpoint):
             32 output tokens, graphs on; then B = 1, 64 with the graphs set aside (eager).
             MBU = (weight bytes read per step + KV bytes read) / GPU forward time / copy rate.
   offline   1000 prompts 128 -> 128 and 200 prompts 2048 -> 128 (ignore_eos, greedy) through
-            LLM.generate, then HF transformers' `generate` on 256 of the 128 -> 128 prompts in one
-            left-padded static batch of 256 on the same GPU (sdpa, bf16), output tokens/s each.
+            LLM.generate (--workloads; 1000:1000:1000 is the long one), then HF transformers on the
+            128 -> 128 prompts on the same GPU (sdpa, bf16): `generate` on one left-padded static
+            batch of each --hf-batches size, and continuous batching (`generate_batch`) on
+            --hf-cb-prompts prompts; output tokens/s each, and Stoker's over HF's best.
 
   profile   (only when named) an eager engine, B = 1 and 64 at prompt 1024: the device time of
             each kernel over 5 pure-decode steps (torch.profiler), per step, largest first, and
@@ -322,28 +324,62 @@ def offline_stoker(llm: LLM, small: bool, workloads: list[tuple[int, int, int]])
     return out
 
 
-def offline_hf(ckpt: Path, device: torch.device, dtype: torch.dtype, small: bool) -> dict[str, Any]:
+def offline_hf(ckpt: Path, device: torch.device, dtype: torch.dtype, small: bool, batches: list[int],
+               cb_prompts: int) -> list[dict[str, Any]]:
+    """HF transformers on the 128 -> 128 workload, one model load: `generate` on one left-padded
+    static batch per size in `batches` (sdpa), then continuous batching (`generate_batch`, its
+    paged cache) on `cb_prompts` prompts. Output tokens are counted from what each returned, so
+    an early EOS lowers the figure rather than inflating it. A run that fails is recorded with
+    its error and the others go on."""
     import transformers
 
-    n, inp, outp = (16, 32, 16) if small else (256, 128, 128)
+    inp, outp = (32, 16) if small else (128, 128)
+    batches = [16] if small else batches
+    cb_prompts = 16 if small else cb_prompts
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa",
                                                               device_map=str(device)).eval()
     rng = random.Random(2)
     vocab = model.config.vocab_size
-    ids = torch.tensor([[rng.randrange(5, vocab) for _ in range(inp)] for _ in range(n)], device=device)
-    mask = torch.ones_like(ids)
+    prompts = [[rng.randrange(5, vocab) for _ in range(inp)] for _ in range(max(batches + [cb_prompts]))]
     kwargs = dict(max_new_tokens=outp, min_new_tokens=outp, do_sample=False, pad_token_id=0)
+    out: list[dict[str, Any]] = []
     with torch.no_grad():
-        model.generate(ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        sync(device)
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, **kwargs)
-        sync(device)
-        t = time.perf_counter() - t0
-    generated = (out.shape[1] - inp) * n
+        ids = torch.tensor(prompts[:2], device=device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        for n in batches:
+            row: dict[str, Any] = {"engine": "hf generate (static batch)", "batch": n, "prompts": n, "input": inp, "output": outp}
+            try:
+                ids = torch.tensor(prompts[:n], device=device)
+                sync(device)
+                t0 = time.perf_counter()
+                res = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+                sync(device)
+                t = time.perf_counter() - t0
+                generated = (res.shape[1] - inp) * n
+                row.update(seconds=t, output_tokens_per_s=generated / t, total_tokens_per_s=(generated + n * inp) / t)
+            except Exception as e:  # noqa: BLE001 - a failed peer run is a recorded result, not the end of the run
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            out.append(row)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row = {"engine": "hf continuous batching (generate_batch)", "prompts": cb_prompts, "input": inp, "output": outp}
+        try:
+            config = transformers.GenerationConfig(max_new_tokens=outp, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up (graphs, cache sizing)
+            sync(device)
+            t0 = time.perf_counter()
+            res = model.generate_batch(inputs=prompts[:cb_prompts], generation_config=config)
+            sync(device)
+            t = time.perf_counter() - t0
+            generated = sum(len(r.generated_tokens) for r in res.values())
+            row.update(seconds=t, output_tokens_per_s=generated / t, total_tokens_per_s=(generated + cb_prompts * inp) / t,
+                       generated_tokens=generated)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        out.append(row)
     del model
-    return {"engine": "hf generate (static batch)", "batch": n, "prompts": n, "input": inp, "output": outp, "seconds": t,
-            "output_tokens_per_s": generated / t, "total_tokens_per_s": (generated + n * inp) / t}
+    return out
 
 
 def main() -> None:
@@ -360,7 +396,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["1000:128:128", "200:2048:128"],
                     help="offline: PROMPTS:INPUT:OUTPUT each")
     ap.add_argument("--no-hf", action="store_true", help="offline: Stoker only")
-    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weights quantized at load")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[256, 512], help="offline: HF generate's static batch sizes")
+    ap.add_argument("--hf-cb-prompts", type=int, default=512, help="offline: prompts for HF continuous batching")
+    ap.add_argument("--quantization", choices=["fp8", "int8", "int4"], default=None, help="weights quantized at load")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
     parts = PARTS if args.parts == "all" else args.parts.split(",")
@@ -460,10 +498,17 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "offline" in parts and not args.no_hf:
-            h = offline_hf(ckpt, device, dtype, small)
-            result["offline"].append(h)
-            print(f"# offline HF generate batch {h['batch']} x {h['input']}->{h['output']}: {h['seconds']:.1f} s, "
-                  f"{h['output_tokens_per_s']:.0f} output tok/s", flush=True)
+            hf = offline_hf(ckpt, device, dtype, small, args.hf_batches, args.hf_cb_prompts)
+            result["offline"].extend(hf)
+            for h in hf:
+                what = f"batch {h['batch']}" if "batch" in h else f"{h['prompts']} prompts"
+                done = f"{h['seconds']:.1f} s, {h['output_tokens_per_s']:.0f} output tok/s" if "seconds" in h else h["error"]
+                print(f"# offline {h['engine']} {what} x {h['input']}->{h['output']}: {done}", flush=True)
+            best = max((h["output_tokens_per_s"] for h in hf if "seconds" in h), default=None)
+            same = [r for r in result["offline"] if r["engine"] == "stoker" and (r["input"], r["output"]) == (hf[0]["input"], hf[0]["output"])]
+            if best and same:
+                result["stoker_vs_hf_best"] = same[0]["output_tokens_per_s"] / best
+                print(f"# Stoker / HF's best at {hf[0]['input']}->{hf[0]['output']}: {result['stoker_vs_hf_best']:.2f}x", flush=True)
             save()
     save()
 

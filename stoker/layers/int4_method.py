@@ -35,7 +35,13 @@ Backends, chosen once at build (models/method_chooser.py):
            against 0.043 ms on qkv at M = 64, 6.9 against 0.16 at 2048) and is no longer
            dispatched; it stays as a benchmark peer. torch's `_weight_int4pack_mm` beat both
            paths at M <= 8 (0.013 / 0.038 / 0.022 ms at M = 1) but needs its own weight layout
-           beside the codes the dequantizing path reads; not yet adopted.
+           beside the codes the dequantizing path reads: the tinygemm form below holds that
+           layout instead of the codes.
+           The tinygemm form (kernels/tinygemm_int4.py), taken per layer at load for bfloat16
+           models where tinygemm takes the shape (N % 8, K % 128, groups of 32-256): the layer
+           held in torch's tinygemm layout only, with bfloat16 scales and zeros (G, N, 2);
+           M <= TINYGEMM_ROWS (8) through `torch._weight_int4pack_mm`, more rows dequantized
+           from the same bytes by tinygemm_int4.dequant_tinygemm and F.linear.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).
 
@@ -82,7 +88,7 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     kind = "int4"
 
     def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False,
-                 name: str = "projection", activations: str = "auto") -> None:
+                 name: str = "projection", activations: str = "auto", dtype: torch.dtype | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown int4 backend {backend!r}")
         if activations not in ("auto", "int8") or (activations == "int8" and backend != "cpu_q4"):
@@ -101,12 +107,17 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         self.offset_is_zero_point = self.layout != ""
         self.group_k = 0  # set by create_weights
         self.kernel = None
+        self.dtype = dtype  # the model's (activations'): the tinygemm form is held for bfloat16 only
+        self.held = "codes"  # or "tinygemm" (triton_w4a16, chosen per layer in process_after_loading)
+        self.tinygemm = None
+        self.tinygemm_rows = 0
         self._forward = self._not_loaded
 
     def describe(self) -> str:
         group = f"group {self.scheme.group_size}" if self.scheme.strategy == "group" else "per channel"
         w4a8 = " W4A8 (int8 activations)" if self.activations == "int8" else ""
-        return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'}{w4a8} via {self.backend}"
+        held = " (tinygemm layout)" if self.held == "tinygemm" else ""
+        return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'}{w4a8} via {self.backend}{held}"
 
     def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an int4 projection runs only after models.loader.load_weights")
@@ -295,11 +306,23 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
             self.kernel = linear_q4.linear_q4_a8 if self.activations == "int8" else linear_q4.linear_q4
             self._forward = self._cpu_q4
         elif self.backend == "triton_w4a16":
+            from stoker.kernels import tinygemm_int4
             from stoker.kernels.quant_gemv import dequant_w4, gemv_w4
             from stoker.kernels.w4a16_linear import hold_scales
 
-            # the codes stay as loaded ((N, K / 2), even k in the low nibble: the kernel's layout)
             scales, offsets = hold_scales(layer.weight_scale.data, layer.weight_offset.data)
+            if (self.dtype == torch.bfloat16 and layer.weight.is_cuda
+                    and tinygemm_int4.supported(layer.out_features, layer.in_features, self.group_k)):
+                w = tinygemm_int4.hold(layer.weight.data, scales, offsets, self.group_k)
+                # the layout's words and the (G, N, 2) bfloat16 scales and zeros are all it holds
+                layer.weight = nn.Parameter(w.words, requires_grad=False)
+                layer.weight_scale = nn.Parameter(w.scales_and_zeros, requires_grad=False)
+                layer.weight_offset = None
+                self.tinygemm, self.held, self.tinygemm_rows = w, "tinygemm", tinygemm_int4.TINYGEMM_ROWS
+                self.gemv, self.dequantize = tinygemm_int4.tinygemm_mm, tinygemm_int4.dequant_tinygemm
+                self._forward = self._tinygemm
+                return
+            # the codes stay as loaded ((N, K / 2), even k in the low nibble: the kernel's layout)
             layer.weight_scale = nn.Parameter(scales, requires_grad=False)
             layer.weight_offset = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
             self.gemv = gemv_w4
@@ -327,6 +350,16 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         if route == "gemv":
             return self.gemv(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.bias)
         w = self.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, x.dtype)
+        return torch.nn.functional.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
+
+    def _tinygemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= self.tinygemm_rows:
+            out = self.gemv(x2.contiguous(), self.tinygemm)
+            if layer.bias is not None:
+                out = out + layer.bias.to(out.dtype)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        w = self.dequantize(self.tinygemm, x.dtype)
         return torch.nn.functional.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
 
     def _dequant(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class LinearMethodChooser:
                     f"--activation-dtype {activations} (W4A8) runs on the CPU kernels with a float32 model; {name} runs "
                     f"on {self.device} in {str(self.dtype).removeprefix('torch.')} ({backend}): use --activation-dtype auto")
             return Int4LinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend), name,
-                                    activations)
+                                    activations, self.dtype)
         if scheme is not None:
             from stoker.layers.quantized_method import QuantizedLinearMethod
 

@@ -31,7 +31,9 @@ INT4_GROUP_SIZE = 128
 # scales), and, for asymmetric weights only (AWQ, GPTQ sym false, compressed-tensors with zero
 # points, GGUF Q4_K / Q4_1), a float32 offset: 2 bytes symmetric with float16 scales, 6
 # asymmetric, 4 and 8 with float32 scales.
-INT4_SCALE_BYTES = {"fp16": 2.0, "fp32": 4.0}
+# On CUDA with a bfloat16 model, layers held in torch's tinygemm layout (kernels/tinygemm_int4.py)
+# hold a bfloat16 scale and a bfloat16 zero per group whether symmetric or not: "tinygemm", 4.
+INT4_SCALE_BYTES = {"fp16": 2.0, "fp32": 4.0, "tinygemm": 4.0}
 INT4_OFFSET_BYTES = 4.0
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
 NVFP4_BLOCK_SIZE = 16  # NVIDIA NVFP4: E2M1 values, one FP8 E4M3 scale per 16 (plus one FP32 per tensor)

@@ -153,7 +153,8 @@ class ModelRunner:
             group = self.quant.weights.group_size if self.quant.weights.strategy == "group" else None
             scale_dtype, offsets = self._int4_scales_held()
             predicted = spec.engine_int4_weight_bytes(group, rest_dtype=rest, symmetric=not offsets, scale_dtype=scale_dtype)
-            projections = f"int4 ({scale_dtype} scales{', float32 offsets' if offsets else ''})"
+            projections = ("int4 (bf16 scales and zeros, tinygemm layout)" if scale_dtype == "tinygemm"
+                           else f"int4 ({scale_dtype} scales{', float32 offsets' if offsets else ''})")
         else:
             predicted = spec.weight_bytes(projections, rest_dtype=rest)
         held = self.weight_bytes_held()
@@ -164,13 +165,15 @@ class ModelRunner:
                 f"{by}, panel padding included)")
 
     def _int4_scales_held(self) -> tuple[str, bool]:
-        """("fp16" | "fp32", offsets held?) of the int4 projections: what process_after_loading
-        chose from the loaded values (float16 scales where all of a layer's are exact; offsets
-        only where not all zero). A model whose layers chose differently is priced by the widest."""
+        """("fp16" | "fp32" | "tinygemm", offsets held?) of the int4 projections: what
+        process_after_loading chose from the loaded values (float16 scales where all of a layer's
+        are exact; offsets only where not all zero; the tinygemm layout's scale and zero pairs). A model whose layers chose differently is priced by the widest."""
         layers = [m for m in self.model.modules() if getattr(getattr(m, "method", None), "kind", None) == "int4"]
         # int4 MoE experts (layers/moe_int4.py) hold w13/w2 scales and offsets in float32
         dense = [m for m in layers if hasattr(m, "weight_scale")]
         experts = [m for m in layers if not hasattr(m, "weight_scale")]
+        if dense and not experts and all(getattr(m.method, "held", "") == "tinygemm" for m in dense):
+            return "tinygemm", False  # a bfloat16 scale and zero per group, symmetric or not
         scales = [m.weight_scale for m in dense] + [m.w13_scale for m in experts]
         offsets = [m.weight_offset for m in dense] + [m.w13_offset for m in experts]
         wide = any(s.dtype == torch.float32 for s in scales)

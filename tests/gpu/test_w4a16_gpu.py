@@ -2,8 +2,9 @@
 its twin at Llama-3-8B shapes (decode with split K, prefill), an int4 projection (triton_w4a16
 backend) against F.linear on the dequantized weight, and the engine on AWQ / GPTQ /
 compressed-tensors / online int4 checkpoints through the Triton GEMM against the same
-checkpoint through the dequantizing twin. Not yet run on a GPU (docs/benchmarks.md, "GPU
-(Triton) kernels: not yet measured")."""
+checkpoint through the dequantizing twin; torch's tinygemm layout as this GPU's op makes it (the
+probed table, every tile alike), the tinygemm form of an int4 projection at decode and prefill
+rows, and the engine taking it for a bfloat16 model."""
 
 from __future__ import annotations
 
@@ -138,6 +139,45 @@ def test_int4_projection_equals_the_dequantized_matmul(symmetric: bool) -> None:
 
 
 @compiled_only
+def test_tinygemm_layout_is_probed_from_this_gpus_op() -> None:
+    from stoker.kernels import tinygemm_int4 as tg
+
+    dev = torch.device("cuda")
+    table = tg.nibble_table(tg.cuda_convert, dev)  # raises unless a one-to-one rearrangement
+    tg.check_table(tg.cuda_convert, table, dev)  # raises unless every tile is rearranged alike
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 512), generator=gen).to(dev)
+    assert torch.equal(tg.cuda_convert(tg._op_input(codes), tg.INNER_K_TILES).reshape(-1), tg.pack_by_table(codes, table))
+
+
+@compiled_only
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_tinygemm_projection_equals_the_dequantized_matmul(symmetric: bool) -> None:
+    from stoker.kernels import tinygemm_int4 as tg
+    from stoker.layers.int4_method import Int4LinearMethod
+    from stoker.layers.linear import Linear
+    from stoker.quantization.config import WeightScheme
+
+    gen = torch.Generator().manual_seed(2)
+    q, s, o = int4.quantize(torch.randn(2048, 4096, generator=gen) / 64, 128, symmetric)
+    with torch.device("cuda"):
+        layer = Linear(4096, 2048, bias=True)
+        layer.attach(Int4LinearMethod(WeightScheme("int4", "group", group_size=128, symmetric=symmetric), False,
+                                      "triton_w4a16", dtype=torch.bfloat16))
+    bias = torch.randn(2048, generator=gen)
+    layer.method.load_affine(layer, None, int4.AffineInt4(q, s, o, 128))
+    layer.method.load(layer, "bias", None, bias)
+    layer.method.process_after_loading(layer)
+    assert layer.method.held == "tinygemm" and layer.weight.dtype == torch.int32 and layer.weight_offset is None
+    w = layer.method.tinygemm
+    assert torch.equal(tg.dequant_tinygemm(w, torch.bfloat16), tg.reference_dequant(w, torch.bfloat16))
+    dense = int4.dequantize(q, s, o, 128).cuda()
+    for rows in (1, 4, 8, 9, 300):  # tinygemm three times, then dequantize + F.linear
+        x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
+        assert rel_err(layer(x), F.linear(x.float(), dense, bias.cuda())) < 1e-2, rows
+
+
+@compiled_only
 @pytest.mark.parametrize("fmt", ["online", "ct-w4a16-asym-group", "gptq-asym", "awq"])
 def test_engine_triton_w4a16_equals_the_dequantizing_twin(fmt: str, tiny_checkpoints, tmp_path, monkeypatch) -> None:
     """The same checkpoint on CUDA through the Triton GEMM and through the twin: the same
@@ -159,7 +199,11 @@ def test_engine_triton_w4a16_equals_the_dequantizing_twin(fmt: str, tiny_checkpo
     def run() -> tuple[set[str], torch.Tensor]:
         llm = LLM(str(path), kv_cache_memory_bytes=32 << 20, **kw)
         model = llm.engine.executor.driver_runner.model
-        backends = {m.method.backend for m in model.modules() if isinstance(m, Linear) and isinstance(m.method, Int4LinearMethod)}
+        int4_layers = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.method, Int4LinearMethod)]
+        backends = {m.method.backend for m in int4_layers}
+        if backends == {"triton_w4a16"}:  # a bfloat16 model: the tinygemm form wherever it takes the shape
+            held = {m.method.held for m in int4_layers}
+            assert "tinygemm" in held, held
         return backends, engine_logits(llm, ids).float()
 
     backends, out = run()

@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from stoker.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary  # noqa: E402
 from stoker.kernels import fused_moe, mla_decode_attention, quant_gemv, store_kvcache, w4a16_linear, w8_linear  # noqa: E402
+from stoker.kernels import tinygemm_int4  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale", "cap_log2"}
@@ -172,6 +173,10 @@ def variants():
         yield (f"dequant_w4 BLOCK_B{block_b}{' asym' if asym else ''}", quant_gemv._dequant_w4_kernel,
                {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32"},
                dict(HAS_OFFSET=asym, BLOCK_N=quant_gemv.DEQUANT_BLOCK_N, BLOCK_B=block_b, RNE_BF16=False), 4)
+    yield ("dequant_tinygemm", tinygemm_int4._dequant_tinygemm_kernel,
+           {"*": "bf16", "words_ptr": "i32", "table_ptr": "i32"},
+           dict(BLOCK_N=tinygemm_int4.DEQUANT_BLOCK_N, TILE_N_=tinygemm_int4.TILE_N, TILE_K_=tinygemm_int4.TILE_K,
+                TILE_WORDS_=tinygemm_int4.TILE_WORDS, RNE_BF16=False), 4)
     # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
     moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",
                "pair_weight_ptr": "fp32"}
