@@ -12,8 +12,9 @@
 #   w4a16    benchmarks/w4a16_gpu.py (the Triton W4A16 GEMM beside its peers)
 #   moe      benchmarks/moe_gpu.py (the fused-MoE kernel beside the per-expert loop)
 #   fleet    `stoker top --once` and `stoker telemetry`'s /metrics on real NVML
-#   offline  gpu_figures.py --parts offline: 1000 x 128 -> 128 and 1000 x 1000 -> 1000, then HF
-#            transformers' generate (static batches) and continuous batching on 128 -> 128
+#   offline  gpu_figures.py --parts offline,decode: 1000 x 128 -> 128 and 1000 x 1000 -> 1000, then HF
+#            transformers' generate (static batches) and continuous batching on 128 -> 128; the
+#            graph decode rows at B = 1, 8, 64, 256 (the int4 stage's peer)
 #   server   `stoker serve` with the offline engine's settings, then `stoker bench serve`: 1000
 #            requests 128 -> 128 sent at once (the offline workload through HTTP)
 #   sweep    benchmarks/w4a16_gpu.py --sweep: the 4-bit / 8-bit decode GEMVs' launch configurations
@@ -36,7 +37,7 @@ FIG_CAP=${2:-290}
 STAGES=" ${STAGES:-tests doctor figures} "
 has() { [[ "$STAGES" == *" $1 "* ]]; }
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
@@ -50,9 +51,14 @@ mkdir -p $FIG
 } > "$OUT/env.txt" 2>&1
 tail -4 "$OUT/env.txt"
 
-# the 8B checkpoint, written beside the tests (disk and a little GPU; nothing timed yet)
-(timeout 200 python3 benchmarks/gpu_figures.py --out $FIG --parts checkpoint > $FIG/checkpoint.log 2>&1) &
-CKPT_PID=$!
+# the 8B checkpoint, written beside the tests (disk and a little GPU; nothing timed yet), unless an
+# earlier call on the same machine wrote it (generation_config.json is its last file)
+if [ -f $CKPT/generation_config.json ]; then
+  echo "# checkpoint $CKPT already written" > $FIG/checkpoint.log; CKPT_PID=
+else
+  (timeout 200 python3 benchmarks/gpu_figures.py --out $FIG --parts checkpoint > $FIG/checkpoint.log 2>&1) &
+  CKPT_PID=$!
+fi
 
 if has tests; then
   t0=$SECONDS
@@ -60,7 +66,7 @@ if has tests; then
     --timeout 180 -rfE > "$OUT/test_gpu.log" 2>&1
   echo "tests/gpu: rc=$? in $((SECONDS - t0)) s"; tail -15 "$OUT/test_gpu.log"
 fi
-wait $CKPT_PID; tail -2 $FIG/checkpoint.log
+[ -n "$CKPT_PID" ] && wait $CKPT_PID; tail -2 $FIG/checkpoint.log
 if has doctor; then
   timeout 60 python3 -m stoker doctor --device cuda --soak-minutes 0.1 --out "$OUT/doctor.json" > $FIG/doctor.log 2>&1
   echo "doctor rc=$?"; tail -12 $FIG/doctor.log
@@ -98,7 +104,8 @@ if has fleet; then
   } > "$OUT/fleet.log" 2>&1
   echo "fleet:"; tail -45 "$OUT/fleet.log"; pack
 fi
-has offline && run_figures offline 260 --parts offline --workloads ${OFFLINE_WORKLOADS:-1000:128:128 1000:1000:1000} && pack
+has offline && run_figures offline 280 --parts offline,decode --batch-sizes 1 8 64 256 --no-eager \
+  --workloads ${OFFLINE_WORKLOADS:-1000:128:128 1000:1000:1000} && pack
 if has server; then  # the offline engine's settings (gpu_figures.py's LLM(...)), 1000 requests at once
   t0=$SECONDS
   python3 -m stoker serve $CKPT --port 8312 --max-model-len 2240 --max-num-seqs 256 --max-num-batched-tokens 16384 \
