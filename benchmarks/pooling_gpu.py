@@ -28,7 +28,8 @@ one warm pass:
   stoker runner bB       the same PoolingRunner called directly on batches of B texts in arrival
                          order (no length sorting): the tokenizer call serving.py makes on the
                          batch's texts, then run_rows (B = `--batch-sizes`; B < 8 on the first
-                         eighth of the texts only, to keep the run short)
+                         eighth of the texts only, to keep the run short; B > 32 is what serve
+                         runs with a larger --max-batch-size)
   sentence-transformers bB   SentenceTransformer.encode(texts, batch_size=B) (it sorts by length
                          and pads each batch; tokenization in the timing), B = `--st-batch-sizes`,
                          the best one marked
@@ -192,7 +193,7 @@ def run_workload(workload: str, texts: list[str], model: Any, st: Any, args: arg
     st_vectors: dict[int, np.ndarray] = {}
     for b in args.st_batch_sizes:
         st_vectors[b] = add(f"sentence-transformers b{b}", b, len(texts),
-                            lambda b=b: st.encode(texts, batch_size=b, convert_to_numpy=True))
+                            lambda b=b: st.encode(texts, batch_size=b, convert_to_numpy=True, show_progress_bar=False))
         st_rows.append(rows[-1])
     best = max(st_rows, key=lambda r: r.inputs_per_s)
     best.best = True
@@ -268,11 +269,12 @@ def main() -> int:
             model.tokenizer_thread.shutdown(wait=True)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\nBERT-base-shaped random embedder (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
-          f"{shape['num_attention_heads']} heads, intermediate {shape['intermediate_size']}; mean pooling, normalized), "
-          f"{args.dtype} on {where}; {args.inputs} texts per workload; medians of {args.repeats}; torch {torch.__version__}; "
-          f"sentence-transformers {st_version or 'not installed: Stoker alone'}")
-    print(f"| workload | impl | batch | inputs | tokens | s | inputs/s | tokens/s |")
+    kind = "a tiny" if args.smoke else "BERT-base-shaped"
+    print(f"\n{kind} random embedder (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+          f"{shape['num_attention_heads']} heads, intermediate {shape['intermediate_size']}; mean pooling, "
+          f"normalized), {args.dtype} on {where}; {args.inputs} texts per workload; medians of {args.repeats}; "
+          f"torch {torch.__version__}; sentence-transformers {st_version or 'not installed: Stoker alone'}")
+    print("| workload | impl | batch | inputs | tokens | s | inputs/s | tokens/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for res in results.values():
         for r in res["rows"]:
