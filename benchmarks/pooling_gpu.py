@@ -38,8 +38,8 @@ inputs/s = texts / seconds; tokens/s = their token ids ([CLS] and [SEP] included
 seconds. Agreement: per text, the cosine of Stoker's vector (runner, batch 32) and
 sentence-transformers' (its best batch size); the minimum and mean are printed beside the mean
 cosine of two different texts' vectors (how far below the bar unrelated texts sit), and a
-minimum below 0.99 is reported as a failure (exit status 1, after the table). Without
-sentence-transformers installed, the folder is written without it and Stoker runs alone (said in
+minimum below 0.99 is reported as a failure (exit status 1, after the table). Where sentence-transformers
+cannot be imported, the folder is written without it and Stoker runs alone (said, with why, in
 the output). Without CUDA (and without --smoke) it says so and exits 0.
 """
 
@@ -149,12 +149,22 @@ def runner_pass(model: Any, texts: list[str], batch: int) -> np.ndarray:
     return np.stack(out)
 
 
-def load_st(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
-    """sentence-transformers on the same folder, in the same dtype; None when it is not installed."""
+def st_available() -> tuple[str | None, str]:
+    """sentence-transformers' version, or None and why not. One that fails to import for any
+    reason (a dependency missing or mismatched) is then marked absent, so that tiny_pooling
+    writes the folder without it and Stoker runs alone rather than the run failing."""
     try:
-        from sentence_transformers import SentenceTransformer
-    except ImportError:
-        return None
+        import sentence_transformers
+    except Exception as exc:  # noqa: BLE001 - any import failure: the comparison is skipped, and said
+        sys.modules["sentence_transformers"] = None  # type: ignore[assignment]  # later imports: ImportError
+        return None, f"{type(exc).__name__}: {exc}"
+    return sentence_transformers.__version__, ""
+
+
+def load_st(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """sentence-transformers on the same folder, in the same dtype."""
+    from sentence_transformers import SentenceTransformer
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return SentenceTransformer(str(model_dir), device=str(device)).to(dtype).eval()
@@ -214,11 +224,11 @@ def run_workload(workload: str, texts: list[str], model: Any, st: Any, args: arg
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
-    parser.add_argument("--inputs", type=int, default=None, help="texts per workload (default 1024; smoke 24)")
+    parser.add_argument("--inputs", type=int, default=None, help="texts per workload (default 1024; smoke 16)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="Stoker runner batch sizes (default 1 8 32 64 128; smoke 1 8)")
     parser.add_argument("--st-batch-sizes", type=int, nargs="+", default=None,
-                        help="sentence-transformers batch sizes, the best kept (default 32 64 128 256; smoke 8 24)")
+                        help="sentence-transformers batch sizes, the best kept (default 32 64 128 256; smoke 8 16)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
@@ -233,9 +243,9 @@ def main() -> int:
               "--smoke runs the script on CPU with a tiny model.")
         return 0
     device = torch.device(device_name)
-    args.inputs = args.inputs or (24 if args.smoke else 1024)
+    args.inputs = args.inputs or (16 if args.smoke else 1024)
     args.batch_sizes = args.batch_sizes or ([1, 8] if args.smoke else [1, 8, 32, 64, 128])
-    args.st_batch_sizes = args.st_batch_sizes or ([8, 24] if args.smoke else [32, 64, 128, 256])
+    args.st_batch_sizes = args.st_batch_sizes or ([8, 16] if args.smoke else [32, 64, 128, 256])
     if args.smoke:
         args.repeats = 1
     shape = SMOKE_SHAPE if args.smoke else BERT_BASE
@@ -248,16 +258,14 @@ def main() -> int:
     from stoker.testing.tiny_pooling import make_bert_embedder
 
     t_start = time.perf_counter()
+    st_version, st_missing = st_available()
+    if st_version is None:
+        print(f"sentence-transformers cannot be imported ({st_missing}): Stoker runs alone, no comparison", flush=True)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="stoker-pooling-gpu-") as tmp:
         model_dir = make_bert_embedder(Path(tmp) / "bert", **shape)
         model = load_stoker(model_dir, args.dtype, device_name)
-        st = load_st(model_dir, getattr(torch, args.dtype), device)
-        st_version = None
-        if st is not None:
-            import sentence_transformers
-
-            st_version = sentence_transformers.__version__
+        st = load_st(model_dir, getattr(torch, args.dtype), device) if st_version else None
         print(f"model built and loaded in {time.perf_counter() - t_start:.1f} s; batcher preferred batch tokens "
               f"{model.spec.batcher.preferred_batch_tokens}", flush=True)
         try:
@@ -273,7 +281,7 @@ def main() -> int:
     print(f"\n{kind} random embedder (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"{shape['num_attention_heads']} heads, intermediate {shape['intermediate_size']}; mean pooling, "
           f"normalized), {args.dtype} on {where}; {args.inputs} texts per workload; medians of {args.repeats}; "
-          f"torch {torch.__version__}; sentence-transformers {st_version or 'not installed: Stoker alone'}")
+          f"torch {torch.__version__}; sentence-transformers {st_version or 'not importable: Stoker alone'}")
     print("| workload | impl | batch | inputs | tokens | s | inputs/s | tokens/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for res in results.values():
