@@ -6,10 +6,15 @@ themselves (so loading them exercises the real layouts and the libraries double 
   * `make_decoder_embedder`: a Qwen3/Llama decoder with last-token pooling and Normalize
     (Qwen3-Embedding's layout), with Stoker's bundled BPE tokenizer;
   * `make_cross_encoder`: a BertForSequenceClassification with one label (a reranker).
+
+Where sentence-transformers is not installed (a bare GPU machine), the embedders' folders are
+written by hand in the same layout (`_write_st_layout`): Stoker serves them alike.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import string
 import warnings
 from pathlib import Path
@@ -55,8 +60,36 @@ def _randomize(model: Any, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "embed" in name else 0.1))
 
 
+# modules.json's types as sentence-transformers 6 writes them (Stoker reads their last word)
+_ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
+             "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+             "Normalize": "sentence_transformers.base.modules.normalize.Normalize"}
+
+
+def _write_st_layout(hf_dir: Path, dest: Path, pooling: str, normalize: bool) -> Path:
+    """The layout `_save_sentence_transformer` writes, without the library (a machine that lacks
+    it): the model and tokenizer files, modules.json, 1_Pooling/config.json and 2_Normalize/."""
+    shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
+    hidden = json.loads((hf_dir / "config.json").read_text())["hidden_size"]
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling")] + ([("Normalize", "2_Normalize")] if normalize else [])
+    (dest / "modules.json").write_text(json.dumps(
+        [{"idx": i, "name": str(i), "path": path, "type": _ST_TYPES[kind]} for i, (kind, path) in enumerate(modules)],
+        indent=2))
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"embedding_dimension": hidden, "pooling_mode": pooling, "include_prompt": True}, indent=4))
+    if normalize:
+        (dest / "2_Normalize").mkdir(exist_ok=True)
+        (dest / "2_Normalize" / "config.json").write_text(json.dumps(
+            {"module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"}, indent=4))
+    return dest
+
+
 def _save_sentence_transformer(hf_dir: Path, dest: Path, pooling: str, normalize: bool) -> Path:
-    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:  # the same folder, written by hand: Stoker serves it, nothing here can compare
+        return _write_st_layout(hf_dir, dest, pooling, normalize)
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     with warnings.catch_warnings():
