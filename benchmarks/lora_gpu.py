@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -107,9 +108,18 @@ def write_adapters(cfg: dict[str, Any], root: Path, num: int, rank: int, device:
 
 def graph_ms(fn: Callable[[], object], device: torch.device, calls: int = 10) -> float:
     """Median ms per call of `calls` calls replayed from one CUDA graph (kernels only); on CPU the
-    eager timing (smoke mode)."""
+    eager timing (smoke mode). NaN, with the error printed, if the calls cannot be captured."""
     if device.type != "cuda":
         return timed_ms(fn, device, reps=1, warmup=0)
+    try:
+        return _graph_ms(fn, device, calls)
+    except Exception:  # the eager column and the engine part still run
+        traceback.print_exc()
+        torch.cuda.synchronize(device)
+        return float("nan")
+
+
+def _graph_ms(fn: Callable[[], object], device: torch.device, calls: int) -> float:
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm: every kernel compiled before the capture
@@ -187,6 +197,7 @@ def kernel_level(cfg: dict[str, Any], adapters: list[Path], rank: int, batch_siz
 def generate(llm: LLM, prompts: list[dict], params: SamplingParams,
              loras: list[LoRARequest] | None) -> tuple[float, list[list[int]]]:
     """(output tokens/s of the whole workload, each request's tokens)."""
+    llm.reset_prefix_cache()  # every run computes its prompts (a warm-up or an earlier run used the same ones)
     if llm.engine.executor.driver_runner.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -209,7 +220,9 @@ def engine_level(ckpt: Path, adapters: list[Path], rank: int, num: int, input_le
     """Module doc, (b): base engine, then the LoRA engine (lora-off, lora-4); results into `result`."""
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(random.Random(3), num, input_len, vocab)
-    warm_prompts = random_prompts(random.Random(4), NUM_ADAPTERS, input_len, vocab)
+    # warm-up: the whole batch for a few tokens (the kernels' variants for these shapes compiled before
+    # any timing), then one request per adapter on the LoRA engine (its BGMV kernel, the adapters read)
+    warm_prompts = random_prompts(random.Random(4), num, input_len, vocab)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     loras = [LoRARequest(f"adapter{i % NUM_ADAPTERS}", i % NUM_ADAPTERS + 1, str(adapters[i % NUM_ADAPTERS]))
@@ -233,7 +246,8 @@ def engine_level(ckpt: Path, adapters: list[Path], rank: int, num: int, input_le
     engine["lora_start_s"] = time.perf_counter() - t0
     engine["lora_cuda_graphs"] = llm.engine.executor.driver_runner.graph_runner is not None
     try:
-        generate(llm, warm_prompts, warm, loras[:NUM_ADAPTERS])  # the adapters read into their slots
+        generate(llm, warm_prompts, warm, None)
+        generate(llm, warm_prompts[:NUM_ADAPTERS], warm, loras[:NUM_ADAPTERS])
         tps, off_tokens = generate(llm, prompts, params, None)
         engine["runs"]["lora-off"] = {"output_tokens_per_s": tps,
                                       "same_tokens_as_base": sum(a == b for a, b in zip(off_tokens, base_tokens))}
@@ -255,7 +269,8 @@ def fit_requests(rows: list[dict[str, Any]], num_layers: int, num: int, tokens_p
     `limit_s`, and that prediction at `num`: layers x the per-token layer cost at the largest
     timed batch x every prompt and output token."""
     top = max((r for r in rows if r["projection"] == "layer"), key=lambda r: r["batch"])
-    per_token_s = max(0.0, top["lora_device_ms"] - top["base_device_ms"]) / 1e3 / top["batch"]
+    mode = "device" if math.isfinite(top["lora_device_ms"]) and math.isfinite(top["base_device_ms"]) else "eager"
+    per_token_s = max(0.0, top[f"lora_{mode}_ms"] - top[f"base_{mode}_ms"]) / 1e3 / top["batch"]
     predicted = num_layers * per_token_s * num * tokens_per_request
     fitted = num
     while fitted > 16 and num_layers * per_token_s * fitted * tokens_per_request > limit_s:
