@@ -6,7 +6,7 @@ model, on a Llama-3-8B-shaped random bf16 checkpoint, one request at a time.
     python3 benchmarks/spec_decode_gpu.py --smoke                 # a tiny random checkpoint on CPU:
                                                                   # exercises the script, times nothing useful
 
-Workload: --num-prompts (2) requests, each the first 128 tokens of benchmarks/spec_decode_cpu.py's
+Workload: --num-prompts (1) requests, each the first 128 tokens of benchmarks/spec_decode_cpu.py's
 edit-like prompts (a 48-token "file" and its edited copies: what prompt lookup is for), 256 output
 tokens, greedy, ignore_eos, one request at a time (max_num_seqs 1, KV 1 GiB). Engines, built one
 after the other (each shut down and its memory freed before the next starts), fixed k = --k (4):
@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ VARIANTS = ("random", "bigram")
 def write_draft(cfg: dict[str, Any], dest: Path, dtype: str) -> Path:
     """A random 1-layer Llama of the target's width, heads, vocabulary and positions."""
     keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-            "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+            "rope_parameters", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
     shape = {k: cfg[k] for k in keep if cfg.get(k) is not None}
     return make_tiny_checkpoint(dest, "llama", seed=1, dtype=dtype, num_hidden_layers=1,
                                 intermediate_size=max(cfg["intermediate_size"] // 4, 16), **shape)
@@ -207,12 +208,14 @@ def run_engine(name: str, llm: LLM, variants: list[str], prompts: dict[str, list
     return out
 
 
-def release(llm: LLM, device: torch.device) -> None:
-    llm.shutdown()
-    del llm
+def free_memory(device: torch.device) -> None:
+    """After the caller dropped its last reference to an engine: its weights, KV cache and graphs
+    go back to the device (engines never coexist)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        print(f"# device memory allocated after freeing the engine: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", help="an HF-layout checkpoint (default: a Llama-3-8B-shaped one written "
                                          "first, minutes; --smoke: a tiny one)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (fixed)")
-    ap.add_argument("--num-prompts", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="random, bigram or both (module doc)")
@@ -280,14 +283,18 @@ def main(argv: list[str] | None = None) -> int:
                 llm = LLM(str(ckpt), speculative_config=spec, **common)
                 start_s = time.perf_counter() - t0
                 graphs = llm.engine.executor.driver_runner.graph_runner is not None
+                freed = weakref.ref(llm.engine)
                 try:
                     runs = run_engine(name, llm, variants, prompts, warm, max_tokens, 8 if args.smoke else 32)
                 finally:
-                    release(llm, device)
-                result["engines"][name] = {"start_s": start_s, "cuda_graphs": graphs, **runs}
+                    llm.shutdown()
+                    del llm  # the last reference: shutdown() alone frees nothing
+                    free_memory(device)
+                result["engines"][name] = {"start_s": start_s, "cuda_graphs": graphs, "freed": freed() is None, **runs}
             except Exception:  # the other engines still run: one failure must not cost every figure
                 traceback.print_exc()
                 failed.append(name)
+            free_memory(device)
             save()
     finalize(result)
     print_table(result, args.smoke)

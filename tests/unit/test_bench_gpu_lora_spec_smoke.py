@@ -31,6 +31,7 @@ def test_lora_gpu_smoke(tmp_path: Path) -> None:
     for r in kernel:
         assert r["check_error"] < 1e-3, r  # the BGMV update equals its float32 twin (1.0: no update)
         assert r["lora_device_ms"] > 0 and r["base_eager_ms"] > 0
+    assert result["engine"]["base_engine_freed"] and result["engine"]["lora_engine_freed"]  # never two at once
     runs = result["engine"]["runs"]
     assert set(runs) == {"base", "lora-off", "lora-4"}
     assert all(r["output_tokens_per_s"] > 0 for r in runs.values())
@@ -44,6 +45,7 @@ def test_spec_decode_gpu_smoke(tmp_path: Path) -> None:
     engines = result["engines"]
     assert set(engines) == {"none", "ngram k=4", "draft_model k=4"}
     for name, runs in engines.items():
+        assert runs["freed"], name  # dropped before the next engine starts
         for variant in ("random", "bigram"):
             r = runs[variant]
             assert r["lossless"], (name, variant)
