@@ -56,3 +56,12 @@ def test_spec_decode_gpu_smoke(tmp_path: Path) -> None:
     # bigram: the draft computes the target's function, so its drafts pass
     assert draft["bigram"]["acceptance_rate"] > 0.9
     assert draft["bigram"]["verify_steps"]["steps"] > 0
+
+
+def test_without_cuda_they_say_so_and_exit_0() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    for script in ("lora_gpu.py", "spec_decode_gpu.py"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "needs a CUDA GPU" in proc.stdout and "nothing was measured" in proc.stdout
