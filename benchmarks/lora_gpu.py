@@ -17,10 +17,11 @@ tokens spread over the 4 adapters in contiguous runs (the step orders its sequen
 B = 1 uses one adapter). "base": F.linear of the bf16 weight. "lora": the same F.linear, then
 `LoRASlots._apply_bgmv` (layers/lora.py: the Triton BGMV kernel, kernels/lora_bgmv.py, once per
 shard) over slots filled from the written adapters by the engine's own loader. Two timings,
-medians of CUDA-event-timed runs: "device", the calls replayed from a CUDA graph (10 per replay:
-the kernels' own time, no launch gaps; a projection alone can keep part of its weight in the
-50 MB L2, the whole layer's 436 MB cannot); "eager", one call launched from Python with the GPU
-idle before it (what the engine pays today: it runs LoRA steps eagerly, runner/model_runner.py).
+medians of CUDA-event-timed runs: "device", the calls replayed from a CUDA graph (5 calls per
+replay, 5 replays: the kernels' own time, no launch gaps; a projection alone can keep part of its
+weight in the 50 MB L2, the whole layer's 436 MB cannot); "eager", one call launched from Python
+with the GPU idle before it (10 runs; what the engine pays today: it runs LoRA steps eagerly,
+runner/model_runner.py).
 Each lora output is first checked against the float32 twin (reference.lora_segments): the
 error is relative to the update's own norm, so a skipped update reads 1.0.
 
@@ -108,7 +109,7 @@ def write_adapters(cfg: dict[str, Any], root: Path, num: int, rank: int, device:
     return paths
 
 
-def graph_ms(fn: Callable[[], object], device: torch.device, calls: int = 10) -> float:
+def graph_ms(fn: Callable[[], object], device: torch.device, calls: int = 5) -> float:
     """Median ms per call of `calls` calls replayed from one CUDA graph (kernels only); on CPU the
     eager timing (smoke mode). NaN, with the error printed, if the calls cannot be captured."""
     if device.type != "cuda":
@@ -132,14 +133,14 @@ def _graph_ms(fn: Callable[[], object], device: torch.device, calls: int) -> flo
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    ms = timed_ms(graph.replay, device, reps=10, warmup=2) / calls
+    ms = timed_ms(graph.replay, device, reps=5, warmup=1) / calls
     del graph
     return ms
 
 
 def eager_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Median ms of one call launched with the GPU idle before it (CUDA events); fewer runs on CPU."""
-    return timed_ms(fn, device) if device.type == "cuda" else timed_ms(fn, device, reps=1, warmup=0)
+    return timed_ms(fn, device, reps=10, warmup=2) if device.type == "cuda" else timed_ms(fn, device, reps=1, warmup=0)
 
 
 def kernel_level(cfg: dict[str, Any], adapters: list[Path], rank: int, batch_sizes: list[int],
