@@ -185,27 +185,39 @@ def run_engine(name: str, llm: LLM, variants: list[str], prompts: dict[str, list
     out: dict[str, Any] = {}
     try:
         for variant in variants:
-            if variant == "bigram":
-                make_bigram(llm)
-            timed_request(llm, timer, f"{name}-{variant}-warm", warm,
-                          SamplingParams(temperature=0, max_tokens=warm_tokens, ignore_eos=True))
-            before = counters(llm)
-            seconds, tokens, steps = 0.0, [], []
-            for i, prompt in enumerate(prompts[variant]):
-                s, t, st = timed_request(llm, timer, f"{name}-{variant}-{i}", prompt, params)
-                seconds, tokens, steps = seconds + s, tokens + [t], steps + st
-            drafts, draft_tokens, accepted = (a - b for a, b in zip(counters(llm), before))
-            out[variant] = {"seconds": seconds, "output_tokens": sum(map(len, tokens)),
-                            "tokens_per_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
-                            "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-                            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-                            "mean_accepted_per_verify": accepted / drafts if drafts else None,
-                            "decode_steps": summarize(steps, "decode"), "verify_steps": summarize(steps, "verify")}
-            print(f"# {name}, {variant}: {out[variant]['tokens_per_s']:.1f} tok/s, {drafts} verify steps, "
-                  f"{accepted} of {draft_tokens} draft tokens accepted", flush=True)
+            try:
+                out[variant] = run_variant(name, llm, timer, variant, prompts[variant], warm, params, warm_tokens)
+            except Exception:  # the variants already measured are kept; this engine stops here
+                traceback.print_exc()
+                out["failed_variant"] = variant
+                break
     finally:
         timer.close()
     return out
+
+
+def run_variant(name: str, llm: LLM, timer: StepTimer, variant: str, prompts: list[list[int]], warm: list[int],
+                params: SamplingParams, warm_tokens: int) -> dict[str, Any]:
+    """One variant's warm-up and timed requests on one engine."""
+    if variant == "bigram":
+        make_bigram(llm)
+    timed_request(llm, timer, f"{name}-{variant}-warm", warm,
+                  SamplingParams(temperature=0, max_tokens=warm_tokens, ignore_eos=True))
+    before = counters(llm)
+    seconds, tokens, steps = 0.0, [], []
+    for i, prompt in enumerate(prompts):
+        s, t, st = timed_request(llm, timer, f"{name}-{variant}-{i}", prompt, params)
+        seconds, tokens, steps = seconds + s, tokens + [t], steps + st
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(counters(llm), before))
+    result = {"seconds": seconds, "output_tokens": sum(map(len, tokens)),
+              "tokens_per_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
+              "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+              "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+              "mean_accepted_per_verify": accepted / drafts if drafts else None,
+              "decode_steps": summarize(steps, "decode"), "verify_steps": summarize(steps, "verify")}
+    print(f"# {name}, {variant}: {result['tokens_per_s']:.1f} tok/s, {drafts} verify steps, "
+          f"{accepted} of {draft_tokens} draft tokens accepted", flush=True)
+    return result
 
 
 def free_memory(device: torch.device) -> None:
@@ -291,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                     del llm  # the last reference: shutdown() alone frees nothing
                     free_memory(device)
                 result["engines"][name] = {"start_s": start_s, "cuda_graphs": graphs, "freed": freed() is None, **runs}
+                if "failed_variant" in runs:
+                    failed.append(f"{name} ({runs['failed_variant']})")
             except Exception:  # the other engines still run: one failure must not cost every figure
                 traceback.print_exc()
                 failed.append(name)
