@@ -51,8 +51,8 @@ the split of K does not depend on M, so for 1..8 rows a row's result does not de
 batch it is in (a batch of 9+ rows takes another kernel, with other sums).
 
 Launch configs: tile_config's rule, or the launchers' keywords vec (4 / 8 / 16 bytes of a row
-a thread and step for 4-bit, 8 / 16 for 8-bit: the wider ones sum 16 or 32 columns a thread as
-`_dot8`s of 8), block_n, num_warps (THREADS_K = 32 * num_warps) and split_k, which
+a thread and step for 4-bit, 8 / 16 for 8-bit: the wider ones sum a thread's 16 or 32 columns as
+`_dot8`s of 8 contiguous ones, each with its own 16-byte load of x: no shuffle through shared memory), block_n, num_warps (THREADS_K = 32 * num_warps) and split_k, which
 benchmarks/w4a16_gpu.py --sweep times (SWEEP_TILES) to pick the rule from.
 
 Split K: when the N blocks alone would not give every SM two programs (a K/V projection of
@@ -118,32 +118,55 @@ def _dot8(w, x):
 
 
 @triton.jit
-def _dot_vec(w, x):
-    """(A, B) sums over the last dim (8, 16 or 32, held by one thread) of w * x: `_dot8` on 8
-    columns; on 16 or 32, `_dot8` on each of the even / odd (and again even / odd) 8, added."""
-    if w.shape[2] == 8:
-        acc = _dot8(w, x)
-    else:
-        w0, w1 = _halves(w)
-        x0, x1 = _halves(x)
-        if w.shape[2] == 16:
-            acc = _dot8(w0, x0) + _dot8(w1, x1)
-        else:
-            w00, w01 = _halves(w0)
-            w10, w11 = _halves(w1)
-            x00, x01 = _halves(x0)
-            x10, x11 = _halves(x1)
-            acc = (_dot8(w00, x00) + _dot8(w01, x01)) + (_dot8(w10, x10) + _dot8(w11, x11))
-    return acc
+def _front_back(t):
+    """(A, B, 2C) -> the first and the last C entries of the last dim (held by one thread)."""
+    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], t.shape[1], 2, t.shape[2] // 2)), (0, 1, 3, 2)))
 
 
 @triton.jit
-def _w4_row(acc, x_ptr, row, M, stride_xm, col, c_mask, w, s, o, HAS_OFFSET: tl.constexpr):
+def _x8(x_ptr, row, M, stride_xm, col0, mask):
+    """(1, T, 8) float32: x[row]'s 8 columns from col0 (1, T, 1) on, one 16-byte load of 16-bit x."""
+    ok = mask & (tl.full([1, 1, 1], row, tl.int32) < M)
+    return tl.load(x_ptr + row * stride_xm + col0 + tl.arange(0, 8)[None, None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dot_row(w, x_ptr, row, M, stride_xm, col0, mask):
+    """(BN, T) sums of w (BN, T, C) times x[row]'s C = 8 / 16 / 32 columns from col0 (1, T, 1) on,
+    and (1, T) the sums of those columns of x. Each 8 columns of x are one load and one `_dot8`
+    (a load of 16 or 32 columns would be split over 2 / 4 threads by the coalescing pass and
+    shuffled through shared memory into w's layout)."""
+    if w.shape[2] == 8:
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        acc = _dot8(w, tl.broadcast_to(x0, w.shape))
+        x_sum = tl.sum(x0, axis=2)
+    elif w.shape[2] == 16:
+        w0, w1 = _front_back(w)
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        x1 = _x8(x_ptr, row, M, stride_xm, col0 + 8, mask)
+        acc = _dot8(w0, tl.broadcast_to(x0, w0.shape)) + _dot8(w1, tl.broadcast_to(x1, w1.shape))
+        x_sum = tl.sum(x0, axis=2) + tl.sum(x1, axis=2)
+    else:
+        wa, wb = _front_back(w)
+        w0, w1 = _front_back(wa)
+        w2, w3 = _front_back(wb)
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        x1 = _x8(x_ptr, row, M, stride_xm, col0 + 8, mask)
+        x2 = _x8(x_ptr, row, M, stride_xm, col0 + 16, mask)
+        x3 = _x8(x_ptr, row, M, stride_xm, col0 + 24, mask)
+        acc = ((_dot8(w0, tl.broadcast_to(x0, w0.shape)) + _dot8(w1, tl.broadcast_to(x1, w1.shape)))
+               + (_dot8(w2, tl.broadcast_to(x2, w2.shape)) + _dot8(w3, tl.broadcast_to(x3, w3.shape))))
+        x_sum = (tl.sum(x0, axis=2) + tl.sum(x1, axis=2)) + (tl.sum(x2, axis=2) + tl.sum(x3, axis=2))
+    return acc, x_sum
+
+
+@triton.jit
+def _w4_row(acc, x_ptr, row, M, stride_xm, col0, c_mask, w, s, o, HAS_OFFSET: tl.constexpr):
     """acc (BN, T) += s * sum over the thread's columns of (q - 8) * x[row] (+ o' * sum x[row])."""
-    xs = tl.load(x_ptr + row * stride_xm + col, mask=c_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, 2V)
-    acc += _dot_vec(w, tl.broadcast_to(xs, w.shape)) * s
+    dot, x_sum = _dot_row(w, x_ptr, row, M, stride_xm, col0, c_mask)
+    acc += dot * s
     if HAS_OFFSET:
-        acc += tl.sum(xs, axis=2) * o
+        acc += x_sum * o
     return acc
 
 
@@ -191,7 +214,6 @@ def _gemv_w4_kernel(
     n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     t3 = tl.arange(0, THREADS_K)[None, :, None]
     v3 = tl.arange(0, VEC)[None, None, :]
-    c3 = tl.arange(0, 2 * VEC)[None, None, :]
     n_mask3 = n3 < N
     w_rows = w_ptr + n3.to(tl.int64) * stride_wn
     s_rows = n3.to(tl.int64) * stride_sn
@@ -221,18 +243,18 @@ def _gemv_w4_kernel(
             o = tl.sum(tl.load(offset_ptr + s_rows + g, mask=st_mask, other=0.0), axis=2)
         else:
             o = s
-        col = 2 * first + c3  # (1, T, 2V) the thread's columns of x
-        acc0 = _w4_row(acc0, x_ptr, 0, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+        col0 = 2 * first  # (1, T, 1) the thread's first column of x
+        acc0 = _w4_row(acc0, x_ptr, 0, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 1:
-            acc1 = _w4_row(acc1, x_ptr, 1, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc1 = _w4_row(acc1, x_ptr, 1, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 2:
-            acc2 = _w4_row(acc2, x_ptr, 2, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc3 = _w4_row(acc3, x_ptr, 3, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc2 = _w4_row(acc2, x_ptr, 2, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc3 = _w4_row(acc3, x_ptr, 3, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 4:
-            acc4 = _w4_row(acc4, x_ptr, 4, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc5 = _w4_row(acc5, x_ptr, 5, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc6 = _w4_row(acc6, x_ptr, 6, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc7 = _w4_row(acc7, x_ptr, 7, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc4 = _w4_row(acc4, x_ptr, 4, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc5 = _w4_row(acc5, x_ptr, 5, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc6 = _w4_row(acc6, x_ptr, 6, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc7 = _w4_row(acc7, x_ptr, 7, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
     _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, N, pid_n, pid_k, stride_om, stride_os,
             HAS_BIAS, PARTIAL, BLOCK_M, BLOCK_N, RNE_BF16)
 
@@ -260,10 +282,10 @@ def _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M
 
 
 @triton.jit
-def _w8_row(acc, x_ptr, row, M, stride_xm, k, k_mask, q, s):
-    """acc (BN, T) += s * sum over the thread's columns of q * x[row]."""
-    xs = tl.load(x_ptr + row * stride_xm + k, mask=k_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, V)
-    return acc + _dot_vec(q, tl.broadcast_to(xs, q.shape)) * s
+def _w8_row(acc, x_ptr, row, M, stride_xm, first, k_mask, q, s):
+    """acc (BN, T) += s * sum over the thread's columns (from first (1, T, 1) on) of q * x[row]."""
+    dot, x_sum = _dot_row(q, x_ptr, row, M, stride_xm, first, k_mask)
+    return acc + dot * s
 
 
 @triton.jit
@@ -321,17 +343,17 @@ def _gemv_w8_kernel(
             q = raw.to(tl.float32)
         g = first // group_k  # a thread's VEC (<= 16) columns lie in one group (group_k % 16 == 0)
         s = tl.sum(tl.load(scale_ptr + s_rows + g, mask=n_mask3 & t_mask, other=0.0), axis=2)  # (BN, T)
-        acc0 = _w8_row(acc0, x_ptr, 0, M, stride_xm, k, t_mask, q, s)
+        acc0 = _w8_row(acc0, x_ptr, 0, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 1:
-            acc1 = _w8_row(acc1, x_ptr, 1, M, stride_xm, k, t_mask, q, s)
+            acc1 = _w8_row(acc1, x_ptr, 1, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 2:
-            acc2 = _w8_row(acc2, x_ptr, 2, M, stride_xm, k, t_mask, q, s)
-            acc3 = _w8_row(acc3, x_ptr, 3, M, stride_xm, k, t_mask, q, s)
+            acc2 = _w8_row(acc2, x_ptr, 2, M, stride_xm, first, t_mask, q, s)
+            acc3 = _w8_row(acc3, x_ptr, 3, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 4:
-            acc4 = _w8_row(acc4, x_ptr, 4, M, stride_xm, k, t_mask, q, s)
-            acc5 = _w8_row(acc5, x_ptr, 5, M, stride_xm, k, t_mask, q, s)
-            acc6 = _w8_row(acc6, x_ptr, 6, M, stride_xm, k, t_mask, q, s)
-            acc7 = _w8_row(acc7, x_ptr, 7, M, stride_xm, k, t_mask, q, s)
+            acc4 = _w8_row(acc4, x_ptr, 4, M, stride_xm, first, t_mask, q, s)
+            acc5 = _w8_row(acc5, x_ptr, 5, M, stride_xm, first, t_mask, q, s)
+            acc6 = _w8_row(acc6, x_ptr, 6, M, stride_xm, first, t_mask, q, s)
+            acc7 = _w8_row(acc7, x_ptr, 7, M, stride_xm, first, t_mask, q, s)
     _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, N, pid_n, pid_k, stride_om, stride_os,
             HAS_BIAS, PARTIAL, BLOCK_M, BLOCK_N, RNE_BF16)
 
