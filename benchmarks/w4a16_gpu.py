@@ -145,7 +145,7 @@ def sweep(args: argparse.Namespace, device: torch.device, projections: dict, row
     from stoker.kernels._common import num_sms
     from stoker.kernels.w4a16_linear import hold_scales
 
-    sms = num_sms(device.index if device.type == "cuda" else None)
+    sms = num_sms(torch.cuda.current_device() if device.type == "cuda" else None)  # as the launchers see it
     kinds = (f"w4 group {args.group} {'asymmetric' if args.asymmetric else 'symmetric'}", "w8 int8 per channel")
     results: list[SweepRow] = []
     for proj, (n, k) in projections.items():

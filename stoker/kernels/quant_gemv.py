@@ -402,6 +402,8 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
         split_k = 1
         while split_k < MAX_SPLIT_K and n_blocks * split_k < 2 * sms and steps // (2 * split_k) >= 2:
             split_k *= 2
+    step = threads_k * vec
+    split_k = -(-row_bytes // (-(-row_bytes // (split_k * step)) * step))  # the splits of whole steps a launch makes
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "THREADS_K": threads_k, "VEC": vec, "SPLIT_K": split_k, "num_warps": warps}
 
 

@@ -131,6 +131,8 @@ def test_launch_config_overrides() -> None:
     assert (t["VEC"], t["THREADS_K"], t["num_warps"], t["BLOCK_N"]) == (16, 256, 8, 2)
     assert t["SPLIT_K"] == tile_config(8, 1024, 2048, 4, 132, vec=16, num_warps=8)["SPLIT_K"]  # M's for every M
     assert tile_config(1, 6144, 2048, 4, 132, split_k=4, block_n=2)["SPLIT_K"] == 4
+    assert tile_config(1, 6144, 2048, 4, 132, split_k=3)["SPLIT_K"] == 2  # 4 steps of 512 bytes: 2 + 2
+    assert tile_config(1, 6144, 2048, 4, 132, vec=16, split_k=2)["SPLIT_K"] == 1  # one step of 2048 bytes
     for bad, match in ((dict(vec=32), "vec 32"), (dict(block_n=3), "power of two"), (dict(num_warps=3), "num_warps"),
                        (dict(split_k=0), "split_k")):
         with pytest.raises(ValueError, match=match):
