@@ -124,6 +124,19 @@ def test_gemv_w8_launch_configs_match_the_twin(tiles: dict, dtype: str, group: i
     assert rel_err(out, reference.gemv_w8(x, q, s, group_k, bias)) < 1e-6
 
 
+def test_a_row_does_not_depend_on_its_batch_or_block_n_for_one_vec_warps_and_split() -> None:
+    """What the sweep's batch-invariant choice relies on: VEC, warps and split fixed, BLOCK_N free per M."""
+    packed, scale, offset = w4_weights(6, 2048, 128, symmetric=False)
+    x = torch.randn(7, 2048, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    whole = gemv_w4(x, packed, scale, offset, 128, vec=16, num_warps=1, split_k=2, block_n=1)
+    for rows, block_n in ((slice(1, 3), 4), (slice(6, 7), 2)):
+        part = gemv_w4(x[rows].contiguous(), packed, scale, offset, 128, vec=16, num_warps=1, split_k=2, block_n=block_n)
+        assert torch.equal(whole[rows], part), rows
+    q, s = formats.quantize_rows(torch.randn(6, 2048, generator=torch.Generator().manual_seed(9)), "int8")
+    whole = gemv_w8(x, q, s, 2048, vec=16, num_warps=2, split_k=2, block_n=1)
+    assert torch.equal(whole[2:4], gemv_w8(x[2:4].contiguous(), q, s, 2048, vec=16, num_warps=2, split_k=2, block_n=4))
+
+
 def test_launch_config_overrides() -> None:
     default = tile_config(2, 6144, 2048, 4, 132)
     assert tile_config(2, 6144, 2048, 4, 132, vec=None, block_n=None, num_warps=None, split_k=None) == default
