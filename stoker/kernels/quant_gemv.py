@@ -50,6 +50,11 @@ that the accumulators fit in registers (tile_config); a row's sums do not depend
 the split of K does not depend on M, so for 1..8 rows a row's result does not depend on the
 batch it is in (a batch of 9+ rows takes another kernel, with other sums).
 
+Launch configs: tile_config's rule, or the launchers' keywords vec (4 / 8 / 16 bytes of a row
+a thread and step for 4-bit, 8 / 16 for 8-bit: the wider ones sum a thread's 16 or 32 columns as
+`_dot8`s of 8 contiguous ones, each with its own 16-byte load of x: no shuffle through shared memory), block_n, num_warps (THREADS_K = 32 * num_warps) and split_k, which
+benchmarks/w4a16_gpu.py --sweep times (SWEEP_TILES) to pick the rule from.
+
 Split K: when the N blocks alone would not give every SM two programs (a K/V projection of
 N = 1024, tensor-parallel shards), K is split into SPLIT_K chunks whose float32 partial sums
 `w4a16_linear._split_sum_kernel` adds in split order with the bias, rounding once
@@ -113,12 +118,55 @@ def _dot8(w, x):
 
 
 @triton.jit
-def _w4_row(acc, x_ptr, row, M, stride_xm, col, c_mask, w, s, o, HAS_OFFSET: tl.constexpr):
+def _front_back(t):
+    """(A, B, 2C) -> the first and the last C entries of the last dim (held by one thread)."""
+    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], t.shape[1], 2, t.shape[2] // 2)), (0, 1, 3, 2)))
+
+
+@triton.jit
+def _x8(x_ptr, row, M, stride_xm, col0, mask):
+    """(1, T, 8) float32: x[row]'s 8 columns from col0 (1, T, 1) on, one 16-byte load of 16-bit x."""
+    ok = mask & (tl.full([1, 1, 1], row, tl.int32) < M)
+    return tl.load(x_ptr + row * stride_xm + col0 + tl.arange(0, 8)[None, None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dot_row(w, x_ptr, row, M, stride_xm, col0, mask):
+    """(BN, T) sums of w (BN, T, C) times x[row]'s C = 8 / 16 / 32 columns from col0 (1, T, 1) on,
+    and (1, T) the sums of those columns of x. Each 8 columns of x are one load and one `_dot8`
+    (a load of 16 or 32 columns would be split over 2 / 4 threads by the coalescing pass and
+    shuffled through shared memory into w's layout)."""
+    if w.shape[2] == 8:
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        acc = _dot8(w, tl.broadcast_to(x0, w.shape))
+        x_sum = tl.sum(x0, axis=2)
+    elif w.shape[2] == 16:
+        w0, w1 = _front_back(w)
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        x1 = _x8(x_ptr, row, M, stride_xm, col0 + 8, mask)
+        acc = _dot8(w0, tl.broadcast_to(x0, w0.shape)) + _dot8(w1, tl.broadcast_to(x1, w1.shape))
+        x_sum = tl.sum(x0, axis=2) + tl.sum(x1, axis=2)
+    else:
+        wa, wb = _front_back(w)
+        w0, w1 = _front_back(wa)
+        w2, w3 = _front_back(wb)
+        x0 = _x8(x_ptr, row, M, stride_xm, col0, mask)
+        x1 = _x8(x_ptr, row, M, stride_xm, col0 + 8, mask)
+        x2 = _x8(x_ptr, row, M, stride_xm, col0 + 16, mask)
+        x3 = _x8(x_ptr, row, M, stride_xm, col0 + 24, mask)
+        acc = ((_dot8(w0, tl.broadcast_to(x0, w0.shape)) + _dot8(w1, tl.broadcast_to(x1, w1.shape)))
+               + (_dot8(w2, tl.broadcast_to(x2, w2.shape)) + _dot8(w3, tl.broadcast_to(x3, w3.shape))))
+        x_sum = (tl.sum(x0, axis=2) + tl.sum(x1, axis=2)) + (tl.sum(x2, axis=2) + tl.sum(x3, axis=2))
+    return acc, x_sum
+
+
+@triton.jit
+def _w4_row(acc, x_ptr, row, M, stride_xm, col0, c_mask, w, s, o, HAS_OFFSET: tl.constexpr):
     """acc (BN, T) += s * sum over the thread's columns of (q - 8) * x[row] (+ o' * sum x[row])."""
-    xs = tl.load(x_ptr + row * stride_xm + col, mask=c_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, 2V)
-    acc += _dot8(w, tl.broadcast_to(xs, w.shape)) * s
+    dot, x_sum = _dot_row(w, x_ptr, row, M, stride_xm, col0, c_mask)
+    acc += dot * s
     if HAS_OFFSET:
-        acc += tl.sum(xs, axis=2) * o
+        acc += x_sum * o
     return acc
 
 
@@ -156,7 +204,7 @@ def _gemv_w4_kernel(
     BLOCK_M: tl.constexpr,  # rows of x, up to 8, each with its own accumulator
     BLOCK_N: tl.constexpr,
     THREADS_K: tl.constexpr,
-    VEC: tl.constexpr,  # bytes of a row per thread and step (2 * VEC columns of x: one 16-byte load at VEC 4)
+    VEC: tl.constexpr,  # bytes of a row per thread and step, 4 / 8 / 16 (2 * VEC columns of x: one 16-byte load at VEC 4)
     RNE_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -166,7 +214,6 @@ def _gemv_w4_kernel(
     n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     t3 = tl.arange(0, THREADS_K)[None, :, None]
     v3 = tl.arange(0, VEC)[None, None, :]
-    c3 = tl.arange(0, 2 * VEC)[None, None, :]
     n_mask3 = n3 < N
     w_rows = w_ptr + n3.to(tl.int64) * stride_wn
     s_rows = n3.to(tl.int64) * stride_sn
@@ -189,25 +236,25 @@ def _gemv_w4_kernel(
         hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
         # interleaved back to column order in registers: (BN, T, 2V), laid out as the x rows' 16-byte loads
         w = tl.reshape(tl.join(lo, hi), (BLOCK_N, THREADS_K, 2 * VEC))
-        g = (2 * first) // group_k  # a thread's 2 * VEC columns lie in one group (group_k % 32 == 0)
+        g = (2 * first) // group_k  # a thread's 2 * VEC (<= 32) columns lie in one group (group_k % 32 == 0)
         st_mask = n_mask3 & t_mask
         s = tl.sum(tl.load(scale_ptr + s_rows + g, mask=st_mask, other=0.0).to(tl.float32), axis=2)  # (BN, T)
         if HAS_OFFSET:
             o = tl.sum(tl.load(offset_ptr + s_rows + g, mask=st_mask, other=0.0), axis=2)
         else:
             o = s
-        col = 2 * first + c3  # (1, T, 2V) the thread's columns of x
-        acc0 = _w4_row(acc0, x_ptr, 0, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+        col0 = 2 * first  # (1, T, 1) the thread's first column of x
+        acc0 = _w4_row(acc0, x_ptr, 0, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 1:
-            acc1 = _w4_row(acc1, x_ptr, 1, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc1 = _w4_row(acc1, x_ptr, 1, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 2:
-            acc2 = _w4_row(acc2, x_ptr, 2, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc3 = _w4_row(acc3, x_ptr, 3, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc2 = _w4_row(acc2, x_ptr, 2, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc3 = _w4_row(acc3, x_ptr, 3, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
         if BLOCK_M > 4:
-            acc4 = _w4_row(acc4, x_ptr, 4, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc5 = _w4_row(acc5, x_ptr, 5, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc6 = _w4_row(acc6, x_ptr, 6, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
-            acc7 = _w4_row(acc7, x_ptr, 7, M, stride_xm, col, t_mask, w, s, o, HAS_OFFSET)
+            acc4 = _w4_row(acc4, x_ptr, 4, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc5 = _w4_row(acc5, x_ptr, 5, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc6 = _w4_row(acc6, x_ptr, 6, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
+            acc7 = _w4_row(acc7, x_ptr, 7, M, stride_xm, col0, t_mask, w, s, o, HAS_OFFSET)
     _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, N, pid_n, pid_k, stride_om, stride_os,
             HAS_BIAS, PARTIAL, BLOCK_M, BLOCK_N, RNE_BF16)
 
@@ -235,10 +282,10 @@ def _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M
 
 
 @triton.jit
-def _w8_row(acc, x_ptr, row, M, stride_xm, k, k_mask, q, s):
-    """acc (BN, T) += s * sum over the thread's columns of q * x[row]."""
-    xs = tl.load(x_ptr + row * stride_xm + k, mask=k_mask & (tl.full([1, 1, 1], row, tl.int32) < M), other=0.0).to(tl.float32)  # (1, T, V)
-    return acc + _dot8(q, tl.broadcast_to(xs, q.shape)) * s
+def _w8_row(acc, x_ptr, row, M, stride_xm, first, k_mask, q, s):
+    """acc (BN, T) += s * sum over the thread's columns (from first (1, T, 1) on) of q * x[row]."""
+    dot, x_sum = _dot_row(q, x_ptr, row, M, stride_xm, first, k_mask)
+    return acc + dot * s
 
 
 @triton.jit
@@ -264,7 +311,7 @@ def _gemv_w8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     THREADS_K: tl.constexpr,
-    VEC: tl.constexpr,  # columns (bytes) of a row per thread and step (8: 8 bytes of w, 16 of bf16 x)
+    VEC: tl.constexpr,  # columns (bytes) of a row per thread and step, 8 / 16 (8: 8 bytes of w, 16 of bf16 x)
     RNE_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -294,24 +341,29 @@ def _gemv_w8_kernel(
             q = (((raw.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.int32)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         else:
             q = raw.to(tl.float32)
-        g = first // group_k  # a thread's VEC columns lie in one group (group_k % 16 == 0)
+        g = first // group_k  # a thread's VEC (<= 16) columns lie in one group (group_k % 16 == 0)
         s = tl.sum(tl.load(scale_ptr + s_rows + g, mask=n_mask3 & t_mask, other=0.0), axis=2)  # (BN, T)
-        acc0 = _w8_row(acc0, x_ptr, 0, M, stride_xm, k, t_mask, q, s)
+        acc0 = _w8_row(acc0, x_ptr, 0, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 1:
-            acc1 = _w8_row(acc1, x_ptr, 1, M, stride_xm, k, t_mask, q, s)
+            acc1 = _w8_row(acc1, x_ptr, 1, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 2:
-            acc2 = _w8_row(acc2, x_ptr, 2, M, stride_xm, k, t_mask, q, s)
-            acc3 = _w8_row(acc3, x_ptr, 3, M, stride_xm, k, t_mask, q, s)
+            acc2 = _w8_row(acc2, x_ptr, 2, M, stride_xm, first, t_mask, q, s)
+            acc3 = _w8_row(acc3, x_ptr, 3, M, stride_xm, first, t_mask, q, s)
         if BLOCK_M > 4:
-            acc4 = _w8_row(acc4, x_ptr, 4, M, stride_xm, k, t_mask, q, s)
-            acc5 = _w8_row(acc5, x_ptr, 5, M, stride_xm, k, t_mask, q, s)
-            acc6 = _w8_row(acc6, x_ptr, 6, M, stride_xm, k, t_mask, q, s)
-            acc7 = _w8_row(acc7, x_ptr, 7, M, stride_xm, k, t_mask, q, s)
+            acc4 = _w8_row(acc4, x_ptr, 4, M, stride_xm, first, t_mask, q, s)
+            acc5 = _w8_row(acc5, x_ptr, 5, M, stride_xm, first, t_mask, q, s)
+            acc6 = _w8_row(acc6, x_ptr, 6, M, stride_xm, first, t_mask, q, s)
+            acc7 = _w8_row(acc7, x_ptr, 7, M, stride_xm, first, t_mask, q, s)
     _finish(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, N, pid_n, pid_k, stride_om, stride_os,
             HAS_BIAS, PARTIAL, BLOCK_M, BLOCK_N, RNE_BF16)
 
 
-def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms: int) -> dict[str, int]:
+VECS = {4: (4, 8, 16), 8: (8, 16)}  # a thread's bytes of a row per step that the kernels take, by weight bits
+WARPS = (1, 2, 4, 8, 16)
+
+
+def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms: int, *, vec: int | None = None,
+                block_n: int | None = None, num_warps: int | None = None, split_k: int | None = None) -> dict[str, int]:
     """The launch config for `num_rows` (<= GEMV_ROWS) rows, N = out_features and `row_bytes`
     bytes of a weight row. Four warps, all THREADS_K = 128 threads along K. VEC, a thread's
     bytes of a row per step, makes the thread's columns of a 16-bit x row one 16-byte load
@@ -321,21 +373,73 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
     8-bit) while BLOCK_N * BLOCK_M <= 16, fewer beyond, since each row of x keeps its own
     accumulator of BLOCK_N values a thread and more spilled. SPLIT_K: doubled while the N
     blocks alone give fewer than two programs per SM and each split keeps >= 2 steps (Llama-3-
-    8B's qkv at M = 1: 768 programs, one pass). Not yet timed on a GPU; tests/kernels/aot_sm90.py
-    checks that these configs compile for sm_90 without spills."""
+    8B's qkv at M = 1: 768 programs, one pass). tests/kernels/aot_sm90.py checks that these
+    configs compile for sm_90 without spills.
+
+    The keywords override one choice each (None: the rule above, which they then feed): `vec`
+    (VECS[bits]: 16 bytes is one 16-byte weight load a thread, 2 * 16 columns of x for 4-bit),
+    `block_n` (a power of two), `num_warps` (THREADS_K = 32 * num_warps, all along K) and
+    `split_k` (the splits of K, M's for every M). A row's sums depend on VEC, THREADS_K and the
+    split, not on BLOCK_N or M: a choice of those three kept for every M keeps a row's result
+    independent of its batch (benchmarks/w4a16_gpu.py --sweep times the choices)."""
+    check(vec is None or vec in VECS[bits], f"vec {vec}: the {bits}-bit GEMV takes {VECS[bits]}")
+    check(block_n is None or (block_n > 0 and block_n & (block_n - 1) == 0), f"block_n {block_n} must be a power of two")
+    check(num_warps is None or num_warps in WARPS, f"num_warps {num_warps} must be one of {WARPS}")
+    check(split_k is None or split_k >= 1, f"split_k {split_k} must be >= 1")
     block_m = next_pow2(num_rows)
-    vec = 4 if bits == 4 else 8
-    block_n = min(32 // vec, 16 // block_m)
-    if bits == 8 and block_m == 8:
-        block_n = 1  # fp8 at 2 rows a thread spilled 44 bytes (the e4m3 -> float32 conversions' registers)
-    # the split counts blocks of the widest BLOCK_N whatever M is: the same split, so the same
-    # order of every row's sums, for 1..8 rows (a row's result does not depend on its batch)
-    n_blocks = -(-out_features // (32 // vec))
-    steps = -(-row_bytes // (THREADS_K * vec))
-    split = 1
-    while split < MAX_SPLIT_K and n_blocks * split < 2 * sms and steps // (2 * split) >= 2:
-        split *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "THREADS_K": THREADS_K, "VEC": vec, "SPLIT_K": split, "num_warps": NUM_WARPS}
+    vec = vec or (4 if bits == 4 else 8)
+    warps = num_warps or NUM_WARPS
+    threads_k = 32 * warps
+    if block_n is None:
+        block_n = max(1, min(32 // vec, 16 // block_m))
+        if bits == 8 and block_m == 8:
+            block_n = 1  # fp8 at 2 rows a thread spilled 44 bytes (the e4m3 -> float32 conversions' registers)
+    if split_k is None:
+        # the split counts blocks of the widest BLOCK_N whatever M is: the same split, so the same
+        # order of every row's sums, for 1..8 rows (a row's result does not depend on its batch)
+        n_blocks = -(-out_features // max(1, 32 // vec))
+        steps = -(-row_bytes // (threads_k * vec))
+        split_k = 1
+        while split_k < MAX_SPLIT_K and n_blocks * split_k < 2 * sms and steps // (2 * split_k) >= 2:
+            split_k *= 2
+    step = threads_k * vec
+    split_k = -(-row_bytes // (-(-row_bytes // (split_k * step)) * step))  # the splits of whole steps a launch makes
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "THREADS_K": threads_k, "VEC": vec, "SPLIT_K": split_k, "num_warps": warps}
+
+
+def _tiles(vec: int, block_n: int, num_warps: int, split_k: int | None = None) -> dict[str, int | None]:
+    return {"vec": vec, "block_n": block_n, "num_warps": num_warps, "split_k": split_k}
+
+
+# Launch configs that benchmarks/w4a16_gpu.py --sweep times, by weight bits: tile_config's keywords,
+# {} = its rule. block_n is the N block at one row; sweep_tiles narrows it as M grows. Around
+# the rule: wider VECs (16-byte weight loads) at the same weight bytes a thread per step (32 or
+# 16), 2 / 4 / 8 warps, and a forced split of K. tests/kernels/aot_sm90.py compiles each for
+# sm_90 at M = 1 and 4 and fails on a spill.
+SWEEP_TILES: dict[int, list[dict[str, int | None]]] = {
+    4: [{}, _tiles(4, 4, 4), _tiles(4, 8, 8), _tiles(4, 8, 2), _tiles(8, 4, 4), _tiles(8, 2, 4), _tiles(8, 4, 8),
+        _tiles(16, 2, 4), _tiles(16, 1, 4), _tiles(16, 2, 8), _tiles(16, 2, 2), _tiles(4, 8, 4, 2), _tiles(16, 2, 4, 2)],
+    8: [{}, _tiles(8, 2, 4), _tiles(8, 4, 8), _tiles(8, 4, 2), _tiles(16, 4, 4), _tiles(16, 2, 4), _tiles(16, 1, 4),
+        _tiles(16, 2, 8), _tiles(16, 2, 2), _tiles(8, 4, 4, 2), _tiles(16, 2, 4, 2)],
+}
+
+
+def sweep_tiles(bits: int, num_rows: int) -> list[dict[str, int | None]]:
+    """SWEEP_TILES[bits] at `num_rows` rows, block_n narrowed so that a thread's decoded weights
+    (BLOCK_N x its 2 * VEC (4-bit) / VEC (8-bit) columns, float32) stay <= 128 / BLOCK_M, since
+    each row of x adds its own columns and BLOCK_N accumulators (4-bit VEC 16 with 2 rows of N
+    at M = 4 spilled ~100 bytes); duplicates dropped."""
+    block_m = next_pow2(num_rows)
+    seen, tiles = set(), []
+    for t in SWEEP_TILES[bits]:
+        if t:
+            columns = 2 * t["vec"] if bits == 4 else t["vec"]
+            t = dict(t, block_n=min(t["block_n"], max(1, 128 // block_m // columns)))
+        key = tuple(sorted(t.items()))
+        if key not in seen:
+            seen.add(key)
+            tiles.append(t)
+    return tiles
 
 
 def supports(num_rows: int, in_features: int, group_k: int, bits: int) -> bool:
@@ -363,9 +467,9 @@ def _prepare(x: torch.Tensor, k: int, n: int, out: torch.Tensor | None) -> tuple
 
 
 def _launch(kernel, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n: int, row_bytes: int, bits: int,
-            args_before_split: tuple, args_after_split: tuple, constexprs: dict) -> None:
+            args_before_split: tuple, args_after_split: tuple, constexprs: dict, overrides: dict) -> None:
     num_rows = rows.shape[0]
-    tiles = tile_config(num_rows, n, row_bytes, bits, num_sms(rows.device.index if rows.device.type == "cuda" else None))
+    tiles = tile_config(num_rows, n, row_bytes, bits, num_sms(rows.device.index if rows.device.type == "cuda" else None), **overrides)
     split = tiles.pop("SPLIT_K")
     step = tiles["THREADS_K"] * tiles["VEC"]
     per_split = -(-row_bytes // (split * step)) * step  # bytes of a row per split
@@ -389,6 +493,11 @@ def gemv_w4(
     group_k: int,
     bias: torch.Tensor | None = None,  # (N,)
     out: torch.Tensor | None = None,  # (M, N) x's dtype, contiguous
+    *,
+    vec: int | None = None,  # launch config overrides (tile_config; None: its rule)
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:  # (..., N) in x's dtype
     check(qweight.dim() == 2 and qweight.dtype == torch.uint8, f"qweight must be (N, K / 2) uint8, got {tuple(qweight.shape)} {qweight.dtype}")
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -408,7 +517,8 @@ def gemv_w4(
         _launch(_gemv_w4_kernel, rows, out, bias, n, k // 2, 4,
                 (rows, qweight, scale, offset if offset is not None else scale, bias if bias is not None else scale),
                 (group_k if group_k < k else k + 64, rows.stride(0), qweight.stride(0), scale.stride(0)),
-                dict(HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None))
+                dict(HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None),
+                dict(vec=vec, block_n=block_n, num_warps=num_warps, split_k=split_k))
     return out.view(*x.shape[:-1], n)
 
 
@@ -419,6 +529,11 @@ def gemv_w8(
     group_k: int,
     bias: torch.Tensor | None = None,  # (N,)
     out: torch.Tensor | None = None,  # (M, N) x's dtype, contiguous
+    *,
+    vec: int | None = None,  # launch config overrides (tile_config; None: its rule)
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:  # (..., N) in x's dtype
     check(qweight.dim() == 2 and qweight.dtype in (torch.int8, torch.float8_e4m3fn),
           f"qweight must be (N, K) int8 or float8_e4m3fn, got {tuple(qweight.shape)} {qweight.dtype}")
@@ -435,7 +550,8 @@ def gemv_w8(
         _launch(_gemv_w8_kernel, rows, out, bias, n, k, 8,
                 (rows, qweight, scale, bias if bias is not None else scale),
                 (group_k if group_k < k else k + 64, rows.stride(0), qweight.stride(0), scale.stride(0)),
-                dict(INT8=qweight.dtype == torch.int8, HAS_BIAS=bias is not None))
+                dict(INT8=qweight.dtype == torch.int8, HAS_BIAS=bias is not None),
+                dict(vec=vec, block_n=block_n, num_warps=num_warps, split_k=split_k))
     return out.view(*x.shape[:-1], n)
 
 

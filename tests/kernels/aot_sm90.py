@@ -3,6 +3,7 @@ configs, and check with ptxas that none spills registers. Run by test_kernel_com
 in a subprocess, because Triton must be imported with TRITON_INTERPRET=0 for this.
 
     TRITON_INTERPRET=0 python tests/kernels/aot_sm90.py     # prints one line per kernel variant
+    TRITON_INTERPRET=0 python tests/kernels/aot_sm90.py gemv_w4 gemv_w8   # only labels holding a word
 """
 
 from __future__ import annotations
@@ -169,6 +170,22 @@ def variants():
         yield (f"gemv_w8 {wtype} M{rows} N{n} K{k} group{group} split{split}", quant_gemv._gemv_w8_kernel,
                {"*": "bf16", "w_ptr": wtype, "scale_ptr": "fp32", "out_ptr": "fp32" if split > 1 else "bf16"},
                dict(INT8=wtype == "i8", HAS_BIAS=True, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div)
+    # the other launch configs benchmarks/w4a16_gpu.py --sweep times (quant_gemv.SWEEP_TILES), at
+    # qkv (6144 x 4096, group 128 symmetric 4-bit; int8 per channel) for M = 1, 2 and 4
+    for bits in (4, 8):
+        for rows in (1, 2, 4):
+            for overrides in quant_gemv.sweep_tiles(bits, rows)[1:]:
+                tiles = quant_gemv.tile_config(rows, 6144, 4096 * bits // 8, bits, 132, **overrides)
+                warps = tiles.pop("num_warps")
+                split = tiles.pop("SPLIT_K")
+                label = f"M{rows} VEC{tiles['VEC']} N{tiles['BLOCK_N']} warps{warps} split{split}"
+                ptrs = {"*": "bf16", "scale_ptr": "fp32", "out_ptr": "fp32" if split > 1 else "bf16"}
+                if bits == 4:
+                    yield (f"gemv_w4 sweep {label}", quant_gemv._gemv_w4_kernel, {**ptrs, "w_ptr": "u8", "scale_ptr": "fp16", "offset_ptr": "fp32"},
+                           dict(HAS_OFFSET=False, HAS_BIAS=False, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div | {"stride_sn"})
+                else:
+                    yield (f"gemv_w8 sweep i8 {label}", quant_gemv._gemv_w8_kernel, {**ptrs, "w_ptr": "i8"},
+                           dict(INT8=True, HAS_BIAS=False, PARTIAL=split > 1, RNE_BF16=False, **tiles), warps, gemv_div)
     for block_b, asym in ((quant_gemv.DEQUANT_BLOCK_B, False), (16, True)):
         yield (f"dequant_w4 BLOCK_B{block_b}{' asym' if asym else ''}", quant_gemv._dequant_w4_kernel,
                {"*": "bf16", "w_ptr": "u8", "scale_ptr": "fp32" if asym else "fp16", "offset_ptr": "fp32"},
@@ -230,7 +247,10 @@ def variants():
 def main() -> int:
     ptxas = ptxas_path()
     failures = 0
+    only = sys.argv[1:]  # words a label must hold one of (none: every variant)
     for label, fn, pointers, constexprs, warps, *divisible in variants():
+        if only and not any(word in label for word in only):
+            continue
         try:
             kernel = compile_variant(fn, pointers, constexprs, warps, *divisible)
         except Exception as exc:  # noqa: BLE001 - report every variant, then fail

@@ -88,6 +88,72 @@ def test_gemv_w8_matches_its_twin_and_the_w8_twin(dtype, group, num_rows, out_fe
     assert rel_err(out, reference.w8_linear(xh, q, s, group_k, bias)) < 1e-2
 
 
+# launch configs other than tile_config's rule (vec, block_n, num_warps, split_k): wider VECs,
+# other N blocks and warps, explicit splits (the benchmark's --sweep times these on a GPU)
+W4_TILES = [dict(vec=8, block_n=2, num_warps=2), dict(vec=8, block_n=1, num_warps=1, split_k=2), dict(vec=16, block_n=4, num_warps=2)]
+W8_TILES = [dict(vec=16, block_n=2, num_warps=1), dict(vec=8, block_n=1, num_warps=2, split_k=2), dict(vec=16, block_n=1, num_warps=2, split_k=4)]
+
+
+@pytest.mark.parametrize("tiles", W4_TILES, ids=str)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gemv_w4_launch_configs_match_the_twin(tiles: dict, symmetric: bool) -> None:
+    packed, scale, offset = w4_weights(11, 1024, 64 if symmetric else 128, symmetric)
+    group = 64 if symmetric else 128
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 1024, generator=gen)
+    bias = torch.randn(11, generator=gen)
+    out = gemv_w4(x, packed, scale, offset, group, bias, out=poisoned(3, 11, torch.float32), **tiles)
+    assert not out.isnan().any()
+    assert rel_err(out, reference.gemv_w4(x, packed, scale, offset, group, bias)) < 1e-6
+    xh = x.to(torch.bfloat16)
+    assert rel_err(gemv_w4(xh, packed, scale, offset, group, bias, **tiles), reference.gemv_w4(xh, packed, scale, offset, group, bias)) < 1e-3
+
+
+@pytest.mark.parametrize("tiles", W8_TILES, ids=str)
+@pytest.mark.parametrize("dtype, group", [("int8", 0), ("fp8", 32)])
+def test_gemv_w8_launch_configs_match_the_twin(tiles: dict, dtype: str, group: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, s = formats.quantize_rows(torch.randn(7, 1024, generator=gen), dtype)
+    if group:
+        s = torch.rand(7, 1024 // group, generator=gen) * 0.01 + 1e-3
+    group_k = group or 1024
+    x = torch.randn(2, 1024, generator=gen)
+    bias = torch.randn(7, generator=gen)
+    out = gemv_w8(x, q, s, group_k, bias, out=poisoned(2, 7, torch.float32), **tiles)
+    assert not out.isnan().any()
+    assert rel_err(out, reference.gemv_w8(x, q, s, group_k, bias)) < 1e-6
+
+
+def test_a_row_does_not_depend_on_its_batch_or_block_n_for_one_vec_warps_and_split() -> None:
+    """What the sweep's batch-invariant choice relies on: VEC, warps and split fixed, BLOCK_N free per M."""
+    packed, scale, offset = w4_weights(6, 2048, 128, symmetric=False)
+    x = torch.randn(7, 2048, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    whole = gemv_w4(x, packed, scale, offset, 128, vec=16, num_warps=1, split_k=2, block_n=1)
+    for rows, block_n in ((slice(1, 3), 4), (slice(6, 7), 2)):
+        part = gemv_w4(x[rows].contiguous(), packed, scale, offset, 128, vec=16, num_warps=1, split_k=2, block_n=block_n)
+        assert torch.equal(whole[rows], part), rows
+    q, s = formats.quantize_rows(torch.randn(6, 2048, generator=torch.Generator().manual_seed(9)), "int8")
+    whole = gemv_w8(x, q, s, 2048, vec=16, num_warps=2, split_k=2, block_n=1)
+    assert torch.equal(whole[2:4], gemv_w8(x[2:4].contiguous(), q, s, 2048, vec=16, num_warps=2, split_k=2, block_n=4))
+
+
+def test_launch_config_overrides() -> None:
+    default = tile_config(2, 6144, 2048, 4, 132)
+    assert tile_config(2, 6144, 2048, 4, 132, vec=None, block_n=None, num_warps=None, split_k=None) == default
+    t = tile_config(2, 1024, 2048, 4, 132, vec=16, num_warps=8)
+    assert (t["VEC"], t["THREADS_K"], t["num_warps"], t["BLOCK_N"]) == (16, 256, 8, 2)
+    assert t["SPLIT_K"] == tile_config(8, 1024, 2048, 4, 132, vec=16, num_warps=8)["SPLIT_K"]  # M's for every M
+    assert tile_config(1, 6144, 2048, 4, 132, split_k=4, block_n=2)["SPLIT_K"] == 4
+    assert tile_config(1, 6144, 2048, 4, 132, split_k=3)["SPLIT_K"] == 2  # 4 steps of 512 bytes: 2 + 2
+    assert tile_config(1, 6144, 2048, 4, 132, vec=16, split_k=2)["SPLIT_K"] == 1  # one step of 2048 bytes
+    for bad, match in ((dict(vec=32), "vec 32"), (dict(block_n=3), "power of two"), (dict(num_warps=3), "num_warps"),
+                       (dict(split_k=0), "split_k")):
+        with pytest.raises(ValueError, match=match):
+            tile_config(1, 64, 64, 4, 132, **bad)
+    with pytest.raises(ValueError, match="vec 4"):
+        gemv_w8(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), 64, vec=4)
+
+
 def test_gemv_w8_reads_a_per_channel_scale_view() -> None:
     """The scaled_mm backend holds per-row scales as (1, N); the GEMV reads a (N, 1) view of them."""
     gen = torch.Generator().manual_seed(3)
@@ -224,3 +290,31 @@ def test_8bit_backends_use_the_gemv_at_decode(backend: str) -> None:
     assert rel_err(out, F.linear(x.float(), w, layer.bias.float())) < 1e-2
     layer(torch.randn(9, 64, generator=gen).to(torch.bfloat16))  # prefill: the backend's GEMM
     assert spy.calls == 1
+
+
+def test_benchmark_sweep_smoke(tmp_path) -> None:
+    """benchmarks/w4a16_gpu.py --smoke --sweep: every config of sweep_tiles runs (interpreted) and
+    agrees with its twin, and the summary names a fastest config per kind, projection and M."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from stoker.kernels.quant_gemv import sweep_tiles
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "w4a16_gpu.py"), "--smoke", "--sweep", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not timed" not in proc.stdout
+    data = json.loads(out.read_text())
+    for bits, kind in ((4, "w4 group 128 symmetric"), (8, "w8 int8 per channel")):
+        for rows in (1, 3):
+            timed = [r for r in data["rows"] if r["kind"] == kind and r["rows"] == rows]
+            assert len(timed) == len(sweep_tiles(bits, rows)), (kind, rows)
+            assert all(r["rel_err"] < 1e-2 for r in timed)
+            assert set(data["sweep"]["best"][kind]["smoke"][str(rows)]) >= {"overrides", "tiles", "ms", "default_ms"}
+        assert set(data["sweep"]["best_batch_invariant"][kind]["smoke"]["block_n_by_rows"]) == {"1", "3"}
