@@ -133,8 +133,8 @@ run_script() {  # NAME CAP SCRIPT ARGS...
   timeout -k 10 "$cap" python3 "$@" --json $FIG/$name.json > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - t0)) s"; grep -v "^ *$" "$OUT/$name.log" | tail -40; pack
 }
-has sweep && run_script sweep 90 benchmarks/w4a16_gpu.py --sweep
 has mla && run_script mla 60 benchmarks/mla_gpu.py
 has pooling && run_script pooling 75 benchmarks/pooling_gpu.py
 has lora && run_script lora 100 benchmarks/lora_gpu.py --checkpoint $CKPT
 has spec && run_script spec 100 benchmarks/spec_decode_gpu.py --checkpoint $CKPT
+has sweep && run_script sweep 90 benchmarks/w4a16_gpu.py --sweep
