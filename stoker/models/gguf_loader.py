@@ -28,8 +28,11 @@ experts), qwen2, qwen3, qwen2moe and qwen3moe;
     `weight_scale` for the quantized MoE method (layers/moe_quant.py), whose int8 groups of K
     per expert row are the blocks' own, 4-bit blocks (Q4_0, Q4_1, Q4_K) decoded as for a dense
     projection into `weight` (codes, uint8), `weight_scale` and `weight_offset` (per 32 columns)
-    for the int4 MoE method (layers/moe_int4.py, layout "gguf"); which layer runs how, and the
-    types and mixes refused by name, is quantization/gguf.py's (`expert_scheme`);
+    for the int4 MoE method (layers/moe_int4.py, layout "gguf"); a layer held per projection (a
+    Q4_K_M file's Q4_K gate/up beside a Q6_K down; Q5_K_M's Q5_K) gives every projection's
+    `weight` (uint8 4-bit codes, or int8 codes), `weight_scale` and `weight_offset` (0 for a
+    symmetric type) at its own group (layers/moe_mixed.py); which layer runs how, and the types
+    and mixes refused by name, is quantization/gguf.py's (`expert_scheme`, `expert_projections`);
   * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),

@@ -4,8 +4,10 @@ one blk.N.ffn_*_exps tensor per projection: stoker/testing/gguf_checkpoint.py), 
 transformers computes on the weights the file stands for: prefill logits to 1e-4 and greedy
 tokens. Float experts run the float MoE method; Q8_0 / Q6_K experts the int8 one at their
 blocks' own groups; Q4_0 / Q4_1 / Q4_K experts the int4 one (codes, scale and offset per 32
-columns, decoded as gguf-py dequantizes them); expert types with no exact MoE method, and a layer
-whose experts mix int4 and int8, are refused by name.
+columns, decoded as gguf-py dequantizes them); llama-quantize's Q4_K_M and Q5_K_M mixes
+(stoker/testing/gguf_checkpoint.llama_cpp_types: Q4_K gate/up beside a Q6_K or Q5_0 down, Q5_K
+gate/up) hold those layers per projection (layers/moe_mixed.py). Refused by name: types with no
+exact Stoker method, float experts beside quantized ones, gate and up of different families.
 """
 
 from __future__ import annotations
@@ -151,8 +153,10 @@ def _check_mixed(case: str, moes: dict) -> None:
     else:  # mixtral: w2 Q5_0 (layer 0) and Q6_K (layer 1) beside Q4_K w1/w3
         assert sorted(mixed) == [0, 1] and all(m.bits == {"w13": 4, "w2": 8} for m in mixed.values())
         assert mixed[0].group["w2"] == 32 and mixed[1].group["w2"] == 16
-    for m in mixed.values():  # the layer's parameters are the codes themselves: 4-bit packed, int8 one a byte
-        assert m.describe().startswith("experts gate/up int")
+    for name, layer in moes.items():  # the layer's parameters are the codes themselves: 4-bit packed, int8 one a byte
+        if isinstance(layer.method, MixedMoEMethod):
+            for w in ("w13", "w2"):
+                assert getattr(layer, w).dtype == (torch.uint8 if layer.method.bits[w] == 4 else torch.int8), name
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe_q4", "mixtral_q4", "qwen3_moe_q4_k_m", "qwen3_moe_q5_k_m"])
