@@ -58,7 +58,8 @@ class MixedMoEMethod(MoEMethod):
             raise ValueError(f"unknown mixed MoE backend {backend!r}; one of {MIXED_MOE_BACKENDS}")
         for what, s in (("gate/up", w13), ("down", w2)):
             if s.dtype not in ("int4", "int8") or s.strategy != "group":
-                raise ValueError(f"{name}: MixedMoEMethod holds int4 or int8 groups, not {s.dtype} {s.strategy} ({what})")
+                raise ValueError(f"{name}: MixedMoEMethod holds int4 or int8 groups, not {s.dtype} {s.strategy} "
+                                 f"({what})")
         self.schemes = {"w13": w13, "w2": w2}
         self.bits = {w: 4 if s.dtype == "int4" else 8 for w, s in self.schemes.items()}
         self.group = {w: int(s.group_size or 0) for w, s in self.schemes.items()}
@@ -67,7 +68,8 @@ class MixedMoEMethod(MoEMethod):
         self.activation: str | None = None  # the C kernel's name for the layer's gate (create_weights)
 
     def describe(self) -> str:
-        parts = [f"{what} {self.schemes[w].dtype} group {self.group[w]}" for what, w in (("gate/up", "w13"), ("down", "w2"))]
+        parts = [f"{what} {self.schemes[w].dtype} group {self.group[w]}"
+                 for what, w in (("gate/up", "w13"), ("down", "w2"))]
         return f"experts {', '.join(parts)} via {self.backend}"
 
     # ---------------------------------------------------------------- parameters
@@ -150,7 +152,8 @@ class MixedMoEMethod(MoEMethod):
                 target = getattr(layer, f"{w}_{param.removeprefix('weight_')}")[expert, rows]
                 target.copy_(_shaped(tensor, (n, k // self.group[w]), where).float())
             else:
-                raise ValueError(f"unexpected checkpoint tensor {where} for experts held per projection ({self.describe()})")
+                raise ValueError(f"unexpected checkpoint tensor {where} for experts held per projection "
+                                 f"({self.describe()})")
 
     # ---------------------------------------------------------------- layout and forward
     def process_after_loading(self, layer: FusedMoE) -> None:
@@ -186,7 +189,8 @@ class MixedMoEMethod(MoEMethod):
         loading layout: the torch backend's, the cpu backend's before process_after_loading)."""
         codes = getattr(layer, w)[e]
         q = int4.unpack(codes) if self.bits[w] == 4 else codes
-        return int4.dequantize(q, getattr(layer, f"{w}_scale")[e], getattr(layer, f"{w}_offset")[e], self.group[w], dtype)
+        scale, offset = getattr(layer, f"{w}_scale")[e], getattr(layer, f"{w}_offset")[e]
+        return int4.dequantize(q, scale, offset, self.group[w], dtype)
 
     def expert_forward(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
         w13, w2 = self.dequantized(layer, "w13", e, rows.dtype), self.dequantized(layer, "w2", e, rows.dtype)

@@ -359,7 +359,7 @@ class GGUFTensors:
         schemes: dict[str, Any] = {}
         leaves = list(getattr(model, "expert_params", {}))
         for name, layer in model.named_modules():
-            if isinstance(layer, FusedMoE):  # a layer's experts as the chooser holds them: one scheme, or one per projection
+            if isinstance(layer, FusedMoE):  # its experts as the chooser holds them: one scheme, or one per projection
                 names = [f"{name}.{e}.{leaf}" for e in range(layer.global_num_experts) for leaf in leaves]
                 if all(n in self.types for n in names) and not config.is_ignored(names[0]):
                     pair = config.expert_projections(names)
@@ -494,12 +494,15 @@ class GGUFTensors:
             return {"q": q, "scale": scale, "offset": offset}
         if kind in gguf_blocks.SYMMETRIC:
             q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t, expert))
-            parts = {"q": q, "scale": scale} if scheme.symmetric else {"q": q, "scale": scale,
-                                                                       "offset": torch.zeros_like(scale)}
+            parts = {"q": q, "scale": scale}
+            if not scheme.symmetric:
+                parts["offset"] = torch.zeros_like(scale)
         else:  # Q5_K, Q5_1: codes in [0, 31]
             q, scale, offset = gguf_blocks.AFFINE[kind](self._raw(t, expert))
             parts = {"q": q.to(torch.int8), "scale": scale, "offset": offset}
         own = gguf_blocks.GROUP_K[kind]
         if group != own:  # a coarser shard of a merged projection: each scale (and offset) repeated, exact
-            parts.update({p: parts[p].repeat_interleave(own // group, dim=1) for p in ("scale", "offset") if p in parts})
+            for p in ("scale", "offset"):
+                if p in parts:
+                    parts[p] = parts[p].repeat_interleave(own // group, dim=1)
         return parts
