@@ -35,8 +35,8 @@ the way out). Expert parallelism holds whole experts and needs nothing here.
 
 Backends, chosen once at build (models/method_chooser.py):
   cpu      CPU float32 with the C kernels: the one-call MoE kernel (kernels/cpu/moe.c,
-           `stoker_fused_moe_int4_f32`) on the codes, scales and offsets regrouped into the
-           linear kernel's panels after loading (kernels/cpu/moe.pack_int4_experts: codes
+           `stoker_fused_moe_coded_f32`, 4-bit codes) on the codes, scales and offsets regrouped into the
+           linear kernel's panels after loading (kernels/cpu/moe.pack_coded_experts: codes
            (E, P, K / 2, NR), scales and offsets (E, P, G, NR)): each GEMM task dequantizes its
            panel (q * s, rounded, + o, rounded: int4.dequantize's definition; a vector loop
            along NR) into a per-thread buffer and runs the linear kernel's task on it, so the
@@ -243,7 +243,7 @@ class Int4MoEMethod(MoEMethod):
 
         # moe.c's panels: codes (E, P, K / 2, NR), scales and offsets (E, P, G, NR)
         for w in ("w13", "w2"):
-            panels = cpu_moe.pack_int4_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
+            panels = cpu_moe.pack_coded_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
             for p, t in zip(("", "_scale", "_offset"), panels):
                 setattr(layer, f"{w}{p}", nn.Parameter(t, requires_grad=False))
         if layer.has_bias:  # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias

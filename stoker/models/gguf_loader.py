@@ -28,8 +28,11 @@ experts), qwen2, qwen3, qwen2moe and qwen3moe;
     `weight_scale` for the quantized MoE method (layers/moe_quant.py), whose int8 groups of K
     per expert row are the blocks' own, 4-bit blocks (Q4_0, Q4_1, Q4_K) decoded as for a dense
     projection into `weight` (codes, uint8), `weight_scale` and `weight_offset` (per 32 columns)
-    for the int4 MoE method (layers/moe_int4.py, layout "gguf"); which layer runs how, and the
-    types and mixes refused by name, is quantization/gguf.py's (`expert_scheme`);
+    for the int4 MoE method (layers/moe_int4.py, layout "gguf"); a layer held per projection (a
+    Q4_K_M file's Q4_K gate/up beside a Q6_K down; Q5_K_M's Q5_K) gives every projection's
+    `weight` (uint8 4-bit codes, or int8 codes), `weight_scale` and `weight_offset` (0 for a
+    symmetric type) at its own group (layers/moe_mixed.py); which layer runs how, and the types
+    and mixes refused by name, is quantization/gguf.py's (`expert_scheme`, `expert_projections`);
   * the token embedding dequantized to floats (embedding rows are gathered, not streamed per
     token); when the file ties the output to a quantized token_embd, the LM head gets
     token_embd's blocks as an int8 projection of its own (config tie_word_embeddings false),
@@ -127,7 +130,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     layer_experts: dict[str, list[tuple[str, str]]] = {}
     for name, t in tensors.items():
         if gguf_names.is_experts(name):
-            gguf_types.check_expert_type(name, _type_name(t))
+            gguf_types.check_type(name, _type_name(t))
             layer_experts.setdefault(name.split(".")[1], []).append((name, _type_name(t)))
         else:
             gguf_names.hf_name(name, arch)  # refuses a tensor the model has no place for
@@ -135,8 +138,8 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
             if _BLOCK_ROUTER in name and _type_name(t) not in gguf_types.FLOAT_TYPES:
                 raise ValueError(f"GGUF tensor {name} (a MoE router) is {_type_name(t)}; Stoker's router runs in "
                                  f"float32 and takes {', '.join(gguf_types.FLOAT_TYPES)}")
-    for experts in layer_experts.values():  # one representation per layer, or refused naming its tensors
-        gguf_types.expert_scheme(experts)
+    for experts in layer_experts.values():  # how each layer is held, or refused naming its tensors
+        gguf_types.expert_projections(experts)
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -336,7 +339,8 @@ class GGUFTensors:
             else:
                 self.entries[hf], self.entries[f"{module}.weight_scale"] = (t, "q"), (t, "scale")
                 self.expert_of[f"{module}.weight_scale"] = expert
-                if self.schemes[module].dtype == "int4":
+                scheme = self.schemes[module]
+                if scheme.dtype == "int4" or not scheme.symmetric:  # the int4 and the per-projection methods
                     self.entries[f"{module}.weight_offset"] = (t, "offset")
                     self.expert_of[f"{module}.weight_offset"] = expert
             self.expert_of[hf] = expert
@@ -355,10 +359,14 @@ class GGUFTensors:
         schemes: dict[str, Any] = {}
         leaves = list(getattr(model, "expert_params", {}))
         for name, layer in model.named_modules():
-            if isinstance(layer, FusedMoE):  # one scheme for all of a layer's experts, as the chooser holds them
+            if isinstance(layer, FusedMoE):  # its experts as the chooser holds them: one scheme, or one per projection
                 names = [f"{name}.{e}.{leaf}" for e in range(layer.global_num_experts) for leaf in leaves]
                 if all(n in self.types for n in names) and not config.is_ignored(names[0]):
-                    schemes.update(dict.fromkeys(names, config.weights_for(names)))
+                    pair = config.expert_projections(names)
+                    if pair is None:
+                        schemes.update(dict.fromkeys(names, config.weights_for(names)))
+                    else:  # (gate/up, down): layers/moe_mixed.py
+                        schemes.update({n: pair[".ffn_down_exps." in self.types[n][0]] for n in names})
                 continue
             if not isinstance(layer, Linear):
                 continue
@@ -405,7 +413,7 @@ class GGUFTensors:
             out = gguf_blocks.dequantize(self._raw(t), _type_name(t))
         else:  # weight, scale (and offset) come from one decode, kept until each has been read
             if module not in self._decoded:
-                self._decoded[module] = (self._decode(t, self.schemes[module].group_size, expert), set())
+                self._decoded[module] = (self._decode(t, self.schemes[module], expert), set())
             parts, taken = self._decoded[module]
             out = parts[what]
             taken.add(what)
@@ -472,16 +480,29 @@ class GGUFTensors:
             return data.view(torch.bfloat16).reshape(dims if expert is None else dims[1:])
         return data
 
-    def _decode(self, t: Any, group: int, expert: int | None = None) -> dict[str, torch.Tensor]:
+    def _decode(self, t: Any, scheme: Any, expert: int | None = None) -> dict[str, torch.Tensor]:
         """{"q", "scale"} of symmetric int8 blocks, {"q", "scale", "offset"} of 4-bit ones
-        (MoE experts: int4 codes uint8 in [0, 15], groups of 32)."""
+        (MoE experts: int4 codes uint8 in [0, 15], groups of 32) and of any block type held
+        with offsets (`scheme` int8 with symmetric False: MoE experts held per projection,
+        layers/moe_mixed.py; int8 codes, a symmetric type's offsets 0); a coarser type's scales
+        (and offsets) repeated to the scheme's finer group, exact."""
         kind = _type_name(t)
+        group = scheme.group_size
         if kind in gguf_types.INT4_GROUPS:
             q, scale, offset = gguf_blocks.AFFINE[kind](self._raw(t, expert))
             assert group == gguf_blocks.GROUP_K[kind]
             return {"q": q, "scale": scale, "offset": offset}
-        q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t, expert))
+        if kind in gguf_blocks.SYMMETRIC:
+            q, scale = gguf_blocks.SYMMETRIC[kind](self._raw(t, expert))
+            parts = {"q": q, "scale": scale}
+            if not scheme.symmetric:
+                parts["offset"] = torch.zeros_like(scale)
+        else:  # Q5_K, Q5_1: codes in [0, 31]
+            q, scale, offset = gguf_blocks.AFFINE[kind](self._raw(t, expert))
+            parts = {"q": q.to(torch.int8), "scale": scale, "offset": offset}
         own = gguf_blocks.GROUP_K[kind]
-        if group != own:  # a coarser shard of a merged projection: each scale repeated, exact
-            scale = scale.repeat_interleave(own // group, dim=1)
-        return {"q": q, "scale": scale}
+        if group != own:  # a coarser shard of a merged projection: each scale (and offset) repeated, exact
+            for p in ("scale", "offset"):
+                if p in parts:
+                    parts[p] = parts[p].repeat_interleave(own // group, dim=1)
+        return parts

@@ -176,7 +176,8 @@ class LinearMethodChooser:
         """A FusedMoE's method: quantized experts when the config covers them
         (layers/moe_quant.py: the C kernels' one-byte panels on CPU float32, the Triton fused-MoE
         kernel on CUDA, dequantized in torch elsewhere; 4-bit ones layers/moe_int4.py: the C
-        MoE kernel dequantizing a panel per task on CPU float32, torch per expert elsewhere),
+        MoE kernel dequantizing a panel per task on CPU float32, torch per expert elsewhere; a
+        GGUF layer whose gate/up and down differ in type, layers/moe_mixed.py, likewise),
         else float experts: on CPU float32
         through the C kernels' panels (SiLU fused when I fills whole panels), on CUDA through
         the Triton fused-MoE kernel (layers/moe_triton.py), else plain torch."""
@@ -188,6 +189,11 @@ class LinearMethodChooser:
                       and not layer.custom_activation and not layer.has_bias)
         if self.quant is not None and self.quant.experts_only:
             method = self._mxfp4(name, layer)
+        elif (pair := self._expert_projections(name, layer)) is not None:
+            from stoker.layers.moe_mixed import MixedMoEMethod
+
+            # a GGUF layer whose gate/up and down differ (Q4_K_M's Q4_K beside Q6_K; Q5_K_M): each in its own codes
+            method = MixedMoEMethod(*pair, "cpu" if self.cpu_kernels else "dequant", name)
         elif self.quant is not None and self._experts_scheme(name, layer).dtype == "int4" \
                 and self._experts_quantized(name, layer):
             from stoker.layers.moe_int4 import Int4MoEMethod
@@ -226,6 +232,13 @@ class LinearMethodChooser:
         from stoker.layers.moe_mxfp4 import Mxfp4MoEMethod
 
         return Mxfp4MoEMethod("cpu" if self.cpu_kernels else "dequant")
+
+    def _expert_projections(self, name: str, layer: FusedMoE) -> tuple[WeightScheme, WeightScheme] | None:
+        """(gate/up, down) schemes when the config holds this layer's experts per projection (a
+        GGUF file's, quantization/gguf.py expert_projections), else None."""
+        if self.quant is None or not hasattr(self.quant, "expert_projections"):
+            return None
+        return self.quant.expert_projections(self._expert_module_names(name, layer))
 
     def _experts_scheme(self, name: str, layer: FusedMoE) -> WeightScheme:
         """The scheme the config holds this layer's experts in: the checkpoint's one scheme; a GGUF

@@ -18,16 +18,19 @@ type maps exactly onto a Stoker method (quantization/gguf_blocks.py decodes them
                    hide the weight bytes): Q2_K, Q3_K, the IQ types, TQ, MXFP4 ...
 
 MoE experts (one 3-D tensor per projection, models/gguf_loader.py) run on Stoker's MoE methods,
-one representation per layer, decided here (`expert_scheme`, which `weights_for` gives for a
-layer's expert modules): float types on the float one; the symmetric int8 types (Q8_0, Q6_K,
-Q5_0: int8 codes and one scale per group of K per expert row, exactly the quantized MoE method's
-int8 groups, layers/moe_quant.py) on the int8 one, at the layer's finest group; the 4-bit types
-(Q4_0, Q4_1, Q4_K: codes, a scale and an offset per 32 columns, as for a dense projection) on
-the int4 one (layers/moe_int4.py, layout "gguf": the decoded codes, scales and offsets as they
-are). Refused by name (`check_expert_type`, `expert_scheme`): the affine 5-bit types (Q5_K,
-Q5_1: no MoE method holds int8 codes with offsets) and a layer whose experts mix families (a
-Q4_K_M file's Q4_K gate/up beside a Q6_K or Q5_0 down: no MoE method holds int4 gate/up beside
-int8 down yet).
+decided per layer here from its expert tensors' types (`expert_scheme`, `expert_projections`):
+float types on the float one; the symmetric int8 types throughout (Q8_0, Q6_K, Q5_0: int8 codes
+and one scale per group of K per expert row, exactly the quantized MoE method's int8 groups,
+layers/moe_quant.py) on the int8 one, at the layer's finest group; the 4-bit types throughout
+(Q4_0, Q4_1, Q4_K: codes, a scale and an offset per 32 columns, as for a dense projection) on the
+int4 one (layers/moe_int4.py, layout "gguf": the decoded codes, scales and offsets as they are).
+A layer in neither, each projection held in its own type's codes (layers/moe_mixed.py: gate/up
+and down each int4 or int8 codes with a scale and an offset per group, gate and up at their
+finest group): a Q4_K_M or Q4_K_S file's "more bits" layers (Q4_K gate/up beside a Q6_K, Q5_K,
+Q5_0 or Q8_0 down), and any layer with the affine 5-bit types (Q5_K, Q5_1: Q5_K_M's Q5_K gate/up
+beside a Q5_K or Q6_K down). Refused by name (`expert_projections`): float experts beside
+quantized ones, and gate and up in different families (one GEMM holds both; llama-quantize types
+them alike).
 
 A merged projection (q/k/v, gate/up) runs as one GEMM with one method when its shards share a
 representation family: int8 shards of different group sizes run at the finest group (16 beside
@@ -55,7 +58,6 @@ INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q5_K": 32, "Q5_1": 32}  # co
 INT8_AFFINE = ("Q5_K", "Q5_1")  # with an offset per group
 INT4_GROUPS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32}  # columns of K per scale and offset
 SUPPORTED = "F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0"
-EXPERT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q6_K", "Q5_0", *INT4_GROUPS)  # float, int8 without offsets, or int4
 
 
 def check_type(tensor: str, kind: str) -> None:
@@ -66,35 +68,56 @@ def check_type(tensor: str, kind: str) -> None:
                             f"would hide the weight bytes); supported types: {SUPPORTED}")
 
 
-def check_expert_type(tensor: str, kind: str) -> None:
-    """Refuse a MoE experts tensor whose type no MoE method holds exactly, by name."""
-    check_type(tensor, kind)
-    if kind not in EXPERT_TYPES:
-        raise QuantizationError(f"GGUF tensor {tensor} is {kind}: Mixture-of-Experts experts in {kind} have no exact "
-                                f"Stoker method yet (affine int8 experts, Q5_K and Q5_1, are not supported); "
-                                f"supported expert types: {', '.join(EXPERT_TYPES)}")
-
-
 def is_experts_tensor(tensor: str) -> bool:
     """A MoE layer's stacked experts (blk.N.ffn_{gate,up,down}_exps.weight; models/gguf_names.py)."""
     return tensor.startswith("blk.") and "_exps." in tensor
 
 
+def _is_down(tensor: str) -> bool:
+    return ".ffn_down_exps." in tensor
+
+
+def expert_projections(tensors: list[tuple[str, str]]) -> tuple[WeightScheme, WeightScheme] | None:
+    """A MoE layer's experts from their (gguf tensor, type)s: the (gate/up, down) schemes when the
+    layer is held per projection (layers/moe_mixed.py: int4 with `int4_layout` "gguf", or int8
+    with offsets, symmetric=False, a symmetric type's offsets 0), or None when one scheme holds it
+    (`expert_scheme`). Refuses, naming the tensors, float experts beside quantized ones and gate
+    and up of different families."""
+    for tensor, kind in tensors:
+        check_type(tensor, kind)
+    named = ", ".join(f"{t} ({k})" for t, k in dict.fromkeys(tensors))
+    families = {family(k) for _, k in tensors}
+    if "float" in families and len(families) > 1:
+        raise QuantizationError(f"GGUF tensors {named} are one Mixture-of-Experts layer's experts, float beside "
+                                "quantized; Stoker's MoE methods hold a layer's experts all float or all quantized")
+    w13 = [k for t, k in tensors if not _is_down(t)]
+    down = [k for t, k in tensors if _is_down(t)]
+    if len({family(k) for k in w13}) > 1:
+        raise QuantizationError(f"GGUF tensors {named}: the experts' gate and up are in different representations "
+                                f"({' and '.join(sorted({family(k) for k in w13}))}); Stoker runs them as one GEMM "
+                                "in one representation")
+    if len(families) == 1 and not any(k in INT8_AFFINE for _, k in tensors):
+        return None  # one family, no offsets beside symmetric int8: one scheme (expert_scheme)
+    return _held_with_offsets(common_scheme(w13)), _held_with_offsets(common_scheme(down))
+
+
+def _held_with_offsets(scheme: WeightScheme | None) -> WeightScheme:
+    assert scheme is not None
+    if scheme.dtype == "int4":
+        return dataclasses.replace(scheme, int4_layout="gguf")
+    return dataclasses.replace(scheme, symmetric=False)
+
+
 def expert_scheme(tensors: list[tuple[str, str]]) -> WeightScheme | None:
     """The one scheme a MoE layer's experts are held in, from their (gguf tensor, type)s:
     None (float), int8 at the finest group, or int4 groups of 32 with the decoded offsets
-    (int4_layout "gguf", layers/moe_int4.py); a layer whose experts mix families is refused,
-    naming its tensors, since each MoE method holds one representation for gate, up and down."""
-    for tensor, kind in tensors:
-        check_expert_type(tensor, kind)
-    kinds = [k for _, k in tensors]
-    families = {family(k) for k in kinds}
-    if len(families) > 1:
+    (int4_layout "gguf", layers/moe_int4.py). A layer held per projection
+    (`expert_projections`) has none: refused here, naming its tensors."""
+    if expert_projections(tensors) is not None:
         named = ", ".join(f"{t} ({k})" for t, k in dict.fromkeys(tensors))
-        raise QuantizationError(f"GGUF tensors {named} are one Mixture-of-Experts layer's experts in different "
-                                f"representations ({' and '.join(sorted(families))}); Stoker holds a layer's experts "
-                                "in one (no MoE method holds gate, up and down in different representations yet)")
-    scheme = common_scheme(kinds)
+        raise QuantizationError(f"GGUF tensors {named} are held one scheme per projection (layers/moe_mixed.py, "
+                                "expert_projections), not one scheme")
+    scheme = common_scheme([k for _, k in tensors])
     if scheme is not None and scheme.dtype == "int4":
         scheme = dataclasses.replace(scheme, int4_layout="gguf")
     return scheme
@@ -160,10 +183,19 @@ class GGUFQuantConfig(QuantConfig):
                 runs.append(([i], [kind]))
         return [(idx, common_scheme(kinds)) for idx, kinds in runs]
 
+    def expert_projections(self, module_names: list[str]) -> tuple[WeightScheme, WeightScheme] | None:
+        """A MoE layer's (gate/up, down) schemes when it is held per projection
+        (layers/moe_mixed.py), given its experts' HF module names; None when one scheme holds it
+        (weights_for) or the names are not a GGUF layer's experts."""
+        types = self._types(module_names)
+        if not all(is_experts_tensor(t) for t, _ in types):
+            return None
+        return expert_projections(list(dict.fromkeys(types)))
+
     def weights_for(self, module_names: list[str]) -> WeightScheme:
         types = self._types(module_names)
         if all(is_experts_tensor(t) for t, _ in types):  # a MoE layer's experts: expert_scheme's
-            scheme = expert_scheme(types)
+            scheme = expert_scheme(list(dict.fromkeys(types)))
             if scheme is None:
                 raise QuantizationError(f"GGUF tensors {', '.join(dict.fromkeys(t for t, _ in types))} are float experts: "
                                         "they hold no quantized scheme")

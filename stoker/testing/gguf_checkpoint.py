@@ -10,7 +10,8 @@ against `gguf.quants.dequantize` by the tests). A MoE checkpoint's per-expert te
 stacked into one (E, N, K) tensor per layer and projection (blk.N.ffn_gate_exps, ...), each
 expert's rows encoded on their own, as the converter stacks them and llama-quantize encodes
 them row by row. `llama_cpp_types` gives the type of each
-tensor as llama.cpp's llama-quantize assigns them in its Q4_K_M, Q4_K_S and Q5_K_M files.
+tensor as llama.cpp's llama-quantize assigns them in its Q4_K_M, Q4_K_S and Q5_K_M files, MoE
+experts included.
 """
 
 from __future__ import annotations
@@ -104,13 +105,17 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return quantize_k_affine(w, 4)
 
 
-def llama_cpp_types(ftype: str, num_layers: int, tied: bool = False) -> dict[str, str]:
+def llama_cpp_types(ftype: str, num_layers: int, tied: bool = False, num_experts: int = 0) -> dict[str, str]:
     """The GGUF type of each HF tensor (regexes for write_gguf) as llama.cpp's llama-quantize
-    picks them (llama_tensor_get_type in src/llama-quant.cpp) for a dense Llama / Qwen model
-    whose rows are whole 256-value super-blocks: Q4_K_M and Q5_K_M give attn_v and ffn_down
-    of the "more bits" layers (the first and last eighth, and every third between) Q6_K;
-    Q4_K_S gives attn_v of the first four layers and ffn_down of the first eighth Q5_K; the
-    output (or, tied, token_embd) is Q6_K; token_embd otherwise the base type."""
+    picks them (llama_tensor_get_type in src/llama-quant.cpp) for a Llama / Qwen model whose
+    rows are whole 256-value super-blocks: Q4_K_M and Q5_K_M give attn_v and ffn_down of the
+    "more bits" layers (the first and last eighth, and every third between) Q6_K; Q4_K_S gives
+    attn_v of the first four layers and ffn_down of the first eighth Q5_K; the output (or,
+    tied, token_embd) is Q6_K; token_embd otherwise the base type. A MoE model's stacked
+    experts (Qwen3-MoE, Mixtral: one ffn_down_exps per layer, llama-quantize reading the layer
+    from its name) follow the same rules, ffn_down_exps as ffn_down and gate/up in the base
+    type; with `num_experts` 8 (Mixtral) attn_v and attn_k are Q8_0. Qwen2-MoE's shared expert
+    (a second ffn_down per layer, which shifts llama-quantize's count) is not modelled."""
     base = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_M": "Q5_K"}[ftype]
 
     def more_bits(i: int) -> bool:
@@ -122,11 +127,14 @@ def llama_cpp_types(ftype: str, num_layers: int, tied: bool = False) -> dict[str
             v, down = ("Q5_K" if i < 4 else base), ("Q5_K" if i < num_layers // 8 else base)
         else:
             v = down = "Q6_K" if more_bits(i) else base
+        if num_experts == 8:  # llama-quantize: "for the 8-expert model, bumping this to Q8_0"
+            v = "Q8_0"
+            types[rf"layers\.{i}\.self_attn\.k_proj\.weight"] = "Q8_0"
         types[rf"layers\.{i}\.self_attn\.v_proj\.weight"] = v
-        types[rf"layers\.{i}\.mlp\.down_proj\.weight"] = down
+        types[rf"layers\.{i}\.(mlp|block_sparse_moe)\.(experts\.\d+\.(down_proj|w2)|down_proj)\.weight"] = down
     types[r"lm_head"] = "Q6_K"
     types[r"embed_tokens"] = "Q6_K" if tied else base
-    types[r"proj\.weight"] = base
+    types[r"proj\.weight|experts\.\d+\.w[13]\.weight"] = base
     return types
 
 

@@ -91,3 +91,25 @@ def test_gguf_moe_q4_experts_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -
         assert run(llm, GREEDY) == want
         moes = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all(isinstance(m.method, Int4MoEMethod) and m.is_split for m in moes)
+
+
+def test_gguf_moe_q4_k_m_tp2_greedy_equals_tp1(tiny_checkpoints, tmp_path) -> None:
+    """Qwen3-MoE in llama-quantize's Q4_K_M mix over 4 layers (stoker/testing/gguf_checkpoint.
+    llama_cpp_types): layers 2-3 hold Q4_K gate/up beside a Q6_K down per projection
+    (layers/moe_mixed.py); each rank reads its rows of gate and up and its whole groups of 16
+    columns of the int8 down, scales and offsets with them."""
+    from stoker.layers.moe import FusedMoE
+    from stoker.layers.moe_mixed import MixedMoEMethod
+    from stoker.testing.gguf_checkpoint import llama_cpp_types
+
+    src = tiny_checkpoints("qwen3_moe", hidden_size=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                           head_dim=64, norm_topk_prob=True, num_hidden_layers=4)
+    path = write_gguf(src, tmp_path / "m.gguf", llama_cpp_types("Q4_K_M", 4), "qwen3moe")
+    copy_demo_tokenizer(tmp_path)
+    with engine(path) as llm:
+        want = run(llm, GREEDY)
+    with engine(path, tensor_parallel_size=2) as llm:
+        assert run(llm, GREEDY) == want
+        moes = [m for m in llm.engine.executor.driver_runner.model.modules() if isinstance(m, FusedMoE)]
+        mixed = [m for m in moes if isinstance(m.method, MixedMoEMethod)]
+        assert len(mixed) == 2 and all(m.is_split and m.method.group["w2"] == 16 for m in mixed)

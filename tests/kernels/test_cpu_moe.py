@@ -195,7 +195,7 @@ def test_mxfp4_experts_match_the_twin_on_the_dequantized_weights(num_experts: in
                          ids=["groups-of-32", "one-token-partial-panels-groups-of-8", "70-tokens-groups-of-64"])
 def test_int4_experts_match_the_twin_on_the_dequantized_weights(num_experts: int, k: int, hidden: int, inter: int,
                                                                 num_tokens: int, group: int) -> None:
-    """moe.c's int4 path (each task's panel dequantized from pack_int4_experts' codes, scales
+    """moe.c's int4 path (each task's panel dequantized from pack_coded_experts' codes, scales
     and offsets) against reference.fused_moe on int4.dequantize's weights (asymmetric groups),
     and the same bits as the float kernel on those weights; with biases and the clamped SwiGLU."""
     from stoker.layers.activation import ClampedSwiGLU
@@ -204,7 +204,7 @@ def test_int4_experts_match_the_twin_on_the_dequantized_weights(num_experts: int
     w13, w2 = experts(num_experts, hidden, inter)
     parts13 = [int4.quantize(w, group, symmetric=False) for w in w13]  # (q, scale, offset) per expert
     parts2 = [int4.quantize(w, group, symmetric=False) for w in w2]
-    packed = [cpu_moe.pack_int4_experts(torch.stack([int4.pack(q) for q, _, _ in parts]),
+    packed = [cpu_moe.pack_coded_experts(torch.stack([int4.pack(q) for q, _, _ in parts]),
                                         torch.stack([s for _, s, _ in parts]), torch.stack([o for *_, o in parts]))
               for parts in (parts13, parts2)]
     dq13 = torch.stack([int4.dequantize(q, s, o, group) for q, s, o in parts13])
@@ -223,6 +223,47 @@ def test_int4_experts_match_the_twin_on_the_dequantized_weights(num_experts: int
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="even groups that divide their K"):
         cpu_moe.fused_moe_int4(x, (*packed[0], 3), (*packed[1], group), weights, ids)
+
+
+@pytest.mark.parametrize("bits13, bits2, group13, group2", [(4, 8, 32, 16), (8, 8, 32, 16), (8, 4, 16, 32)],
+                         ids=["int4-gate-up-int8-down", "int8-both", "int8-gate-up-int4-down"])
+def test_coded_experts_with_int8_codes_match_the_float_kernel_on_the_dequantized_weights(bits13: int, bits2: int,
+                                                                                         group13: int, group2: int) -> None:
+    """moe.c's coded path with int8 codes in a projection (a GGUF Q4_K_M layer: int4 gate/up beside
+    a Q6_K down, groups of 16; Q5_K_M: int8 with offsets throughout): the same bits as the float
+    kernel on int4.dequantize's weights, and the twin within float32 tolerance; partial panels."""
+    from stoker.quantization import int4
+
+    num_experts, k, hidden, inter, num_tokens = 5, 2, 96, 64, 11
+    w13, w2 = experts(num_experts, hidden, inter, seed=4)
+    gen = torch.Generator().manual_seed(5)
+
+    def code(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stored codes, scale, offset, dequantized) of (E, N, K) float weights."""
+        if bits == 4:
+            parts = [int4.quantize(e, group, symmetric=False) for e in w]
+            q = torch.stack([p[0] for p in parts])
+            s, o = torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts])
+            stored = int4.pack(q)
+        else:  # signed codes with an affine offset per group, as Q5_K's (offset) or Q6_K's (offset 0)
+            q = torch.randint(-32, 32, w.shape, generator=gen, dtype=torch.int8)
+            s = torch.rand(*w.shape[:2], w.shape[2] // group, generator=gen) / 64
+            o = torch.randn(*s.shape, generator=gen) / 8
+            stored = q
+        deq = torch.stack([int4.dequantize(q[e], s[e], o[e], group) for e in range(w.shape[0])])
+        return stored, s, o, deq
+
+    c13, s13, o13, dq13 = code(w13, bits13, group13)
+    c2, s2, o2, dq2 = code(w2, bits2, group2)
+    p13, p2 = cpu_moe.pack_coded_experts(c13, s13, o13), cpu_moe.pack_coded_experts(c2, s2, o2)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(6))
+    weights, ids = routing(num_tokens, num_experts, k)
+    out = cpu_moe.fused_moe_coded(x, (*p13, group13, bits13), (*p2, group2, bits2), weights, ids)
+    f13, f2 = cpu_moe.pack_experts(dq13, dq2, False)
+    assert torch.equal(out, cpu_moe.fused_moe(x, f13, f2, weights, ids, inter, False))
+    torch.testing.assert_close(out, reference.fused_moe(x, dq13, dq2, weights, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="4- or 8-bit codes, not 6"):
+        cpu_moe.fused_moe_coded(x, (*p13, group13, 6), (*p2, group2, bits2), weights, ids)
 
 
 def test_packed_experts_are_the_stacked_panels_in_huge_pages_where_linux_has_them() -> None:

@@ -82,16 +82,19 @@ typedef struct {
 } task_t;
 
 /* One projection of every expert (w13 or w2, N output columns, K inputs): float panels, or
- * MXFP4 blocks (gpt-oss's checkpoints, layers/moe_mxfp4.py) or int4 groups (layers/moe_int4.py)
- * dequantized a panel at a time. */
+ * MXFP4 blocks (gpt-oss's checkpoints, layers/moe_mxfp4.py) or coded groups (int4 or int8 codes
+ * with a scale and an offset per group: layers/moe_int4.py, layers/moe_mixed.py) dequantized a
+ * panel at a time. */
 typedef struct {
-    const float *w;                      /* (E, P, K, NR) float panels, or NULL for MXFP4 / int4 */
+    const float *w;                      /* (E, P, K, NR) float panels, or NULL for MXFP4 / coded */
     int64_t panel_stride, expert_stride; /* floats between panels, between experts */
     const uint8_t *blocks, *scales;      /* MXFP4: (E, N, K / 32, 16) and (E, N, K / 32), or NULL */
     const float *bias;                   /* (E, P * NR) each expert's padded to its panels, or NULL */
-    const uint8_t *codes;                /* int4: (E, P, K / 2, NR) panels, rows 2kk and 2kk + 1 in byte kk, or NULL */
-    const float *q_scale, *q_offset;     /* int4: (E, P, K / group, NR) each; w = q * scale + offset */
-    int64_t group;                       /* int4: rows of K per scale, even, dividing K */
+    const uint8_t *codes;                /* coded: (E, P, K / 2, NR) int4 panels, rows 2kk and 2kk + 1 in byte kk,
+                                            or (E, P, K, NR) int8 panels, one code a byte; or NULL */
+    const float *q_scale, *q_offset;     /* coded: (E, P, K / group, NR) each; w = q * scale + offset */
+    int64_t group;                       /* coded: rows of K per scale, even, dividing K */
+    int bits;                            /* coded: 4 (codes 0..15, two a byte) or 8 (int8 codes) */
 } expert_weights_t;
 
 /* E2M1 (FP4) values by code: the sign in bit 3 (OCP Microscaling v1.0; formats.E2M1_VALUES) */
@@ -110,8 +113,8 @@ static float *panel_buffer(size_t floats) {
     return buf;
 }
 
-/* Task t of one grouped GEMM: y[m0:m1, panel p's columns] = x[m0:m1] @ W_e^T (+ bias). For int4
- * the panel is dequantized from its codes (q * scale + offset per group, below); for MXFP4
+/* Task t of one grouped GEMM: y[m0:m1, panel p's columns] = x[m0:m1] @ W_e^T (+ bias). For coded
+ * weights the panel is dequantized from its codes (q * scale + offset per group, below); for MXFP4
  * the panel's columns are dequantized first, value = E2M1[nibble] * 2^(scale - 127) (exact: a
  * power of two), into the (K, NR) layout of a float panel, and the linear kernel's own task runs
  * on it: the same bits as float experts holding the dequantized weights. Returns 1 when the
@@ -127,7 +130,24 @@ static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_
     const int64_t n0 = t.p * nr, cols = N - n0 < nr ? N - n0 : nr, G = K / 32;
     float *buf = panel_buffer((size_t)(K * nr));
     if (buf == NULL) return 1;
-    if (W->codes != NULL) {
+    if (W->codes != NULL && W->bits == 8) {
+        /* int8 panels: codes (K, NR), one signed code a byte; scales and offsets (K / group, NR).
+         * q * s, rounded, + o, rounded, a vector loop along NR (the same arithmetic as int4's). */
+        const int64_t Gq = K / W->group, panel = t.e * P + t.p;
+        const int8_t *codes = (const int8_t *)W->codes + panel * K * nr;
+        const float *scale = W->q_scale + panel * Gq * nr, *offset = W->q_offset + panel * Gq * nr;
+        for (int64_t g = 0; g < Gq; g++) {
+            const float *s = scale + g * nr, *o = offset + g * nr;
+            for (int64_t kk = g * W->group; kk < (g + 1) * W->group; kk++) {
+                const int8_t *c = codes + kk * nr;
+                float *row = buf + kk * nr;
+                for (int64_t j = 0; j < nr; j++) {
+                    const float p = (float)c[j] * s[j];
+                    row[j] = p + o[j];
+                }
+            }
+        }
+    } else if (W->codes != NULL) {
         /* int4 panels: codes (K / 2, NR), byte kk holding rows 2kk (low nibble) and 2kk + 1 of the
          * panel's NR columns; scales and offsets (K / group, NR). Contiguous along NR, so each row
          * is a vector loop: q * s, rounded, + o, rounded (int4.dequantize; no FMA contraction). */
@@ -146,6 +166,8 @@ static int gemm_task(const expert_weights_t *W, task_t t, const float *x, int64_
                 }
             }
         }
+    }
+    if (W->codes != NULL) {
         stoker_linear_panel_rows_f32(x, K, buf, nr, K * nr, 1, 0, bias != NULL ? bias + n0 : NULL, y + n0, ldy, t.m0,
                                      t.m1, N - n0, K, 0);
         return 0;
@@ -348,8 +370,8 @@ int stoker_fused_moe_f32(const float *x, int64_t ldx, const int64_t *topk_ids, c
                          const float *w2, int64_t w2_panel_stride, int64_t w2_expert_stride, int64_t H, int64_t I,
                          int silu_fused, const float *b13, const float *b2, int act, float alpha, float limit,
                          float *out, int num_threads) {
-    const expert_weights_t W13 = {w13, w13_panel_stride, w13_expert_stride, NULL, NULL, b13, NULL, NULL, NULL, 0};
-    const expert_weights_t W2 = {w2, w2_panel_stride, w2_expert_stride, NULL, NULL, b2, NULL, NULL, NULL, 0};
+    const expert_weights_t W13 = {w13, w13_panel_stride, w13_expert_stride, NULL, NULL, b13, NULL, NULL, NULL, 0, 0};
+    const expert_weights_t W2 = {w2, w2_panel_stride, w2_expert_stride, NULL, NULL, b2, NULL, NULL, NULL, 0, 0};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, silu_fused, act, alpha, limit, out,
                      num_threads);
 }
@@ -363,25 +385,29 @@ int stoker_fused_moe_mxfp4_f32(const float *x, int64_t ldx, const int64_t *topk_
                                const float *b13, const float *b2, int act, float alpha, float limit, float *out,
                                int num_threads) {
     if (H % 32 || I % 32) return 3;
-    const expert_weights_t W13 = {NULL, 0, 0, w13_blocks, w13_scales, b13, NULL, NULL, NULL, 0};
-    const expert_weights_t W2 = {NULL, 0, 0, w2_blocks, w2_scales, b2, NULL, NULL, NULL, 0};
+    const expert_weights_t W13 = {NULL, 0, 0, w13_blocks, w13_scales, b13, NULL, NULL, NULL, 0, 0};
+    const expert_weights_t W2 = {NULL, 0, 0, w2_blocks, w2_scales, b2, NULL, NULL, NULL, 0, 0};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
 }
 
 
-/* int4 experts (layers/moe_int4.py), in panels (moe.py's pack_int4_experts): w13 codes
+/* Coded experts, in panels (moe.py's pack_coded_experts): per projection, int4 (bits 4: the int4
+ * MoE method, layers/moe_int4.py; and layers/moe_mixed.py) or int8 codes (bits 8: layers/moe_mixed.py,
+ * a GGUF file's 5-, 6- and 8-bit experts) with a scale and an offset per group. w13 codes
  * (E, P13, H / 2, NR) uint8, byte kk of a panel row holding rows 2kk (low nibble) and 2kk + 1 of
- * K, [gate; up] columns, scales and offsets (E, P13, H / group13, NR) float32; w2 codes
- * (E, P2, I / 2, NR), scales and offsets (E, P2, I / group2, NR); w = q * scale + offset, padded
- * columns zero. Groups even, dividing their K. Each GEMM task dequantizes its panel (gemm_task);
- * SiLU is never fused here. */
-int stoker_fused_moe_int4_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights,
-                              int64_t T, int64_t k, int64_t E, const uint8_t *w13_codes, const float *w13_scale,
-                              const float *w13_offset, int64_t group13, const uint8_t *w2_codes, const float *w2_scale,
-                              const float *w2_offset, int64_t group2, int64_t H, int64_t I, const float *b13,
-                              const float *b2, int act, float alpha, float limit, float *out, int num_threads) {
+ * K, or (E, P13, H, NR) int8; [gate; up] columns; scales and offsets (E, P13, H / group13, NR)
+ * float32; w2 codes (E, P2, I / 2, NR) or (E, P2, I, NR), scales and offsets (E, P2, I / group2, NR);
+ * w = q * scale + offset, padded columns zero. Groups even, dividing their K. Each GEMM task
+ * dequantizes its panel (gemm_task); SiLU is never fused here. */
+int stoker_fused_moe_coded_f32(const float *x, int64_t ldx, const int64_t *topk_ids, const float *topk_weights,
+                               int64_t T, int64_t k, int64_t E, const uint8_t *w13_codes, int w13_bits,
+                               const float *w13_scale, const float *w13_offset, int64_t group13,
+                               const uint8_t *w2_codes, int w2_bits, const float *w2_scale, const float *w2_offset,
+                               int64_t group2, int64_t H, int64_t I, const float *b13, const float *b2, int act,
+                               float alpha, float limit, float *out, int num_threads) {
     if (group13 <= 0 || group2 <= 0 || group13 % 2 || group2 % 2 || H % group13 || I % group2) return 3;
-    const expert_weights_t W13 = {NULL, 0, 0, NULL, NULL, b13, w13_codes, w13_scale, w13_offset, group13};
-    const expert_weights_t W2 = {NULL, 0, 0, NULL, NULL, b2, w2_codes, w2_scale, w2_offset, group2};
+    if ((w13_bits != 4 && w13_bits != 8) || (w2_bits != 4 && w2_bits != 8)) return 3;
+    const expert_weights_t W13 = {NULL, 0, 0, NULL, NULL, b13, w13_codes, w13_scale, w13_offset, group13, w13_bits};
+    const expert_weights_t W2 = {NULL, 0, 0, NULL, NULL, b2, w2_codes, w2_scale, w2_offset, group2, w2_bits};
     return fused_moe(x, ldx, topk_ids, topk_weights, T, k, E, &W13, &W2, H, I, 0, act, alpha, limit, out, num_threads);
 }

@@ -139,25 +139,31 @@ def fused_moe_mxfp4(
     return out
 
 
-def pack_int4_experts(codes: torch.Tensor, scale: torch.Tensor,
-                      offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 experts (layers/moe_int4.py) into moe.c's panels: codes (E, N, K / 2) uint8, two a
-    byte with even k in the low nibble, scale and offset (E, N, G) float32 ->
-    codes (E, P, K / 2, NR), byte kk of a panel row holding k = 2kk (low) and 2kk + 1 (high) of
-    its NR columns, and scale, offset (E, P, G, NR); columns past N zero (they dequantize to 0,
-    as pack_linear_weight pads). Contiguous along NR, so the kernel dequantizes a row of a panel
-    as one vector loop."""
+def pack_coded_experts(codes: torch.Tensor, scale: torch.Tensor,
+                       offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coded experts (layers/moe_int4.py, layers/moe_mixed.py) into moe.c's panels: codes
+    (E, N, B) one byte each, B = K / 2 for int4 (uint8, two a byte with even k in the low
+    nibble) or K for int8 (int8, one a byte), scale and offset (E, N, G) float32 ->
+    codes (E, P, B, NR), byte b of a panel row holding its NR columns' byte b (int4: k = 2b
+    low, 2b + 1 high), and scale, offset (E, P, G, NR); columns past N zero (they dequantize to
+    0, as pack_linear_weight pads). Contiguous along NR, so the kernel dequantizes a row of a
+    panel as one vector loop."""
     nr = cpu_linear.panel_width()
-    e, n, half = codes.shape
+    e, n, width = codes.shape
     pad = -n % nr
-    # the bytes stay as they are (k even low, k odd high), regrouped by panel and transposed
-    padded = torch.nn.functional.pad(codes, (0, 0, 0, pad))  # (E, P * NR, K / 2)
-    panels = padded.view(e, -1, nr, half).transpose(2, 3).contiguous()
+    # the bytes stay as they are, regrouped by panel and transposed
+    padded = torch.nn.functional.pad(codes, (0, 0, 0, pad))  # (E, P * NR, B)
+    panels = padded.view(e, -1, nr, width).transpose(2, 3).contiguous()
     groups = []
     for t in (scale, offset):
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))  # (E, P * NR, G)
         groups.append(t.view(e, -1, nr, t.shape[2]).transpose(2, 3).contiguous())
     return panels, groups[0], groups[1]
+
+
+#: a coded projection for fused_moe_coded: codes (E, P, K / 2, NR) uint8 (int4) or (E, P, K, NR)
+#: int8, scale and offset (E, P, K / group, NR) float32 (pack_coded_experts), group, bits (4 or 8)
+CodedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
 
 
 def fused_moe_int4(
@@ -173,27 +179,50 @@ def fused_moe_int4(
     limit: float = 7.0,
 ) -> torch.Tensor:  # (T, H)
     """`fused_moe` with int4 experts held as their codes, scales and offsets in panels
-    (pack_int4_experts; w = q * scale + offset per group; moe.c dequantizes each GEMM task's
+    (pack_coded_experts; w = q * scale + offset per group; moe.c dequantizes each GEMM task's
     panel): the twin is reference.fused_moe on int4.dequantize's weights."""
+    return fused_moe_coded(x, (*w13, 4), (*w2, 4), topk_weights, topk_ids, b13, b2, activation, alpha, limit)
+
+
+def fused_moe_coded(
+    x: torch.Tensor,  # (T, H) float32
+    w13: CodedWeights,  # [gate; up]: K = H, N = 2I
+    w2: CodedWeights,  # down: K = I, N = H
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) int64 in [0, E)
+    b13: torch.Tensor | None = None,  # (E, P13 * NR) float32 (pack_expert_bias), or None
+    b2: torch.Tensor | None = None,  # (E, P2 * NR)
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:  # (T, H)
+    """`fused_moe` with each projection held as int4 or int8 codes with a scale and an offset
+    per group, in panels (pack_coded_experts; w = q * scale + offset; moe.c dequantizes each
+    GEMM task's panel, q * s rounded, + o rounded): the twin is reference.fused_moe on
+    int4.dequantize's weights (which takes int8 codes as well)."""
     lib = _checked_library()
-    (c13, s13, o13, g13), (c2, s2, o2, g2) = w13, w2
+    (c13, s13, o13, g13, bits13), (c2, s2, o2, g2, bits2) = w13, w2
     nr = cpu_linear.panel_width()
-    num_experts, p13, half13, _ = c13.shape
-    hidden, inter = 2 * half13, 2 * c2.shape[2]
+    if bits13 not in (4, 8) or bits2 not in (4, 8):
+        raise ValueError(f"coded experts hold 4- or 8-bit codes, not {bits13} (w13) and {bits2} (w2)")
+    per_byte13, per_byte2 = 2 if bits13 == 4 else 1, 2 if bits2 == 4 else 1
+    num_experts, p13, bytes13, _ = c13.shape
+    hidden, inter = per_byte13 * bytes13, per_byte2 * c2.shape[2]
     p2 = -(-hidden // nr)
     if g13 <= 0 or g2 <= 0 or g13 % 2 or g2 % 2 or hidden % g13 or inter % g2:
-        raise ValueError(f"int4 groups of {g13} (of H = {hidden}) and {g2} (of I = {inter}) columns: moe.c needs "
+        raise ValueError(f"coded groups of {g13} (of H = {hidden}) and {g2} (of I = {inter}) columns: moe.c needs "
                          "even groups that divide their K")
     if p13 != -(-2 * inter // nr):
-        raise ValueError(f"w13 codes {tuple(c13.shape)} are not (E, ceil(2 * {inter} / NR), H / 2, NR) panels, NR = {nr}")
-    for name, t, shape, dtype in (("w13 codes", c13, (num_experts, p13, hidden // 2, nr), torch.uint8),
+        raise ValueError(f"w13 codes {tuple(c13.shape)} are not (E, ceil(2 * {inter} / NR), H bytes, NR) panels, NR = {nr}")
+    code13, code2 = (torch.uint8 if b == 4 else torch.int8 for b in (bits13, bits2))
+    for name, t, shape, dtype in (("w13 codes", c13, (num_experts, p13, hidden // per_byte13, nr), code13),
                                   ("w13 scale", s13, (num_experts, p13, hidden // g13, nr), torch.float32),
                                   ("w13 offset", o13, (num_experts, p13, hidden // g13, nr), torch.float32),
-                                  ("w2 codes", c2, (num_experts, p2, inter // 2, nr), torch.uint8),
+                                  ("w2 codes", c2, (num_experts, p2, inter // per_byte2, nr), code2),
                                   ("w2 scale", s2, (num_experts, p2, inter // g2, nr), torch.float32),
                                   ("w2 offset", o2, (num_experts, p2, inter // g2, nr), torch.float32)):
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous {dtype} {shape} (pack_int4_experts)")
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous {dtype} {shape} (pack_coded_experts)")
     if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}: expected (T, {hidden}) float32")
     if activation not in ACTIVATIONS:
@@ -204,13 +233,13 @@ def fused_moe_int4(
     if num_tokens == 0:
         return out
     rows, stride = _as_rows(x)
-    status = lib.stoker_fused_moe_int4_f32(
+    status = lib.stoker_fused_moe_coded_f32(
         rows.data_ptr(), stride, ids.data_ptr(), weights.data_ptr(), num_tokens, k, num_experts,
-        c13.data_ptr(), s13.data_ptr(), o13.data_ptr(), g13, c2.data_ptr(), s2.data_ptr(), o2.data_ptr(), g2,
-        hidden, inter, b13.data_ptr() if b13 is not None else None, b2.data_ptr() if b2 is not None else None,
+        c13.data_ptr(), bits13, s13.data_ptr(), o13.data_ptr(), g13, c2.data_ptr(), bits2, s2.data_ptr(), o2.data_ptr(),
+        g2, hidden, inter, b13.data_ptr() if b13 is not None else None, b2.data_ptr() if b2 is not None else None,
         ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    _raise_on(status, "fused_moe_int4", num_experts)
+    _raise_on(status, "fused_moe_coded", num_experts)
     return out
 
 
