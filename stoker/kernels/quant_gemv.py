@@ -10,9 +10,10 @@ the W4A16 tile kernel took 0.0856 ms on Llama-3-8B's qkv at M = 1 where bf16 F.l
 0.0225, and the int8 tile kernel 0.0377, though they read a quarter and a half of bf16's
 bytes. Here nothing is a dot. A program owns BLOCK_N output rows and a chunk of K; all its
 THREADS_K = 128 threads (four warps) lie along K, each owning VEC contiguous bytes of every one
-of the BLOCK_N rows per step (VEC = 4 for 4-bit, 8 for 8-bit: the thread's 8 columns of a
-16-bit x row are then one 16-byte load, laid out as its weight bytes, so the compiler needs no
-shuffle through shared memory; a warp reads 128 / 256 contiguous bytes of a row per step). Each
+of the BLOCK_N rows per step (VEC = 4 for 4-bit: the thread's 8 columns of a 16-bit x row are
+then one 16-byte load, laid out as its weight bytes, so the compiler needs no shuffle through
+shared memory; a warp reads 128 contiguous bytes of a row per step; 8-bit takes 16 bytes of
+one row, W8_VEC, which measured faster, its x columns loaded 8 at a time). Each
 row of x (up to 8) is loaded once per step and broadcast over the BLOCK_N weight rows; each
 has its own (BLOCK_N, THREADS_K) float32 accumulator: a thread's 8 products are summed as one
 multiply and seven FMAs (`_dot8`; tl.sum multiplied all and added in a tree), multiplied by
@@ -359,6 +360,12 @@ def _gemv_w8_kernel(
 
 
 VECS = {4: (4, 8, 16), 8: (8, 16)}  # a thread's bytes of a row per step that the kernels take, by weight bits
+# 8-bit: one 16-byte weight load of one row a thread per step (BLOCK_N 1). On an H100
+# (benchmarks/w4a16_gpu.py --sweep, int8 per channel, Llama-3-8B's qkv / gate_up / down;
+# docs/benchmarks.md, "GPU: one NVIDIA H100") it took 0.0181 / 0.0636 / 0.0344 ms at M = 1
+# against 0.0263 / 0.0818 / 0.0450 for the earlier 8 bytes over 4 rows, 1.1-1.5x faster at
+# M = 2 and 4 but for gate_up at 4 (3% slower). fp8 runs the same loads (not swept).
+W8_VEC = 16
 WARPS = (1, 2, 4, 8, 16)
 
 
@@ -367,10 +374,10 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
     """The launch config for `num_rows` (<= GEMV_ROWS) rows, N = out_features and `row_bytes`
     bytes of a weight row. Four warps, all THREADS_K = 128 threads along K. VEC, a thread's
     bytes of a row per step, makes the thread's columns of a 16-bit x row one 16-byte load
-    laid out as its weight bytes: 4 bytes (8 columns) for 4-bit weights, 8 for 8-bit; a
-    program then reads 512 / 1024 contiguous bytes of each of its rows per step. BLOCK_N (the
-    rows each thread reads): 32 bytes of weights a thread per step (8 rows of 4-bit, 4 of
-    8-bit) while BLOCK_N * BLOCK_M <= 16, fewer beyond, since each row of x keeps its own
+    laid out as its weight bytes: 4 bytes (8 columns) for 4-bit weights (8-bit: W8_VEC, 16
+    bytes of one row, BLOCK_N 1, measured); a 4-bit program then reads 512 contiguous bytes of
+    each of its rows per step. BLOCK_N (the rows each thread reads, 4-bit): 32 bytes of weights
+    a thread per step (8 rows) while BLOCK_N * BLOCK_M <= 16, fewer beyond, since each row of x keeps its own
     accumulator of BLOCK_N values a thread and more spilled. SPLIT_K: doubled while the N
     blocks alone give fewer than two programs per SM and each split keeps >= 2 steps (Llama-3-
     8B's qkv at M = 1: 768 programs, one pass). tests/kernels/aot_sm90.py checks that these
@@ -387,13 +394,13 @@ def tile_config(num_rows: int, out_features: int, row_bytes: int, bits: int, sms
     check(num_warps is None or num_warps in WARPS, f"num_warps {num_warps} must be one of {WARPS}")
     check(split_k is None or split_k >= 1, f"split_k {split_k} must be >= 1")
     block_m = next_pow2(num_rows)
-    vec = vec or (4 if bits == 4 else 8)
+    vec = vec or (4 if bits == 4 else W8_VEC)
     warps = num_warps or NUM_WARPS
     threads_k = 32 * warps
     if block_n is None:
         block_n = max(1, min(32 // vec, 16 // block_m))
-        if bits == 8 and block_m == 8:
-            block_n = 1  # fp8 at 2 rows a thread spilled 44 bytes (the e4m3 -> float32 conversions' registers)
+        if bits == 8:
+            block_n = 1  # 16 bytes of one row a thread per step (W8_VEC); fp8 at 2 rows spilled at M = 8
     if split_k is None:
         # the split counts blocks of the widest BLOCK_N whatever M is: the same split, so the same
         # order of every row's sums, for 1..8 rows (a row's result does not depend on its batch)

@@ -7,7 +7,11 @@ speed and 2-2.3x Stoker's Triton GEMV (qkv 0.0129 ms against 0.0237 bf16 and 0.0
 stayed the fastest 4-bit path up to M = 8; at M = 64 it took 3-6x dequantize + `F.linear`, and
 at 2048 twenty times. So the int4 method (layers/int4_method.py) holds a layer in this layout
 only, multiplies M <= TINYGEMM_ROWS rows with tinygemm, and for more rows dequantizes the held
-bytes here and calls `F.linear` (cuBLAS), as its other form does.
+bytes here and calls `F.linear` (cuBLAS), as its other form does. TINYGEMM_ROWS = 32 from an
+H100 (docs/benchmarks.md, "GPU: one NVIDIA H100"): at 32 rows tinygemm took 0.26 / 0.14 ms on
+gate_up / down, about 0.5 ms a layer, where the engine's dequantize + F.linear path took about
+1 ms a layer at batch 64 (a forward of 31.3 ms); tinygemm's time doubles with the rows, so the
+two meet near 64.
 
 The layout (torch's CUDA `_convert_weight_to_int4pack(codes, INNER_K_TILES)`): int32 words
 (N / 8, K / TILE_K, 32, INNER_K_TILES / 2), eight 4-bit codes each, arranged for the tensor
@@ -48,7 +52,7 @@ TILE_N = 8
 TILE_K = 16 * INNER_K_TILES  # 128 columns
 TILE_WORDS = TILE_N * TILE_K // 8  # int32 words of one tile
 GROUP_SIZES = (32, 64, 128, 256)  # tinygemm's qGroupSize values
-TINYGEMM_ROWS = 8  # rows of x up to which tinygemm is taken (the module docstring's measurement)
+TINYGEMM_ROWS = 32  # rows of x up to which tinygemm is taken (the module docstring's measurement)
 DEQUANT_BLOCK_N = 32
 PROBE_DIGITS = 3  # 4-bit digits of a tile index (TILE_N * TILE_K = 1024 elements: 10 bits)
 
@@ -167,20 +171,24 @@ def _dequant_tinygemm_kernel(
     K,
     group_k,
     num_k_tiles,
-    BLOCK_N: tl.constexpr,
+    TILES_N: tl.constexpr,  # row tiles a program dequantizes: TILES_N * TILE_N rows, one column tile
     TILE_N_: tl.constexpr,
     TILE_K_: tl.constexpr,
     TILE_WORDS_: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    # (TILES_N, TILE_N, TILE_K): tile t, row r of the tile, column c of the tile. The table is
+    # the same for every tile, so it is one contiguous (TILE_N, TILE_K) load broadcast over t;
+    # only the words are gathered (each holds 8 of the tile's codes).
     tk = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # (BN, 1)
-    c = tl.arange(0, TILE_K_)[None, :]  # (1, TILE_K)
-    k = tk * TILE_K_ + c
-    mask = n < N
-    pos = tl.load(table_ptr + (n % TILE_N_) * TILE_K_ + c)  # (BN, TILE_K): a gather from the 4 KiB table
-    word_index = ((n // TILE_N_).to(tl.int64) * num_k_tiles + tk) * TILE_WORDS_ + pos // 8
+    t3 = tl.program_id(0) * TILES_N + tl.arange(0, TILES_N)[:, None, None]
+    r3 = tl.arange(0, TILE_N_)[None, :, None]
+    c3 = tl.arange(0, TILE_K_)[None, None, :]
+    n = t3 * TILE_N_ + r3  # (TILES_N, TILE_N, 1)
+    k = tk * TILE_K_ + c3  # (1, 1, TILE_K)
+    mask = (n < N) & (c3 < TILE_K_)
+    pos = tl.load(table_ptr + r3 * TILE_K_ + c3)  # (1, TILE_N, TILE_K)
+    word_index = (t3.to(tl.int64) * num_k_tiles + tk) * TILE_WORDS_ + pos // 8
     word = tl.load(words_ptr + word_index, mask=mask, other=0)
     q = ((word >> (4 * (pos % 8))) & 0xF).to(tl.float32)
     g = k // group_k
@@ -195,10 +203,11 @@ def dequant_tinygemm(w: TinygemmWeight, dtype: torch.dtype) -> torch.Tensor:
     """(N, K) `dtype`: (q - 8) * s + z in float32, rounded once (reference.dequant_tinygemm)."""
     check(dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {dtype}")
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.words.device)
-    grid = (triton.cdiv(w.n, DEQUANT_BLOCK_N), w.k // TILE_K)
+    tiles_n = DEQUANT_BLOCK_N // TILE_N
+    grid = (triton.cdiv(w.n // TILE_N, tiles_n), w.k // TILE_K)
     _dequant_tinygemm_kernel[grid](
         w.words, w.table, w.scales_and_zeros, out, w.n, w.k, w.group_k, w.k // TILE_K,
-        BLOCK_N=DEQUANT_BLOCK_N, TILE_N_=TILE_N, TILE_K_=TILE_K, TILE_WORDS_=TILE_WORDS,
+        TILES_N=tiles_n, TILE_N_=TILE_N, TILE_K_=TILE_K, TILE_WORDS_=TILE_WORDS,
         RNE_BF16=interpreting() and dtype == torch.bfloat16, num_warps=4,
     )  # fmt: skip
     return out

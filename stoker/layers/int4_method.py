@@ -40,7 +40,7 @@ Backends, chosen once at build (models/method_chooser.py):
            The tinygemm form (kernels/tinygemm_int4.py), taken per layer at load for bfloat16
            models where tinygemm takes the shape (N % 8, K % 128, groups of 32-256): the layer
            held in torch's tinygemm layout only, with bfloat16 scales and zeros (G, N, 2);
-           M <= TINYGEMM_ROWS (8) through `torch._weight_int4pack_mm`, more rows dequantized
+           M <= TINYGEMM_ROWS (32) through `torch._weight_int4pack_mm`, more rows dequantized
            from the same bytes by tinygemm_int4.dequant_tinygemm and F.linear.
   dequant  anything else: the twin, which dequantizes one layer per call
            (reference.int4_linear).

@@ -109,10 +109,13 @@ def test_dequant_w4_is_the_twins_weight(group: int) -> None:
     packed = int4.pack(q).cuda()
     w = dequant_w4(packed, scale, offset, group, torch.bfloat16).float()
     ref = reference.dequant_w4(packed, scale, offset, group, torch.bfloat16).float()
-    # Bit-equal under the interpreter (tests/kernels); compiled on an H200, group 32 differed in
-    # a few elements (the float32 q * s + o' rounded to bf16 the other way): at most one bf16
-    # step apart, and nearly all equal.
-    assert bool(((w - ref).abs() <= ref.abs() * 2.0**-7).all())
+    # Bit-equal under the interpreter (tests/kernels); compiled (H200, H100), group 32 differed in
+    # a few elements: the compiler fuses (q - 8) * s + o' into one FMA, so where the twin's
+    # rounded product cancels o' to exactly 0 the FMA leaves the product's rounding residue, and
+    # elsewhere the bf16 rounding can go the other way. At most one bf16 step of the weight (or
+    # a float32 residue of a scale), and nearly all equal.
+    tol = ref.abs() * 2.0**-7 + scale.float().abs().max() * 2.0**-20
+    assert bool(((w - ref).abs() <= tol).all())
     assert float((w == ref).float().mean()) > 0.999
 
 

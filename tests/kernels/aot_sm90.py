@@ -192,7 +192,7 @@ def variants():
                dict(HAS_OFFSET=asym, BLOCK_N=quant_gemv.DEQUANT_BLOCK_N, BLOCK_B=block_b, RNE_BF16=False), 4)
     yield ("dequant_tinygemm", tinygemm_int4._dequant_tinygemm_kernel,
            {"*": "bf16", "words_ptr": "i32", "table_ptr": "i32"},
-           dict(BLOCK_N=tinygemm_int4.DEQUANT_BLOCK_N, TILE_N_=tinygemm_int4.TILE_N, TILE_K_=tinygemm_int4.TILE_K,
+           dict(TILES_N=tinygemm_int4.DEQUANT_BLOCK_N // tinygemm_int4.TILE_N, TILE_N_=tinygemm_int4.TILE_N, TILE_K_=tinygemm_int4.TILE_K,
                 TILE_WORDS_=tinygemm_int4.TILE_WORDS, RNE_BF16=False), 4)
     # fused MoE on a Mixtral-8x7B-shaped layer (H 4096, I 14336, E 8, top-2): decode (2 pairs) and prefill
     moe_idx = {"sorted_ids_ptr": "i32", "block_expert_ptr": "i32", "num_padded_ptr": "i32", "scale_ptr": "fp32",

@@ -68,7 +68,7 @@ def test_gemv_w4_matches_its_twin_and_the_w4a16_twin(num_rows, out_features, in_
 @pytest.mark.parametrize("dtype, group, num_rows, out_features, in_features",
                          [(d, g, *shape) for d, g in (("int8", 0), ("fp8", 0), ("fp8", 128), ("int8", 32))
                           for shape in ((1, 13, 256), (3, 7, 512), (6, 9, 128))]
-                         + [("int8", 32, 8, 5, 4096), ("fp8", 128, 8, 5, 4096)])  # K split in two: two cases (interpreter time)
+                         + [("int8", 32, 8, 5, 8192), ("fp8", 128, 8, 5, 8192)])  # K split in two: two cases (interpreter time)
 def test_gemv_w8_matches_its_twin_and_the_w8_twin(dtype, group, num_rows, out_features, in_features) -> None:
     gen = torch.Generator().manual_seed(2)
     q, s = formats.quantize_rows(torch.randn(out_features, in_features, generator=gen), dtype)
@@ -164,9 +164,9 @@ def test_gemv_w8_reads_a_per_channel_scale_view() -> None:
 
 
 def test_tiling_and_split_k() -> None:
-    # the cases above: (4, 20, 4096) 4-bit and (8, 5, 4096) 8-bit split K in two; the rest do not
+    # the cases above: (4, 20, 4096) 4-bit and (8, 5, 8192) 8-bit split K in two; the rest do not
     assert tile_config(4, 20, 2048, 4, 132)["SPLIT_K"] == 2
-    assert tile_config(8, 5, 4096, 8, 132)["SPLIT_K"] == 2
+    assert tile_config(8, 5, 8192, 8, 132)["SPLIT_K"] == 2
     assert tile_config(1, 37, 128, 4, 132)["SPLIT_K"] == 1
     # Llama-3-8B at batch 1: qkv (6144 x 4096) one pass in 768 programs of 8 rows; a K/V
     # projection (1024 rows) splits K in two
