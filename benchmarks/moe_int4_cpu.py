@@ -1,6 +1,6 @@
 """int4 experts on CPU (AWQ / GPTQ / W4A16 / online int4 MoE checkpoints): one layer's routed
 experts through the C kernel reading the 4-bit codes (kernels/cpu/moe.c,
-`stoker_fused_moe_int4_f32`, `Int4MoEMethod`'s `cpu` backend) against the same kernel on float32
+`stoker_fused_moe_coded_f32` with 4-bit codes, `Int4MoEMethod`'s `cpu` backend) against the same kernel on float32
 panels of the dequantized weights (what a float checkpoint runs, SiLU fused where it fits) and
 against the torch path (`Int4MoEMethod("dequant")`: each routed expert dequantized per call).
 
