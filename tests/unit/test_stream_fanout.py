@@ -103,3 +103,17 @@ def test_running_text_is_the_bytes_of_the_full_choice(seed: int) -> None:
         expected = b"data: " + json.dumps({**head, "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
         assert enc.running_text(index, text) == expected
         assert enc.choice(choice) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_running_content_is_the_bytes_of_the_full_chat_choice(seed: int) -> None:
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m", "system_fingerprint": "f"}
+    enc = ChunkEncoder(head)
+    rng = random.Random(seed)
+    alphabet = ["a", " ", '"', "\\", "\n", "\x01", "\u00e9", "\U0001f600", "\udfff", "\u2029"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+        index = rng.randint(0, 9)
+        choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        expected = b"data: " + json.dumps({**head, "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
+        assert enc.running_content(index, text) == expected

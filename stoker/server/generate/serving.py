@@ -62,6 +62,13 @@ class ChunkEncoder:
         return b'%s{"index":%d,"text":%s,"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n' % (
             self._prefix, index, _json_string(text).encode())
 
+    def running_content(self, index: int, text: str) -> bytes:
+        """A chat choice whose delta is content alone: not finished, no logprobs, no usage. The
+        bytes `choice` makes of {"index", "delta": {"content": text}, "logprobs": None,
+        "finish_reason": None}."""
+        return b'%s{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n' % (
+            self._prefix, index, _json_string(text).encode())
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
