@@ -116,24 +116,34 @@ class RequestStream:
         self._engine = engine
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._event = asyncio.Event()
+        # The consumer's pending wait, if it is waiting: a bare future, not an asyncio.Event
+        # (whose wait makes a future, queues and unqueues it, for every output of every request).
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         self.is_queued = True  # no output yet: counts against max_waiting_requests
 
     # Called on the event loop by AsyncEngine.
     def _put(self, output: RequestOutput) -> None:
         self._latest = output
-        self._event.set()
+        self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a cancelled consumer's future is done already
+                waiter.set_result(None)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                await self._event.wait()
-                self._event.clear()
+                if self._latest is None and self._error is None:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                    await self._waiter
                 if self._latest is not None:
                     out, self._latest = self._latest, None
                     if out.finished:

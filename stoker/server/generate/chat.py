@@ -113,7 +113,8 @@ class OpenAIServingChat(Serving):
         reasoning_streams = [thinking.stream() for _ in range(params.n)]
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
-        encode = ChunkEncoder(head).choice
+        encoder = ChunkEncoder(head)
+        encode, running_content = encoder.choice, encoder.running_content
         # continuous_usage_stats: every chunk carries the prompt's tokens and its choice's so far
         continuous = req.continuous_usage
         final: RequestOutput | None = None
@@ -146,6 +147,11 @@ class OpenAIServingChat(Serving):
                         continue
                     if not pieces:
                         pieces = [{"content": ""} if not finished else {}]
+                    if not finished and not req.logprobs and not continuous and len(pieces) == 1:
+                        text = pieces[0].get("content")
+                        if type(text) is str and len(pieces[0]) == 1:  # content alone (most chunks): the short path
+                            yield running_content(comp.index, text)
+                            continue
                     for k, piece in enumerate(pieces):
                         last = k == len(pieces) - 1
                         choice = {

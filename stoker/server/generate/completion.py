@@ -127,9 +127,12 @@ class OpenAIServingCompletion(Serving):
         finals: dict[int, RequestOutput] = {}
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
-        encode = ChunkEncoder(head).choice
+        encoder = ChunkEncoder(head)
+        encode, running_text = encoder.choice, encoder.running_text
         echo_only = req.echo and req.max_tokens == 0
         continuous = req.continuous_usage
+        # Chunks that only carry text (most of them) take the encoder's short path.
+        text_only = req.logprobs is None and not continuous
         try:
             async for i, out in self.merged(streams):
                 if echo_only:
@@ -145,6 +148,9 @@ class OpenAIServingCompletion(Serving):
                         if logprobs is not None:
                             logprobs = self._with_echo(prompts[i][1], out.prompt_logprobs, logprobs, req)
                     if not delta and comp.finish_reason is None and (req.logprobs is None or start == end):
+                        continue
+                    if text_only and comp.finish_reason is None and not (first and req.prompt_logprobs is not None):
+                        yield running_text(i * req.n + comp.index, delta)
                         continue
                     choice = {
                         "index": i * req.n + comp.index,

@@ -29,24 +29,45 @@ SYSTEM_FINGERPRINT = "stoker-0.1.0"
 DONE = b"data: [DONE]\n\n"
 
 
+# json.dumps(obj, separators=(",", ":")) without building a JSONEncoder per call (json.dumps
+# makes one whenever an argument differs from its defaults): the same text.
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+_json_string = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it (ensure_ascii), quoted
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _compact(obj).encode() + b"\n\n"
 
 
 class ChunkEncoder:
     """SSE events of one stream: the fields every chunk repeats (id, object, created, model,
-    fingerprint) are encoded once, so each token costs one small json.dumps."""
+    fingerprint) are encoded once, so each token costs one small encode of its choice."""
 
     def __init__(self, head: dict[str, Any]) -> None:
         self.head = head
-        self._prefix = b"data: " + json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"choices":['
+        self._prefix = b"data: " + _compact(head).encode()[:-1] + b',"choices":['
 
     def choice(self, choice: dict[str, Any], usage: dict[str, int] | None = None) -> bytes:
         """usage: the chunk's own usage (continuous_usage_stats), after the choices."""
-        body = self._prefix + json.dumps(choice, separators=(",", ":")).encode()
+        body = self._prefix + _compact(choice).encode()
         if usage is None:
             return body + b"]}\n\n"
-        return body + b'],"usage":' + json.dumps(usage, separators=(",", ":")).encode() + b"}\n\n"
+        return body + b'],"usage":' + _compact(usage).encode() + b"}\n\n"
+
+    def running_text(self, index: int, text: str) -> bytes:
+        """A completion choice that only carries text: not finished, no logprobs, no usage (all
+        but a stream's last chunk, usually). The bytes `choice` makes of {"index", "text",
+        "logprobs": None, "finish_reason": None, "stop_reason": None}, without the dict and the
+        encoder's walk over it: one per streamed request per step."""
+        return b'%s{"index":%d,"text":%s,"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n' % (
+            self._prefix, index, _json_string(text).encode())
+
+    def running_content(self, index: int, text: str) -> bytes:
+        """A chat choice whose delta is content alone: not finished, no logprobs, no usage. The
+        bytes `choice` makes of {"index", "delta": {"content": text}, "logprobs": None,
+        "finish_reason": None}."""
+        return b'%s{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n' % (
+            self._prefix, index, _json_string(text).encode())
 
 
 def new_id(prefix: str) -> str:
