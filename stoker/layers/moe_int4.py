@@ -237,18 +237,8 @@ class Int4MoEMethod(MoEMethod):
                 offset, scale = getattr(layer, f"{w}_offset"), getattr(layer, f"{w}_scale")
                 offset.data = (-offset.data * scale.data).contiguous()
             self.offset_is_zero_point = False
-        if self.backend != "cpu":
-            return
-        from stoker.kernels.cpu import moe as cpu_moe
-
-        # moe.c's panels: codes (E, P, K / 2, NR), scales and offsets (E, P, G, NR)
-        for w in ("w13", "w2"):
-            panels = cpu_moe.pack_coded_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
-            for p, t in zip(("", "_scale", "_offset"), panels):
-                setattr(layer, f"{w}{p}", nn.Parameter(t, requires_grad=False))
-        if layer.has_bias:  # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias
-            layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
-            layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
+        if self.backend == "cpu":
+            hold_coded_panels(layer)
 
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -281,3 +271,19 @@ def _shaped(t: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor
     if tuple(t.shape) != shape:
         raise ValueError(f"shape mismatch for {where}: checkpoint {tuple(t.shape)}, expected {shape}")
     return t
+
+
+def hold_coded_panels(layer: FusedMoE) -> None:
+    """A layer's coded experts (w13 / w2 codes, scales and offsets, 4- or 8-bit) in moe.c's
+    panels: codes (E, P, K / 2 or K, NR), scales and offsets (E, P, G, NR); biases (E, P * NR),
+    padded to the panels, as the kernel's GEMM tasks read them. For the int4 and the
+    per-projection (moe_mixed.py) methods' `cpu` backend."""
+    from stoker.kernels.cpu import moe as cpu_moe
+
+    for w in ("w13", "w2"):
+        panels = cpu_moe.pack_coded_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
+        for p, t in zip(("", "_scale", "_offset"), panels):
+            setattr(layer, f"{w}{p}", nn.Parameter(t, requires_grad=False))
+    if layer.has_bias:
+        layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
+        layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)

@@ -157,18 +157,10 @@ class MixedMoEMethod(MoEMethod):
 
     # ---------------------------------------------------------------- layout and forward
     def process_after_loading(self, layer: FusedMoE) -> None:
-        if self.backend != "cpu":
-            return
-        from stoker.kernels.cpu import moe as cpu_moe
+        if self.backend == "cpu":
+            from stoker.layers.moe_int4 import hold_coded_panels
 
-        # moe.c's panels: codes (E, P, K / 2 or K, NR), scales and offsets (E, P, G, NR)
-        for w in ("w13", "w2"):
-            panels = cpu_moe.pack_coded_experts(*(getattr(layer, f"{w}{p}").data for p in ("", "_scale", "_offset")))
-            for p, t in zip(("", "_scale", "_offset"), panels):
-                setattr(layer, f"{w}{p}", nn.Parameter(t, requires_grad=False))
-        if layer.has_bias:  # (E, P * NR): padded to the panels, as the kernel's GEMM tasks read a bias
-            layer.w13_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w13_bias.data), requires_grad=False)
-            layer.w2_bias = nn.Parameter(cpu_moe.pack_expert_bias(layer.w2_bias.data), requires_grad=False)
+            hold_coded_panels(layer)
 
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
