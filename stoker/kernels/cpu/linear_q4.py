@@ -161,15 +161,16 @@ class BoundQ4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) or (..., N / 2)
         k = self._k
-        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != k or x.stride(1) != 1 or (
-                x.shape[0] > 1 and x.stride(0) < k) or not x.is_cpu:
+        shape, strides = x.shape, x.stride()  # one call each: a tensor attribute costs ~0.2 us
+        if len(shape) != 2 or shape[1] != k or strides[1] != 1 or x.dtype is not torch.float32 or (
+                shape[0] > 1 and strides[0] < k) or not x.is_cpu:
             entry, *rest = self._args
             return entry(x, *rest)
-        m = x.shape[0]
+        m = shape[0]
         out = torch.empty((m, self._width), dtype=torch.float32)
         if m:
             before, width, after = self._tail
-            status = self._kernel(x.data_ptr(), x.stride(0), *before, out.data_ptr(), *width, m, *after,
+            status = self._kernel(x.data_ptr(), strides[0], *before, out.data_ptr(), *width, m, *after,
                                   torch.get_num_threads())
             if status:
                 raise MemoryError(f"{self._args[0].__name__}: could not allocate its buffers")
