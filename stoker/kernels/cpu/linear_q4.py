@@ -1,7 +1,8 @@
 """Python entry points of the 4-bit linear kernel (linear_q4.h, built into linear.c's library):
 the panels it reads (`pack_q4_weight`, `pack_q4_scales`, their inverse `unpack_q4_panels`)
 and `linear_q4` (W4A16) and `linear_q4_a8` (W4A8: the activations quantized to int8 per
-block of 32, linear_q4_a8.h); argument checks, then one ctypes call.
+block of 32, linear_q4_a8.h); argument checks, then one ctypes call. `BoundQ4Linear` is
+either entry point with a layer's weights checked once, for the weight method's hot path.
 
 The kernel computes x @ W^T + bias for W = q * s + o (quantization/int4.py) regrouped per
 group g of K: y = sum_g s_g * (x_g . (q_g - 8)) + o'_g * sum(x_g) with o' = o + 8 s, which
@@ -10,6 +11,8 @@ which order; reference.linear_packed_q4 is the twin.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -137,27 +140,24 @@ class BoundQ4Linear:
     (M, K) float32 matrix with unit column stride and rows at least K apart takes the
     entry point itself (its checks, its copy)."""
 
-    __slots__ = ("entry", "_args", "_tail", "_kernel", "_k", "_width")
+    __slots__ = ("entry", "_args", "_before", "_after", "_kernel", "_k", "_width")
 
-    def __init__(self, entry, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_k: int,
+    def __init__(self, entry: Callable[..., torch.Tensor], packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_k: int,
                  out_features: int, bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> None:
         symbol, multiple = _ENTRY_POINTS[entry]
         self.entry = entry  # linear_q4 or linear_q4_a8: what a caller may compare its own kernel with
         num_panels, k, nr = _check_q4_panels(symbol, multiple, packed, scales, offsets, group_k)
-        _check_linear_args(torch.empty(0, k), k, nr, num_panels, out_features, bias, silu_and_mul)
+        _check_linear_args(torch.empty(0, k, dtype=torch.float32), k, nr, num_panels, out_features, bias, silu_and_mul)
         self._args = (entry, packed.detach(), scales.detach(), None if offsets is None else offsets.detach(), group_k,
                       out_features, None if bias is None else bias.detach(), silu_and_mul)
         self._kernel = getattr(_checked_library(), symbol)
         self._k = k
         self._width = out_features // 2 if silu_and_mul else out_features
-        # the ctypes arguments after x's pointer and row stride, and between out's pointer and M
-        self._tail = (
-            (packed.data_ptr(), k * nr // 2, scales.data_ptr(), int(scales.dtype == torch.float16),
-             None if offsets is None else offsets.data_ptr(), num_panels * nr, group_k,
-             None if bias is None else bias.data_ptr()),
-            (self._width,),
-            (out_features, k, int(silu_and_mul)),
-        )
+        # the ctypes arguments between x's row stride and out's pointer, and after M
+        self._before = (packed.data_ptr(), k * nr // 2, scales.data_ptr(), int(scales.dtype == torch.float16),
+                        None if offsets is None else offsets.data_ptr(), num_panels * nr, group_k,
+                        None if bias is None else bias.data_ptr())
+        self._after = (out_features, k, int(silu_and_mul))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) or (..., N / 2)
         k = self._k
@@ -167,10 +167,10 @@ class BoundQ4Linear:
             entry, *rest = self._args
             return entry(x, *rest)
         m = shape[0]
-        out = torch.empty((m, self._width), dtype=torch.float32)
+        width = self._width
+        out = torch.empty((m, width), dtype=torch.float32)
         if m:
-            before, width, after = self._tail
-            status = self._kernel(x.data_ptr(), strides[0], *before, out.data_ptr(), *width, m, *after,
+            status = self._kernel(x.data_ptr(), strides[0], *self._before, out.data_ptr(), width, m, *self._after,
                                   torch.get_num_threads())
             if status:
                 raise MemoryError(f"{self._args[0].__name__}: could not allocate its buffers")
