@@ -1,6 +1,7 @@
 """GGUF files on CPU: batch-1 decode of llama.cpp's k-quant mixes against uniform files.
 
-    python benchmarks/gguf_cpu.py [--repeats 3] [--steps 32] [--json out.json]
+    python benchmarks/gguf_cpu.py [--repeats 3] [--steps 32] [--files Q4_K_M,...] [--threads N]
+        [--activation-dtype int8] [--json out.json]
 
 The ~0.4B Llama-shaped random model of benchmarks/quantized_cpu.py part 5 (hidden 1024, 28
 layers, GQA 16/4, intermediate 2816, vocab 32000) written as GGUF files
@@ -13,6 +14,13 @@ layers, GQA 16/4, intermediate 2816, vocab 32000) written as GGUF files
   Q5_K_M   the same with Q5_K (affine int8) for Q4_K
   Q4_K     every projection and the output Q4_K (one int4 GEMM per merged layer)
   Q8_0     every projection and the output Q8_0
+  Q4_0     every projection Q4_0, the output Q6_K (llama-quantize's Q4_0 mix)
+
+`--activation-dtype int8` loads every file with int8 activations (W4A8 for the int4
+projections, as `stoker serve --activation-dtype int8`); `--threads` sets torch's threads (the
+C kernels use the same count). "CPU ms a step" is the median process CPU time of the measured
+steps: on a shared machine it leaves out the waits (the JSON also keeps the fastest step's,
+`cpu_ms_per_step_min`, the least disturbed by other jobs).
 
 All loaded in one process, interleaved per repeat; a 64-token prompt, the median of `steps`
 pure-decode engine steps per repeat (benchmarks/quantized_cpu.decode_steps), the median of the
@@ -48,6 +56,7 @@ FILES = {
     "Q5_K_M": llama_cpp_types("Q5_K_M", LAYERS),
     "Q4_K": {r"proj\.weight|lm_head|embed_tokens": "Q4_K"},
     "Q8_0": {r"proj\.weight|lm_head|embed_tokens": "Q8_0"},
+    "Q4_0": {r"lm_head": "Q6_K", r"proj\.weight|embed_tokens": "Q4_0"},
 }
 
 
@@ -61,12 +70,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--files", default=",".join(FILES), help="comma-separated subset of " + ", ".join(FILES))
+    ap.add_argument("--files", default="Q4_K_M,Q5_K_M,Q4_K,Q8_0", help="comma-separated subset of " + ", ".join(FILES))
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     names = args.files.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out: dict = {"machine": f"{cpu_model()}, ISA build {cpu_linear.target()}, {torch.get_num_threads()} threads",
-                 "torch": torch.__version__, "repeats": args.repeats, "model": INT4_DECODE_MODEL}
+                 "torch": torch.__version__, "repeats": args.repeats, "model": INT4_DECODE_MODEL,
+           "activation_dtype": args.activation_dtype}
     print(f"# {out['machine']}; torch {torch.__version__}; medians of {args.repeats} interleaved repeats")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -76,25 +90,30 @@ def main() -> None:
             (tmp / name).mkdir()
             path = write_gguf(src, tmp / name / "model.gguf", FILES[name], "llama", with_tokenizer=False)
             copy_demo_tokenizer(tmp / name)
-            llms[name] = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4)
+            llms[name] = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
+                             activation_dtype=args.activation_dtype)
             gc.collect()
         held = {n: llm.engine.executor.driver_runner.weight_bytes_held() for n, llm in llms.items()}
         composite = {n: composite_layers(llm) for n, llm in llms.items()}
         times: dict[str, list[float]] = {n: [] for n in llms}
+        cpu: dict[str, list[float]] = {n: [] for n in llms}
         for _ in range(args.repeats):
             for name, llm in llms.items():
-                times[name].append(decode_steps(llm, 1, input_len=64, steps=args.steps))
+                times[name].append(decode_steps(llm, 1, input_len=64, steps=args.steps, cpu_times=cpu[name]))
     base = statistics.median(times[names[-1]])
     rows = []
-    print(f"\n| file | tokens/s | vs {names[-1]} | step ms | weight MB held | composite layers | per repeat (tokens/s) |\n"
-          "|---|---:|---:|---:|---:|---:|---|")
+    print(f"\n| file | tokens/s | vs {names[-1]} | step ms | CPU ms a step | weight MB held | composite layers "
+          "| per repeat (tokens/s) |\n|---|---:|---:|---:|---:|---:|---:|---|")
     for name, t in times.items():
         sec = statistics.median(t)
         row = {"file": name, "tokens_per_s": 1 / sec, "ratio": base / sec, "step_ms": sec * 1e3,
+               "cpu_ms_per_step": statistics.median(cpu[name]) * 1e3,
+               # the fastest step: on a shared machine, the least disturbed one
+               "cpu_ms_per_step_min": min(cpu[name]) * 1e3,
                "weight_MB_held": held[name] / 1e6, "composite_layers": composite[name],
                "per_repeat_tokens_per_s": [round(1 / x, 1) for x in t]}
         rows.append(row)
-        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['step_ms']:.1f} | "
+        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['step_ms']:.1f} | {row['cpu_ms_per_step']:.1f} | "
               f"{row['weight_MB_held']:.0f} | {row['composite_layers']} | {row['per_repeat_tokens_per_s']} |")
     out["rows"] = rows
     if args.json:

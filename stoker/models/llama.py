@@ -76,10 +76,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # heads first, then split: the same (T, heads, D) views as splitting q/k/v and reshaping
+        # each, in 4 tensor objects instead of 6 (each one costs a few us of a decode step)
+        q, k, v = qkv.reshape(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary(positions, q, k)
         sinks = self.attention_sinks()  # only gpt-oss has them; other attentions take (q, k, v) alone

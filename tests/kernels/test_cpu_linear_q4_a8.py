@@ -116,3 +116,34 @@ def test_groups_that_split_an_activation_block_are_refused() -> None:
     (p, ps, po), _ = packed(64, 128, 16, symmetric=True, half_scales=False)
     with pytest.raises(ValueError, match="group_k 16 must divide K = 128 and be a multiple of 32"):
         cpu_q4.linear_q4_a8(torch.randn(1, 128), p, ps, po, 16, 64)
+
+
+@pytest.mark.parametrize("entry", [cpu_q4.linear_q4_a8, cpu_q4.linear_q4], ids=["w4a8", "w4a16"])
+@pytest.mark.parametrize("silu_and_mul", [False, True])
+def test_a_bound_layer_gives_the_entry_points_bits(entry, silu_and_mul: bool) -> None:
+    """BoundQ4Linear (the weights checked once) equals its entry point bit for bit, for (M, K)
+    rows and for what it hands to the entry point: 3-D x, rows closer than K, a column stride."""
+    nr = cpu_linear.panel_width()
+    n, k = (2 * nr, 128) if silu_and_mul else (130, 192)
+    (p, ps, po), _ = packed(n, k, 64, symmetric=False, half_scales=False, gate_up=silu_and_mul)
+    bias = cpu_linear.pack_linear_weight(torch.randn(n), gate_up=silu_and_mul)
+    bound = cpu_q4.BoundQ4Linear(entry, p, ps, po, 64, n, bias, silu_and_mul)
+    wide = torch.randn(6, 2 * k)
+    for x in (torch.randn(0, k), torch.randn(1, k), torch.randn(5, k), wide[:, :k], torch.randn(2, 3, k),
+              wide.view(12, k)[::2], torch.randn(k, 4).t()):
+        want = entry(x, p, ps, po, 64, n, bias, silu_and_mul)
+        got = bound(x)
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_a_bound_layer_refuses_what_its_entry_point_refuses() -> None:
+    (p, ps, po), _ = packed(64, 128, 32, symmetric=True, half_scales=False)
+    with pytest.raises(ValueError, match="group_k 16 must divide K = 128 and be a multiple of 32"):
+        cpu_q4.BoundQ4Linear(cpu_q4.linear_q4_a8, p, ps, po, 16, 64)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_q4.BoundQ4Linear(cpu_q4.linear_q4_a8, p, ps, po, 32, 64, torch.zeros(64, dtype=torch.float64))
+    bound = cpu_q4.BoundQ4Linear(cpu_q4.linear_q4_a8, p, ps, po, 32, 64)
+    with pytest.raises(ValueError, match="x must be float32"):
+        bound(torch.randn(1, 128, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not fit"):
+        bound(torch.randn(1, 96))
