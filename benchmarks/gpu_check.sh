@@ -14,7 +14,7 @@
 #   fleet    `stoker top --once` and `stoker telemetry`'s /metrics on real NVML
 #   offline  gpu_figures.py --parts offline,decode: 1000 x 128 -> 128 and 1000 x 1000 -> 1000, then HF
 #            transformers' generate (static batches) and continuous batching on 128 -> 128; the
-#            graph decode rows at B = 1, 8, 64, 256 (the int4 stage's peer)
+#            graph decode rows at B = 1, 8, 32, 64, 256 (the int4 stage's peer)
 #   server   `stoker serve` with the offline engine's settings, then `stoker bench serve`: 1000
 #            requests 128 -> 128 sent at once (the offline workload through HTTP)
 #   sweep    benchmarks/w4a16_gpu.py --sweep: the 4-bit / 8-bit decode GEMVs' launch configurations
@@ -22,7 +22,8 @@
 #   pooling  benchmarks/pooling_gpu.py (embeddings: Stoker's pooling runner beside sentence-transformers)
 #   lora     benchmarks/lora_gpu.py (4 LoRA adapters against the base model: kernel and engine)
 #   spec     benchmarks/spec_decode_gpu.py (speculative decoding at batch 1)
-# OFFLINE_WORKLOADS replaces the offline stage's workloads (default "1000:128:128 1000:1000:1000").
+# OFFLINE_WORKLOADS replaces the offline stage's workloads (default "1000:128:128 1000:1000:1000");
+# OFFLINE_ARGS adds gpu_figures.py flags to it (e.g. "--max-num-seqs 512 --hf-cb-prompts 64").
 # W4A16_ARGS narrows the w4a16 stage (e.g. "--rows 1 16 64 2048 --projections qkv gate_up").
 # Everything also lands in $OUT/results.tgz after each stage (the logs and the JSON results).
 # The checkpoint is written while the tests run, so timed stages have the GPU to themselves.
@@ -88,7 +89,7 @@ has profile && run_figures profile 90 --parts profile && pack
 has quick && run_figures quick 150 --parts offline,decode,profile --no-eager --no-hf --workloads 1000:128:128 && pack
 has fp8 && run_figures fp8 120 --parts prefill,decode --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1 64 256 \
   ${FP8_ARGS:-} && pack
-has int4 && run_figures int4 150 --parts prefill,decode --quantization int4 --batch-sizes 1 8 64 --no-eager && pack
+has int4 && run_figures int4 150 --parts prefill,decode --quantization int4 --batch-sizes 1 8 32 64 --no-eager && pack
 if has w4a16; then
   timeout 120 python3 benchmarks/w4a16_gpu.py ${W4A16_ARGS:-} > "$OUT/w4a16.log" 2>&1
   echo "w4a16 rc=$?"; grep -v "^ *$" "$OUT/w4a16.log" | tail -40; pack
@@ -104,8 +105,8 @@ if has fleet; then
   } > "$OUT/fleet.log" 2>&1
   echo "fleet:"; tail -45 "$OUT/fleet.log"; pack
 fi
-has offline && run_figures offline 280 --parts offline,decode --batch-sizes 1 8 64 256 --no-eager \
-  --workloads ${OFFLINE_WORKLOADS:-1000:128:128 1000:1000:1000} && pack
+has offline && run_figures offline 280 --parts offline,decode --batch-sizes 1 8 32 64 256 --no-eager \
+  --workloads ${OFFLINE_WORKLOADS:-1000:128:128 1000:1000:1000} ${OFFLINE_ARGS:-} && pack
 if has server; then  # the offline engine's settings (gpu_figures.py's LLM(...)), 1000 requests at once
   t0=$SECONDS
   python3 -m stoker serve $CKPT --port 8312 --max-model-len 2240 --max-num-seqs 256 --max-num-batched-tokens 16384 \

@@ -391,6 +391,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="an existing checkpoint (default: written to OUT/ckpt-SHAPE)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--kv-cache-gib", type=float, default=40.0)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's max_num_seqs (default: the largest --batch-sizes); HF's best static batch was 512")
     ap.add_argument("--port", type=int, default=8311)
     ap.add_argument("--no-eager", action="store_true", help="decode: graphs only, no eager rows")
     ap.add_argument("--workloads", nargs="+", default=["1000:128:128", "200:2048:128"],
@@ -448,7 +450,7 @@ def main() -> None:
         input_len, output_len = (1024, 32) if not small else (64, 8)
         max_model_len = 2048 + 128 + 64 if not small else 256
         t0 = time.perf_counter()
-        llm = LLM(str(ckpt), device=args.device, max_model_len=max_model_len, max_num_seqs=max(args.batch_sizes),
+        llm = LLM(str(ckpt), device=args.device, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
                   max_num_batched_tokens=16384 if not small else 512, kv_cache_memory_bytes=int((args.kv_cache_gib if not small else 0.25) * 2**30),
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         result["llm_start_s"] = time.perf_counter() - t0
