@@ -34,7 +34,6 @@ INT4_GROUP_SIZE = 128
 # On CUDA with a bfloat16 model, layers held in torch's tinygemm layout (kernels/tinygemm_int4.py)
 # hold a bfloat16 scale and a bfloat16 zero per group whether symmetric or not: "tinygemm", 4.
 INT4_SCALE_BYTES = {"fp16": 2.0, "fp32": 4.0, "tinygemm": 4.0}
-TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)  # the groups tinygemm takes (kernels/tinygemm_int4.GROUP_SIZES)
 INT4_OFFSET_BYTES = 4.0
 MX_BLOCK_SIZE = 32  # OCP MX: one shared E8M0 (8-bit) scale per 32 elements
 NVFP4_BLOCK_SIZE = 16  # NVIDIA NVFP4: E2M1 values, one FP8 E4M3 scale per 16 (plus one FP32 per tensor)
@@ -317,13 +316,10 @@ class ModelSpec:
     def weight_bytes(self, dtype: str = "bf16", rest_dtype: str = "bf16") -> float:
         """Bytes of all weights: transformer-block matmuls in `dtype` (plus one float32 scale per
         output row when quantized to fp8/int8; int4: half a byte a weight plus the scales and
-        offsets of the spec's int4 layout as the engine holds a bfloat16 model's on a GPU, the
-        planner's case: the tinygemm form's bfloat16 scale and zero per group where tinygemm takes
-        the groups, else a float16 scale and, asymmetric, a float32 offset; engine_int4_weight_bytes),
+        offsets of the spec's int4 layout, as the engine holds them: engine_int4_weight_bytes),
         embeddings, LM head, routers and norms in `rest_dtype`."""
         if normalize_dtype(dtype) == "int4" and not self.expert_dtype:
-            held = "tinygemm" if self.int4_group_size in TINYGEMM_GROUP_SIZES else "fp16"
-            return self.engine_int4_weight_bytes(self.int4_group_size, rest_dtype, self.int4_symmetric, held)
+            return self.engine_int4_weight_bytes(self.int4_group_size, rest_dtype, self.int4_symmetric)
         c = self.param_counts()
         quantized = c["attention"] + c["mlp"] + (0 if self.expert_dtype else c["experts"])
         rest = c["embedding"] + c["lm_head"] + c["router"] + c["norms"]

@@ -32,7 +32,7 @@ from stoker.roofline.efficiency import Efficiencies
 from stoker.roofline.hardware import GiB, GPUSpec, Interconnect, get_gpu, get_link
 from stoker.roofline.kvcapacity import KVCapacity, kv_capacity
 from stoker.roofline.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, vram
-from stoker.roofline.modelspec import KV_DTYPES, TINYGEMM_GROUP_SIZES, ModelSpec, get_model_spec
+from stoker.roofline.modelspec import KV_DTYPES, ModelSpec, get_model_spec
 from stoker.roofline.profiles import ENGINE
 from stoker.roofline.workloads import chunked_prefill_s
 
@@ -171,8 +171,8 @@ def evaluate(m: ModelSpec, g: GPUSpec, t: PlanTargets, *, tp: int, weight_dtype:
 
 
 # The weight dtypes a default plan searches for a float checkpoint (--quantization fp8|int8, or
-# float): a plan prints the `stoker serve` command that runs it. int4 is served (tinygemm and a dequantizing
-# path on GPUs, the C nibble kernel on CPUs) but online round-to-nearest int4 costs quality that 8-bit
+# float): a plan prints the `stoker serve` command that runs it. int4 is served (tinygemm and a
+# dequantizing path on GPUs, the C nibble kernel on CPUs) but online round-to-nearest int4 costs quality that 8-bit
 # does not (ONLINE_INT4_QUALITY), so for a float checkpoint it is searched only when asked, as
 # vLLM serves 4-bit only from a 4-bit checkpoint; a 4-bit checkpoint (AWQ, GPTQ,
 # compressed-tensors W4A16) is planned as it ships (servable_weight_dtypes).
@@ -185,9 +185,11 @@ ONLINE_INT4_QUALITY = ("online int4 (RTN, groups of 128) vs float: mean KL 0.18-
                        "docs/quantization.md)")
 # int4 on a GPU (layers/int4_method.py's tinygemm form, bfloat16 models), measured on an H100
 # (docs/benchmarks.md, "GPU: one NVIDIA H100"): batch-1 decode 1.73x bf16's, batch 8 1.07x; above
-# 32 rows each layer is dequantized per call, 0.36x bf16 at batch 64.
+# 32 rows each layer is dequantized per call, 0.36x bf16 at batch 64. That form holds a bfloat16
+# scale and zero per group (4 bytes) where the plan prices a float16 scale: 2 bytes a group more.
 INT4_GPU_SPEED = ("int4 on GPUs: tinygemm decodes batch 1 at 1.73x bf16 (H100); above 32 rows each layer is "
-                  "dequantized per call (0.36x bf16 at batch 64)")
+                  "dequantized per call (0.36x bf16 at batch 64); bfloat16 models hold a bf16 scale and zero a "
+                  "group there, 2 bytes a group more than priced")
 # int4 experts (AWQ / GPTQ / W4A16 MoE checkpoints, --quantization int4 on a float MoE) are held
 # 4-bit (layers/moe_int4.py); the backend is named with the plan, as for the dense int4 GEMM.
 INT4_MOE_EXPERTS = ("int4 experts: held 4-bit, on CPU float32 the C MoE kernel dequantizing a panel per GEMM task, "
@@ -212,8 +214,7 @@ def int4_note(m: ModelSpec) -> str:
     engine's layout: half a byte a weight, a scale and, asymmetric, an offset per group) against
     bf16, and the quality: the measured figures for online int4, the checkpoint's own otherwise."""
     group = f"group of {m.int4_group_size}" if m.int4_group_size else "output row (per channel)"
-    held = ("a bfloat16 scale and zero (the tinygemm form)" if m.int4_group_size in TINYGEMM_GROUP_SIZES
-            else "a float16 scale" + ("" if m.int4_symmetric else " and a float32 offset"))
+    held = "a float16 scale" + ("" if m.int4_symmetric else " and a float32 offset")
     quality = ("the checkpoint's own calibration (not measured here; calibrated AWQ / GPTQ beat RTN)"
                if m.checkpoint_dtype == "int4" else ONLINE_INT4_QUALITY)
     return (f"int4 weights: {m.weight_bytes('int4') / GiB:.1f} GiB vs {m.weight_bytes('bf16') / GiB:.1f} GiB bf16 "

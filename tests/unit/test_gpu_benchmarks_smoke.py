@@ -39,8 +39,8 @@ def test_mla_gpu_smoke(tmp_path: Path) -> None:
 
 
 def test_pooling_gpu_smoke(tmp_path: Path) -> None:
-    res = run_smoke("pooling_gpu.py", tmp_path / "pooling.json")
-    assert res["device"] == "CPU" and set(res["workloads"]) == {"passages", "fixed128"}
+    res = run_smoke("pooling_gpu.py", tmp_path / "pooling.json", "--workload", "fixed128")  # one workload: suite time
+    assert res["device"] == "CPU" and set(res["workloads"]) == {"fixed128"}
     for name, w in res["workloads"].items():
         impls = [r["impl"] for r in w["rows"]]
         assert impls[0] == "stoker served" and "stoker runner b8" in impls

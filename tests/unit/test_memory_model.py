@@ -46,6 +46,5 @@ def test_seed_table_rough_sizes() -> None:
     rows = {(r["model"], r["dtype"]): r for r in seed_table()}
     assert rows[("70B", "fp16")]["rough_gb"] == 140 and rows[("405B", "int4")]["rough_gb"] == 202.5
     for r in rows.values():
-        # fp16 and int8 within 5% of the rough table; int4 up to 17% above (the tinygemm form's bf16 scale and
-        # zero per group of 128, 16-bit embeddings).
-        assert 0.95 <= r["ratio"] <= (1.17 if r["dtype"] == "int4" else 1.05), r
+        # fp16 and int8 within 5% of the rough table; int4 up to 15% above (scales, 16-bit embeddings).
+        assert 0.95 <= r["ratio"] <= (1.15 if r["dtype"] == "int4" else 1.05), r
