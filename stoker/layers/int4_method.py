@@ -58,6 +58,8 @@ values at multiples of eight): a cut that splits a group is refused, naming the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -66,6 +68,9 @@ from stoker.layers.linear import Linear
 from stoker.layers.weight_method import FusedGateUpMixin, LinearMethod, copy_rows, expect_shape
 from stoker.quantization import formats, int4
 from stoker.quantization.config import WeightScheme
+
+if TYPE_CHECKING:
+    from stoker.kernels.cpu.decoder_layer import LinearSlots
 
 BACKENDS = ("cpu_q4", "triton_w4a16", "dequant")
 PACK_FACTOR = 8  # 4-bit values per int32 (compressed-tensors, GPTQ, AWQ)
@@ -350,6 +355,14 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
         return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.out_features,
                            layer.bias, False)
+
+    def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
+        from stoker.kernels.cpu import decoder_layer
+
+        if self.backend != "cpu_q4" or self.bound.entry is not self.kernel:
+            return None
+        return decoder_layer.linear_slots_q4(self.activations == "int8", layer.weight, layer.weight_scale, layer.weight_offset,
+                                             self.group_k, layer.bias, layer.out_features, self.fuse_silu_and_mul)
 
     def _triton(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         route = w4a16_route(x.numel() // x.shape[-1], x.shape[-1], self.group_k)

@@ -34,6 +34,8 @@ merged q/k/v and gate/up keep their own scales.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -42,6 +44,9 @@ from stoker.layers.linear import Linear
 from stoker.layers.weight_method import FusedGateUpMixin, LinearMethod, copy_rows, expect_shape
 from stoker.quantization import formats
 from stoker.quantization.config import WeightScheme
+
+if TYPE_CHECKING:
+    from stoker.kernels.cpu.decoder_layer import LinearSlots
 
 BACKENDS = ("cpu_q8", "int8pack", "scaled_mm", "triton_w8", "dequant")
 
@@ -219,6 +224,15 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
     def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, False)
+
+    def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
+        from stoker.kernels.cpu import decoder_layer
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        if self.backend != "cpu_q8" or self.kernel is not cpu_linear.linear_q8:
+            return None
+        return decoder_layer.linear_slots_q8(layer.weight, layer.weight_scale, self.group_k, layer.bias, layer.out_features,
+                                             self.fuse_silu_and_mul)
 
     def _int8pack(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -35,6 +35,7 @@ from torch import nn
 from stoker.quantization.formats import FLOAT_CHECKPOINT_DTYPES
 
 if TYPE_CHECKING:
+    from stoker.kernels.cpu.decoder_layer import LinearSlots
     from stoker.layers.linear import Linear
 
 
@@ -89,6 +90,12 @@ class LinearMethod:
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
+        """The projection as kernels/cpu/decoder_layer.c runs it (decoder_layer.linear_slots_*),
+        or None: a method that is not one C kernel call on its own weights (torch, CUDA, LoRA,
+        a composite layer, a test's swapped-in twin) keeps the decode step in Python."""
+        return None
 
 
 def expect_shape(got: tuple[int, ...], expected: tuple[int, ...], name: str, shard: str | None) -> None:
@@ -176,6 +183,14 @@ class PackedCpuMethod(FusedGateUpMixin, LinearMethod):
 
     def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.out_features, layer.bias, False)
+
+    def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
+        from stoker.kernels.cpu import decoder_layer
+        from stoker.kernels.cpu import linear as cpu_linear
+
+        if self.kernel is not cpu_linear.linear:
+            return None
+        return decoder_layer.linear_slots_f32(layer.weight, layer.bias, layer.out_features, self.fuse_silu_and_mul)
 
 
 class TiedMethod(LinearMethod):

@@ -27,6 +27,7 @@ from stoker.quantization import gguf as gguf_quant
 from stoker.runner.lora import ModelLoRASlots
 from stoker.runner import memory
 from stoker.runner.cuda_graph import CudaGraphRunner, graphs_supported
+from stoker.runner.cpu_decode import CpuDecodeRunner
 from stoker.runner.device import resolve_device, resolve_dtype
 from stoker.runner.expert_load import ExpertLoadReader
 from stoker.runner.host_kv_cache import HostKVCache, make_host_kv_cache
@@ -110,6 +111,7 @@ class ModelRunner:
         self.host_kv: HostKVCache | None = make_host_kv_cache(config, self.kv_spec, len(self.model.attention_layers()),
                                                               self.kv_dtype, self.device, self.tp.world_size)
         self.graph_runner: CudaGraphRunner | None = None  # set by capture_cuda_graphs
+        self.cpu_decode: CpuDecodeRunner | None = None  # set by capture_cuda_graphs on CPU (runner/cpu_decode.py)
         self.matchers: Any = None  # structured outputs' GrammarMatchers (enable_structured_outputs)
         spec = config.speculative_config  # draft_model / eagle3: a model drafts after each sampling
         self.drafter: Drafter | None = (make_drafter(config, self.model, hf_config, max_model_len, self.device, self.dtype,
@@ -231,6 +233,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         self.kv_caches = []
         self.graph_runner = None  # captured graphs address the old cache
+        self.cpu_decode = None  # and so do the fused CPU step's slots
         for attn in self.model.attention_layers():
             k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             # one cache per layer (multi-head latent attention's latent): no V
@@ -286,8 +289,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs (after allocate_kv_cache); a no-op on CPU or with enforce_eager."""
-        if self.config.enforce_eager or self.device.type != "cuda":
+        """Capture the decode graphs (after allocate_kv_cache); on CPU, bind the decode step's one
+        C call instead (runner/cpu_decode.py); a no-op with enforce_eager."""
+        if self.config.enforce_eager:
+            return
+        if self.device.type == "cpu":
+            self._bind_cpu_decode()
+            return
+        if self.device.type != "cuda":
             return
         if self.drafter is not None and not self.drafter.target_graphs_ok:
             logger.warning("CUDA graphs off with EAGLE-3 drafting (its hooks read the target's hidden states)")
@@ -320,6 +329,18 @@ class ModelRunner:
         graph_runner.capture()
         self.graph_runner = graph_runner
         self.expert_load_reader.reset()  # the capture's warm-up forwards are no traffic
+
+    def _bind_cpu_decode(self) -> None:
+        if self.lora is not None or (self.drafter is not None and not self.drafter.target_graphs_ok):
+            why = "LoRA" if self.lora is not None else "the EAGLE-3 drafter reads the target's hidden states"
+            logger.info("CPU decode runs module by module: %s", why)
+            return
+        assert self.kv_caches, "allocate the KV cache before binding the fused CPU decode: its slots address it"
+        self.cpu_decode, why = CpuDecodeRunner.build(self.model, self.tp.world_size)
+        if self.cpu_decode is None:
+            logger.info("CPU decode runs module by module: %s", why)
+        else:
+            logger.info("CPU decode steps run as one C call (%d layers)", self.cpu_decode.layers.num_layers)
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed per expert per MoE layer since start (None for a dense model): a
@@ -397,6 +418,8 @@ class ModelRunner:
         md = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(len(inputs.ordered), md):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
+        elif self.cpu_decode is not None and self.cpu_decode.can_run(len(inputs.ordered), md):
+            hidden = self.cpu_decode.run(inputs.input_ids, inputs.positions, md)  # (B, hidden)
         else:
             mapping = self.lora.mapping(inputs.ordered, md.cu_seqlens_q) if self.lora is not None else None
             with set_forward_context(ForwardContext(md, mapping, kv_connector_meta=step.kv_connector_meta)):

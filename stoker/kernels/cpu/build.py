@@ -34,7 +34,7 @@ from stoker.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c", "lora.c", "encoder_layer.c", "moe.c", "mla_decode_attention.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c", "lora.c", "encoder_layer.c", "decoder_layer.c", "moe.c", "mla_decode_attention.c"))
 # Included by the sources: part of the cache key, so an edit rebuilds.
 _HEADERS = (Path(__file__).with_name("fp8.h"), Path(__file__).with_name("linear_q4.h"),
             Path(__file__).with_name("linear_q4_a8.h"))
@@ -216,6 +216,10 @@ def library() -> ctypes.CDLL | None:
         "stoker_fused_moe_coded_f32": ([p, i64, p, p, i64, i64, i64, p, i32, p, p, i64, p, i32, p, p, i64, i64, i64, p, p,
                                         i32, f32, f32, p, i32], i32),
         "stoker_bert_encoder_f32": ([p, i64, i64, i64, i64, i64, p, f32, i32, p, i64, p, p, i64, f32, p, i32], i32),
+        "stoker_decoder_decode_f32": ([p, p, i64, i64, i64, p, p, p, i64, i64, i64, i64, i64, f32, f32, f32, p, p, i64, p,
+                                       i64, i64, i32], i32),
+        "stoker_decoder_layer_slots": ([], i32),
+        "stoker_decoder_linear_slots": ([], i32),
         "stoker_mla_decode_attention_f32": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i32], i32),
         "stoker_mla_decode_attention_fp8": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, i32], i32),
     }
