@@ -24,7 +24,9 @@ compressed-tensors checkpoint written from it: float32 scales), and the Q4_0 and
 files themselves (Stoker's GGUF loader: Q4_0 is int4 groups of 32 with float16 scales, the LM
 head is the file's Q6_K, int8 groups of 16), the Q4_0 file again with `--activation-dtype int8`
 (W4A8: the int4 projections take int8 activations per block of 32, as llama.cpp's Q4_0 x Q8_0
-does; the Q6_K head and the rest are unchanged).
+does; the Q6_K head and the rest are unchanged), and that W4A8 engine once more with
+`enforce_eager=True`, whose decode steps run module by module instead of as one C call
+(runner/cpu_decode.py): the fused step's gain, measured in the same run.
 
 On this project's machine (the lead's llama.cpp build; a quiet machine makes the ratios mean
 something, `uptime` before and after):
@@ -125,13 +127,15 @@ def main() -> None:
         work = args.workdir or Path(d)
         work.mkdir(parents=True, exist_ok=True)
         files = make_files(work, args.llama_cpp, args.llama_cpp_src)
-        configs = {"float32": (files["hf"], None, "auto"), "int8 (--quantization int8)": (files["hf"], "int8", "auto"),
-                   "int4 W4A16 g32 (compressed-tensors)": (files["w4a16"], None, "auto"),
-                   "int4 GGUF Q4_0 file": (files["Q4_0"], None, "auto"),
-                   "int4 GGUF Q4_0 file, W4A8 (--activation-dtype int8)": (files["Q4_0"], None, "int8"),
-                   "int8 GGUF Q8_0 file": (files["Q8_0"], None, "auto")}
+        # name -> (checkpoint, quantization, activation_dtype, enforce_eager: the module-by-module step)
+        configs = {"float32": (files["hf"], None, "auto", False), "int8 (--quantization int8)": (files["hf"], "int8", "auto", False),
+                   "int4 W4A16 g32 (compressed-tensors)": (files["w4a16"], None, "auto", False),
+                   "int4 GGUF Q4_0 file": (files["Q4_0"], None, "auto", False),
+                   "int4 GGUF Q4_0 file, W4A8 (--activation-dtype int8)": (files["Q4_0"], None, "int8", False),
+                   "int4 GGUF Q4_0 file, W4A8, module by module (--enforce-eager)": (files["Q4_0"], None, "int8", True),
+                   "int8 GGUF Q8_0 file": (files["Q8_0"], None, "auto", False)}
         llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q,
-                          activation_dtype=a) for name, (p, q, a) in configs.items()}
+                          activation_dtype=a, enforce_eager=e) for name, (p, q, a, e) in configs.items()}
         held = {name: llm.engine.executor.driver_runner.weight_bytes_held() for name, llm in llms.items()}
         stoker: dict[tuple[str, int], list[float]] = {}
         stoker_cpu: dict[tuple[str, int], list[float]] = {}  # process CPU seconds of each step
