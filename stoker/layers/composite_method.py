@@ -27,11 +27,15 @@ shard, groups kept whole). The runs' parameters are registered on the merged lay
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from stoker.layers.linear import Linear, MergedLinear
 from stoker.layers.weight_method import LinearMethod
+
+if TYPE_CHECKING:
+    from stoker.kernels.cpu.decoder_layer import LinearSlots
 
 
 class CompositeLinearMethod(LinearMethod):
@@ -104,6 +108,16 @@ class CompositeLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part.method.apply(part, x) for part in self.parts], dim=-1)
+
+    def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
+        """The runs side by side, each writing its columns of the output (decoder_layer.c), when
+        every run is one C kernel call."""
+        from stoker.kernels.cpu.decoder_layer import LinearSlots
+
+        parts = [part.method.c_linear_slots(part) for part in self.parts]
+        if any(p is None for p in parts):
+            return None
+        return LinearSlots.side_by_side(parts)  # type: ignore[arg-type]
 
 
 def composite_method(name: str, layer: Linear, runs: Sequence[tuple[Sequence[str], object]],

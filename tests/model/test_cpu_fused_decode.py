@@ -6,7 +6,8 @@ same logprobs (floats compared exactly) from an engine with it and one without
 decoding together, for each thing the C call does differently:
 float32 panels with an intermediate size they cannot fuse (the separate SiLU-and-mul); Qwen2's
 q/k/v biases with a sliding window shorter than the contexts, int8 weights; Qwen3's per-head q/k
-norms with W4A8 int4; W4A16 int4 (these three with the fused SiLU epilogue). Each case also checks
+norms with W4A8 int4; W4A16 int4 (these three with the fused SiLU epilogue); and a Q4_K_M GGUF
+file, whose "more bits" layer runs q/k and v as two kernels writing one output. Each case also checks
 that the fused call ran for every decode step.
 
 And: what it does not take is refused at bind time with the reason (a Gemma model, an FP8 KV
@@ -23,6 +24,8 @@ from stoker import LLM, SamplingParams
 from stoker.kernels.cpu import build as cpu_build
 from stoker.kernels.cpu.decoder_layer import decoder_decode
 from stoker.runner.cpu_decode import CpuDecodeRunner
+from stoker.testing.gguf_checkpoint import llama_cpp_types, write_gguf
+from stoker.testing.tiny_checkpoint import copy_demo_tokenizer
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C kernels are not available")
 
@@ -66,6 +69,19 @@ def test_the_fused_step_gives_the_module_paths_logprobs_bit_for_bit(tiny_checkpo
     for (ids_m, lp_m), (ids_f, lp_f) in zip(module, fused):
         assert ids_f == ids_m
         assert lp_f == lp_m  # every logprob float equal: the same logits
+
+
+def test_a_gguf_k_quant_mix_runs_fused_with_its_composite_layers(tiny_checkpoints, tmp_path) -> None:
+    """Q4_K_M: layer 1's q/k (asymmetric int4, Q4_K) beside its v (int8 groups of 16, Q6_K) write
+    their columns of one qkv output; its down is Q6_K. W4A8 on the int4 runs."""
+    src = tiny_checkpoints("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2)
+    (tmp_path / "file").mkdir()
+    path = write_gguf(src, tmp_path / "file" / "model.gguf", llama_cpp_types("Q4_K_M", 2), "llama")
+    copy_demo_tokenizer(tmp_path / "file")
+    module, _ = _generate(path, eager=True, activation_dtype="int8")
+    fused, calls = _generate(path, eager=False, activation_dtype="int8")
+    assert calls >= 9
+    assert fused == module
 
 
 def test_what_the_fused_step_does_not_take_is_refused_with_the_reason(tiny_checkpoints) -> None:

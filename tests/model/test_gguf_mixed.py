@@ -82,6 +82,8 @@ def test_llama_cpp_mix_matches_hf_on_dequantized_weights(case: str, tiny_checkpo
     copy_demo_tokenizer(tmp_path / "file")
     llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20, device="cpu")
     _check_methods(case, _linears(llm))
+    # decode steps in one C call where every run is one C kernel (the affine int8 runs are not)
+    assert (llm.engine.executor.driver_runner.cpu_decode is not None) == case.endswith("q4_k_m")
     hf = load_hf(tmp_path / "deq")
     for ids in PROMPTS:
         torch.testing.assert_close(engine_logits(llm, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)

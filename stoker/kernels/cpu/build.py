@@ -220,6 +220,7 @@ def library() -> ctypes.CDLL | None:
                                        i64, i64, i32], i32),
         "stoker_decoder_layer_slots": ([], i32),
         "stoker_decoder_linear_slots": ([], i32),
+        "stoker_decoder_max_parts": ([], i32),
         "stoker_mla_decode_attention_f32": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, i32], i32),
         "stoker_mla_decode_attention_fp8": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, i32], i32),
     }

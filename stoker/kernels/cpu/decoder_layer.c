@@ -25,13 +25,14 @@
  * kernels' single-thread threshold is common.py's _PARALLEL_MIN_ELEMENTS). tests/kernels/
  * test_cpu_decoder_layer.py compares logits bit for bit.
  *
- * Each projection is described by LINEAR_SLOTS int64s (decoder_layer.py builds them from the
- * layer's weight method): kind (0 float32 panels, 1 one-byte panels, 2 4-bit W4A16, 3 4-bit
+ * Each run of a projection is described by LINEAR_SLOTS int64s (decoder_layer.py builds them from
+ * the layer's weight method): kind (0 float32 panels, 1 one-byte panels, 2 4-bit W4A16, 3 4-bit
  * W4A8), the panels, their ldw (float32 / one-byte: NR; 4-bit: bytes a panel), the panel stride
  * (float32 / one-byte), fmt (one-byte: 1 int8, 2 FP8; 4-bit: scales are float16), scales, 4-bit
- * offsets, ldsc, group_k, bias, N, K, and whether the kernel writes silu(gate) * up itself.
- * A layer is LAYER_SLOTS int64s: the two norms' weights, q_norm and k_norm (0: none), the K and
- * V caches, the sliding window (0: none), then qkv, o, gate_up and down.
+ * offsets, ldsc, group_k, bias, N, K, whether the kernel writes silu(gate) * up itself, and
+ * where its columns go in the projection's output (first column, row stride). A layer is
+ * LAYER_SLOTS int64s: the two norms' weights, q_norm and k_norm (0: none), the K and V caches,
+ * the sliding window (0: none), then qkv, o, gate_up and down, MAX_PARTS runs each.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,17 +68,23 @@ int stoker_linear_q4_a8(const float *x, int64_t ldx, const void *wt, int64_t pan
                         int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul, int num_threads);
 
 enum { LIN_KIND, LIN_W, LIN_LDW, LIN_PANEL_STRIDE, LIN_FMT, LIN_SCALE, LIN_OFFSET, LIN_LDSC, LIN_GROUP_K, LIN_BIAS,
-       LIN_N, LIN_K, LIN_SILU, LINEAR_SLOTS };
-enum { KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8 };
+       LIN_N, LIN_K, LIN_SILU, LIN_Y_OFFSET, LIN_LDY, LINEAR_SLOTS };
+enum { KIND_NONE = -1, KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8 };
+/* A projection is up to MAX_PARTS runs side by side (a GGUF k-quant mix's q/k beside a wider v:
+ * layers/composite_method.py), each writing its columns of the output at LIN_Y_OFFSET; unused
+ * runs are KIND_NONE. */
+#define MAX_PARTS 3
+#define PROJECTION_SLOTS (MAX_PARTS * LINEAR_SLOTS)
 enum { L_INPUT_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_K_CACHE, L_V_CACHE, L_WINDOW, L_QKV,
-       L_O = L_QKV + LINEAR_SLOTS, L_GATE_UP = L_O + LINEAR_SLOTS, L_DOWN = L_GATE_UP + LINEAR_SLOTS,
-       LAYER_SLOTS = L_DOWN + LINEAR_SLOTS };
+       L_O = L_QKV + PROJECTION_SLOTS, L_GATE_UP = L_O + PROJECTION_SLOTS, L_DOWN = L_GATE_UP + PROJECTION_SLOTS,
+       LAYER_SLOTS = L_DOWN + PROJECTION_SLOTS };
 
 /* Status codes, each a stage that refused (decoder_layer.py names them). */
 enum { OK = 0, E_ALLOC = 1, E_POSITION = 2, E_SLOT = 3, E_CONTEXT = 4, E_BLOCK = 5, E_LINEAR = 6 };
 
 int stoker_decoder_layer_slots(void) { return LAYER_SLOTS; }
 int stoker_decoder_linear_slots(void) { return LINEAR_SLOTS; }
+int stoker_decoder_max_parts(void) { return MAX_PARTS; }
 
 /* Below this many elements a row kernel runs on one thread (common.py's _PARALLEL_MIN_ELEMENTS). */
 #define PARALLEL_MIN_ELEMENTS 32768
@@ -86,34 +93,43 @@ static int row_threads(int64_t numel, int num_threads) { return numel >= PARALLE
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
-/* y (M, N, or N / 2 when the kernel applies silu-and-mul) = x (M, K, rows ldx apart) through one
- * projection described by d[0:LINEAR_SLOTS]. Returns 0, or E_LINEAR when the kernel refused. */
-static int run_linear(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t M, int num_threads) {
-    const int64_t N = d[LIN_N], K = d[LIN_K];
+/* y[:, off:off + N] (N / 2 columns when the kernel applies silu-and-mul; rows LIN_LDY apart) = x
+ * (M, K, rows ldx apart) through one run described by d[0:LINEAR_SLOTS]. Returns 0, or E_LINEAR
+ * when the kernel refused. */
+static int run_part(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t M, int num_threads) {
+    const int64_t N = d[LIN_N], K = d[LIN_K], ldy = d[LIN_LDY];
     const int silu = (int)d[LIN_SILU];
-    const int64_t ldy = silu ? N / 2 : N;
     const float *bias = PTR(const float *, d[LIN_BIAS]);
+    float *out = y + d[LIN_Y_OFFSET];
     int status = 0;
     switch (d[LIN_KIND]) {
     case KIND_F32:
-        stoker_linear_f32(x, ldx, PTR(const float *, d[LIN_W]), d[LIN_LDW], d[LIN_PANEL_STRIDE], bias, y, ldy, M, N, K,
+        stoker_linear_f32(x, ldx, PTR(const float *, d[LIN_W]), d[LIN_LDW], d[LIN_PANEL_STRIDE], bias, out, ldy, M, N, K,
                           silu, num_threads);
         break;
     case KIND_Q8:
         status = stoker_linear_q8(x, ldx, PTR(const void *, d[LIN_W]), d[LIN_LDW], d[LIN_PANEL_STRIDE], (int)d[LIN_FMT],
-                                  PTR(const float *, d[LIN_SCALE]), d[LIN_LDSC], d[LIN_GROUP_K], bias, y, ldy, M, N, K,
+                                  PTR(const float *, d[LIN_SCALE]), d[LIN_LDSC], d[LIN_GROUP_K], bias, out, ldy, M, N, K,
                                   silu, num_threads);
         break;
     case KIND_Q4:
     case KIND_Q4_A8:
         status = (d[LIN_KIND] == KIND_Q4 ? stoker_linear_q4 : stoker_linear_q4_a8)(
             x, ldx, PTR(const void *, d[LIN_W]), d[LIN_LDW], PTR(const void *, d[LIN_SCALE]), (int)d[LIN_FMT],
-            PTR(const float *, d[LIN_OFFSET]), d[LIN_LDSC], d[LIN_GROUP_K], bias, y, ldy, M, N, K, silu, num_threads);
+            PTR(const float *, d[LIN_OFFSET]), d[LIN_LDSC], d[LIN_GROUP_K], bias, out, ldy, M, N, K, silu, num_threads);
         break;
     default:
         status = 1;
     }
     return status ? E_LINEAR : OK;
+}
+
+/* A whole projection: its runs in order (the first KIND_NONE ends them). */
+static int run_linear(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t M, int num_threads) {
+    int status = OK;
+    for (int i = 0; i < MAX_PARTS && status == OK && d[i * LINEAR_SLOTS + LIN_KIND] != KIND_NONE; i++)
+        status = run_part(d + i * LINEAR_SLOTS, x, ldx, y, M, num_threads);
+    return status;
 }
 
 /* x (T, hidden): in, the embeddings; out, the last layer's MLP output. res (T, hidden): out, the
@@ -132,7 +148,8 @@ int stoker_decoder_decode_f32(float *x, float *res, int64_t T, int64_t hidden, i
     const int64_t qkv_width = q_size + 2 * kv_size;
     int64_t inter = 0; /* the widest gate_up output, for the workspace */
     for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t n = layers[l * LAYER_SLOTS + L_GATE_UP + LIN_N];
+        const int64_t *gu = layers + l * LAYER_SLOTS + L_GATE_UP;
+        const int64_t n = gu[LIN_SILU] ? 2 * gu[LIN_LDY] : gu[LIN_LDY]; /* [gate; up]'s whole width */
         if (n > inter) inter = n;
     }
     /* qkv, q and k after their norms, q and k rotated, the attention's output, h, the MLP's
@@ -186,7 +203,7 @@ int stoker_decoder_decode_f32(float *x, float *res, int64_t T, int64_t hidden, i
                             row_threads(T * hidden, num_threads));
         const int64_t *gu = p + L_GATE_UP;
         if ((status = run_linear(gu, h, hidden, mid, T, num_threads)) != OK) break;
-        const int64_t width = gu[LIN_N] / 2;
+        const int64_t width = gu[LIN_LDY] / (gu[LIN_SILU] ? 1 : 2); /* the intermediate size */
         const float *down_in = mid;
         if (!gu[LIN_SILU]) { /* [gate | up] -> silu(gate) * up, as GateUpLinear's epilogue does it */
             stoker_silu_and_mul_f32(mid, 2 * width, act, T, width, row_threads(T * 2 * width, num_threads));

@@ -54,13 +54,36 @@ def _check_panels(packed: torch.Tensor, out_features: int, nr: int, silu: bool) 
     return num_panels, k
 
 
+# the slots of a run that say where its columns go: DecoderLayers fills them in
+_RUN_SLOTS = 13  # kind .. silu: what linear_slots_* give
+N_SLOT, K_SLOT, SILU_SLOT = 10, 11, 12
+
+
 @dataclass(frozen=True)
 class LinearSlots:
-    """One projection as decoder_layer.c reads it: its LINEAR_SLOTS int64s, and the tensors they
+    """One projection as decoder_layer.c reads it: one run (or several side by side: a composite
+    GGUF layer's, layers/composite_method.py), each as its kernel's int64s, and the tensors they
     point at (held here, so that their storage outlives the slots)."""
 
-    slots: tuple[int, ...]
+    runs: tuple[tuple[int, ...], ...]
     tensors: tuple[torch.Tensor | None, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(r[N_SLOT] for r in self.runs)
+
+    @property
+    def in_features(self) -> int:
+        return self.runs[0][K_SLOT]
+
+    @property
+    def silu(self) -> bool:
+        return bool(self.runs[0][SILU_SLOT])
+
+    @staticmethod
+    def side_by_side(parts: list[LinearSlots]) -> LinearSlots:
+        """A composite projection: its runs' slots in output order."""
+        return LinearSlots(tuple(r for p in parts for r in p.runs), tuple(t for p in parts for t in p.tensors))
 
 
 def linear_slots_f32(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu: bool) -> LinearSlots:
@@ -69,7 +92,7 @@ def linear_slots_f32(packed: torch.Tensor, bias: torch.Tensor | None, out_featur
     nr = packed.shape[2]
     num_panels, k = _check_panels(packed, out_features, nr, silu)
     _check_bias(bias, num_panels * nr)
-    return LinearSlots((KIND_F32, packed.data_ptr(), nr, k * nr, 0, 0, 0, 0, k, _ptr(bias), out_features, k, int(silu)),
+    return LinearSlots(((KIND_F32, packed.data_ptr(), nr, k * nr, 0, 0, 0, 0, k, _ptr(bias), out_features, k, int(silu)),),
                        (packed, bias))
 
 
@@ -83,8 +106,8 @@ def linear_slots_q8(packed: torch.Tensor, scales: torch.Tensor, group_k: int, bi
     _check(scales.shape == (groups, num_panels * nr) and scales.dtype == torch.float32 and scales.is_contiguous(),
            f"scales must be contiguous ({groups}, {num_panels * nr}) float32")
     _check_bias(bias, num_panels * nr)
-    return LinearSlots((KIND_Q8, packed.data_ptr(), nr, k * nr, Q8_FORMATS[packed.dtype], scales.data_ptr(), 0,
-                        num_panels * nr, group_k, _ptr(bias), out_features, k, int(silu)), (packed, scales, bias))
+    return LinearSlots(((KIND_Q8, packed.data_ptr(), nr, k * nr, Q8_FORMATS[packed.dtype], scales.data_ptr(), 0,
+                         num_panels * nr, group_k, _ptr(bias), out_features, k, int(silu)),), (packed, scales, bias))
 
 
 def linear_slots_q4(activations_int8: bool, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -97,9 +120,9 @@ def linear_slots_q4(activations_int8: bool, packed: torch.Tensor, scales: torch.
                                          offsets, group_k)
     _check_panels(packed, out_features, nr, silu)
     _check_bias(bias, num_panels * nr)
-    return LinearSlots((KIND_Q4_A8 if activations_int8 else KIND_Q4, packed.data_ptr(), k * nr // 2, 0,
-                        int(scales.dtype == torch.float16), scales.data_ptr(), _ptr(offsets), num_panels * nr, group_k,
-                        _ptr(bias), out_features, k, int(silu)), (packed, scales, offsets, bias))
+    return LinearSlots(((KIND_Q4_A8 if activations_int8 else KIND_Q4, packed.data_ptr(), k * nr // 2, 0,
+                         int(scales.dtype == torch.float16), scales.data_ptr(), _ptr(offsets), num_panels * nr, group_k,
+                         _ptr(bias), out_features, k, int(silu)),), (packed, scales, offsets, bias))
 
 
 @dataclass
@@ -128,13 +151,27 @@ class DecoderLayers:
     def __init__(self, layers: list[LayerTensors], hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  cos_sin: torch.Tensor, eps: float, qk_eps: float, scale: float) -> None:
         lib = _checked_library()
-        linear_slots = lib.stoker_decoder_linear_slots()
+        run_slots, max_parts = lib.stoker_decoder_linear_slots(), lib.stoker_decoder_max_parts()
+        _check(run_slots == _RUN_SLOTS + 2, f"decoder_layer.c reads {run_slots} slots a run")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         _check(bool(layers), "no layers")
         _check(cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.dim() == 2
                and cos_sin.shape[1] % 2 == 0 and cos_sin.shape[1] <= head_dim, "cos_sin must be contiguous (max_position, rot_dim) float32")
         cache_shape = layers[0].k_cache.shape
         _check(len(cache_shape) == 4 and tuple(cache_shape[2:]) == (num_kv_heads, head_dim), f"KV cache {tuple(cache_shape)}")
+
+        def projection(p: LinearSlots, name: str) -> list[int]:
+            """The runs' slots with their output columns, padded to max_parts runs."""
+            _check(1 <= len(p.runs) <= max_parts and all(len(r) == _RUN_SLOTS and r[K_SLOT] == p.in_features for r in p.runs)
+                   and (len(p.runs) == 1 or not any(r[SILU_SLOT] for r in p.runs)),
+                   f"{name}: 1 to {max_parts} runs of one input width (silu_and_mul in a run of its own)")
+            width = p.out_features // 2 if p.silu else p.out_features
+            out, offset = [], 0
+            for r in p.runs:
+                out += [*r, offset, width]
+                offset += r[N_SLOT]
+            return out + ([-1] + [0] * (run_slots - 1)) * (max_parts - len(p.runs))  # kind -1: no run
+
         slots: list[int] = []
         for i, t in enumerate(layers):
             for name in ("input_norm", "post_norm"):
@@ -147,16 +184,16 @@ class DecoderLayers:
                        f"layer {i}: q_norm / k_norm must be ({head_dim},) float32")
             for c in (t.k_cache, t.v_cache):
                 _check(c.shape == cache_shape and c.dtype == torch.float32 and c.is_contiguous(), f"layer {i}: float32 KV caches of one shape")
-            shapes = {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "down": (None, hidden)}
-            for name, (k, n) in shapes.items():
-                s = getattr(t, name).slots
-                _check(len(s) == linear_slots and s[10] == n and (k is None or s[11] == k) and not s[12],
-                       f"layer {i}: {name} takes {k} -> {n} without an epilogue")
-            gu, down = t.gate_up.slots, t.down.slots
-            _check(len(gu) == linear_slots and gu[11] == hidden and gu[10] % 2 == 0 and down[11] == gu[10] // 2,
-                   f"layer {i}: gate_up ({hidden} -> 2 I) and down (I -> {hidden}) do not fit")
+            for name, (k, n) in {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden)}.items():
+                p = getattr(t, name)
+                _check(p.in_features == k and p.out_features == n and not p.silu, f"layer {i}: {name} takes {k} -> {n} without an epilogue")
+            gu, down = t.gate_up, t.down
+            _check(gu.in_features == hidden and gu.out_features % 2 == 0 and down.in_features == gu.out_features // 2
+                   and down.out_features == hidden and not down.silu, f"layer {i}: gate_up ({hidden} -> 2 I) and down (I -> {hidden}) do not fit")
             slots += [_ptr(t.input_norm), _ptr(t.post_norm), _ptr(t.q_norm), _ptr(t.k_norm), _ptr(t.k_cache),
-                      _ptr(t.v_cache), int(t.sliding_window or 0), *t.qkv.slots, *t.o.slots, *gu, *down]
+                      _ptr(t.v_cache), int(t.sliding_window or 0)]
+            for name in ("qkv", "o", "gate_up", "down"):
+                slots += projection(getattr(t, name), f"layer {i}: {name}")
         _check(len(slots) == len(layers) * lib.stoker_decoder_layer_slots(), "slot count")
         self.array = (ctypes.c_int64 * len(slots))(*slots)
         self.layers = layers
