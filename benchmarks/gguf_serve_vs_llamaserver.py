@@ -133,7 +133,8 @@ def start_servers(gguf: Path, args: argparse.Namespace, logs: Path) -> dict[str,
     sp, lp = free_port(), free_port()
     stoker = Server("stoker", [sys.executable, "-m", "stoker", "serve", str(gguf), "--host", "127.0.0.1",
                                "--port", str(sp), "--max-model-len", str(ctx), "--max-num-seqs", str(seqs),
-                               "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20)],
+                               "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
+                               "--activation-dtype", args.activation_dtype],
                     sp, env, logs / f"stoker-{gguf.stem}.log")
     llama = Server("llama.cpp", [str(args.llama_cpp / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
                                  "--port", str(lp), "-c", str(ctx * seqs), "-np", str(seqs), "--cont-batching",
@@ -175,6 +176,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=256, help="context per sequence, both servers")
     ap.add_argument("--kv-cache-mib", type=int, default=512, help="Stoker's KV-cache budget")
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
+                    help="Stoker's --activation-dtype (int8: W4A8, llama.cpp's Q4_0 x Q8_0 method)")
     ap.add_argument("--prompts-c1", type=int, default=3, help="requests per concurrency-1 run")
     ap.add_argument("--waves", type=int, default=1, help="requests per concurrency-c run: c x waves")
     ap.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
@@ -225,7 +228,7 @@ def main() -> None:
                      "output_tokens_per_request": sorted({n for r in rs for n in r["output_lens"]}),
                      "prompt_tokens_per_request": sorted({n for r in rs for n in r["input_lens"]})})
     out = {"machine": f"{cpu_model()}, {isa()}", "load_average_before": load_before, "load_average_after": load_after,
-           "threads": args.threads, "input_len": args.input_len, "output_len": args.output_len,
+           "threads": args.threads, "activation_dtype": args.activation_dtype, "input_len": args.input_len, "output_len": args.output_len,
            "repeats": args.repeats, "idle_server_cpu_s": idle_cpu, "rows": rows}
     print(f"\n# {out['machine']}; {args.threads} threads; load average before {load_before}, after {load_after}; "
           f"idle server CPU s over the other's runs {idle_cpu}")
