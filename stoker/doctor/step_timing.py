@@ -68,28 +68,37 @@ def cold_host_step_seconds(llm: Any, batch: int, context_len: int, iters: int) -
     step: there every projection streams megabytes of weights, evicting the interpreter's and
     torch's own data from L1/L2, and the same Python and dispatch took ~1.1 ms more than in the
     probe, whose whole working set stays in L2 (2.8 vs 1.7 ms outside the C kernels at B = 1,
-    1 thread). Here a 4 MiB matrix-vector product runs before every projection (a forward
-    pre-hook) and its own time, measured back to back in the same call, is subtracted."""
+    1 thread). Here a 4 MiB matrix-vector product runs before every projection that runs as a
+    module (a forward pre-hook) and its own time, measured back to back in the same call, is
+    subtracted once per hook a step ran. A CPU decode step that runs its layers in one C call
+    (runner/cpu_decode.py) runs only the LM head as a module: its host work is what is left
+    outside that call, and so is what this measures."""
     import torch
 
     from stoker.layers.linear import Linear
 
     weight, x = torch.ones(POLLUTE_BYTES // 4096, 1024), torch.ones(1024)
+    calls = 0
 
     def pollute(*_: Any) -> None:
+        nonlocal calls
+        calls += 1
         torch.mv(weight, x)
 
-    model = llm.engine.executor.driver_runner.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    runner = llm.engine.executor.driver_runner
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     handles = [m.register_forward_pre_hook(pollute) for m in linears]
     try:
         hooked = step_seconds(llm, "decode", batch, context_len, iters)
+        calls = 0
+        runner.execute(decode_message(batch, context_len, runner.block_size))  # the hooks one step runs
+        per_step = calls
     finally:
         for h in handles:
             h.remove()
 
-    def pollute_all() -> None:
-        for _ in linears:
+    def pollute_step() -> None:
+        for _ in range(per_step):
             pollute()
 
-    return max(0.0, hooked - median_s(pollute_all, iters))
+    return max(0.0, hooked - median_s(pollute_step, iters))

@@ -94,7 +94,8 @@ class LinearMethod:
     def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
         """The projection as kernels/cpu/decoder_layer.c runs it (decoder_layer.linear_slots_*),
         or None: a method that is not one C kernel call on its own weights (torch, CUDA, LoRA,
-        a composite layer, a test's swapped-in twin) keeps the decode step in Python."""
+        affine int8, a test's swapped-in twin) keeps the decode step in Python. A composite
+        layer gives its runs' slots side by side when every run has them."""
         return None
 
 
