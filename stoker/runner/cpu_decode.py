@@ -6,7 +6,7 @@ layer's weights, norms and cache into one slot array or says why not (the step t
 module by module, as before). `can_run` takes pure-decode steps; `run` embeds the tokens,
 makes the one call, and applies the model's final norm. The logits are the module path's
 bit for bit: every stage is the same C function with the same arguments
-(tests/kernels/test_cpu_decoder_layer.py).
+(tests/model/test_cpu_fused_decode.py).
 
 What it takes: the C kernels bound (CPU float32), one rank, LlamaModel's layers as built
 (LlamaDecoderLayer with LlamaAttention or Qwen3's per-head q/k norms, a SiLU LlamaMLP: Llama,

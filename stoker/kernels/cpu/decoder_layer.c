@@ -22,8 +22,8 @@
  *
  * The same bits as the module path (models/llama.py through kernels/cpu's Python entry points):
  * every stage is the same C function with the same arguments and the same thread count (the row
- * kernels' single-thread threshold is common.py's _PARALLEL_MIN_ELEMENTS). tests/kernels/
- * test_cpu_decoder_layer.py compares logits bit for bit.
+ * kernels' single-thread threshold is rows.h's, as common.py's _PARALLEL_MIN_ELEMENTS).
+ * tests/model/test_cpu_fused_decode.py compares logprobs bit for bit.
  *
  * Each run of a projection is described by LINEAR_SLOTS int64s (decoder_layer.py builds them from
  * the layer's weight method): kind (0 float32 panels, 1 one-byte panels, 2 4-bit W4A16, 3 4-bit
@@ -35,6 +35,8 @@
  * the sliding window (0: none), then qkv, o, gate_up and down, MAX_PARTS runs each.
  */
 #include <stdint.h>
+
+#include "rows.h"
 #include <stdlib.h>
 
 void stoker_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
@@ -86,10 +88,6 @@ int stoker_decoder_layer_slots(void) { return LAYER_SLOTS; }
 int stoker_decoder_linear_slots(void) { return LINEAR_SLOTS; }
 int stoker_decoder_max_parts(void) { return MAX_PARTS; }
 
-/* Below this many elements a row kernel runs on one thread (common.py's _PARALLEL_MIN_ELEMENTS). */
-#define PARALLEL_MIN_ELEMENTS 32768
-
-static int row_threads(int64_t numel, int num_threads) { return numel >= PARALLEL_MIN_ELEMENTS ? num_threads : 1; }
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 

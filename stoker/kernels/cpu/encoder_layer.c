@@ -23,6 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "rows.h"
+
 int stoker_linear_nr(void);
 void stoker_linear_f32(const float *x, int64_t ldx, const float *wt, int64_t ldw, int64_t panel_stride,
                        const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int silu_and_mul,
@@ -33,10 +35,6 @@ int stoker_encoder_attention_f32(const float *qkv, int64_t num_tokens, const int
 
 enum { ACT_GELU = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
-/* Below this many elements a row pass runs on one thread (common.py's _PARALLEL_MIN_ELEMENTS). */
-#define PARALLEL_MIN_ELEMENTS 32768
-
-static int row_threads(int64_t numel, int num_threads) { return numel >= PARALLEL_MIN_ELEMENTS ? num_threads : 1; }
 
 /* y (M, N) = x (M, K) W^T + bias with W as packed panels (dense rows). */
 static void linear(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
