@@ -17,7 +17,8 @@ QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 # --kv-cache-dtype: "auto" keeps the model dtype; "fp8" is E4M3 (vLLM's "fp8" and "fp8_e4m3").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # --activation-dtype: what int4 projections multiply their weights by. "auto" keeps the model
-# dtype (W4A16); "int8" quantizes the activations per block of 32 (llama.cpp's Q8_0: W4A8).
+# dtype (W4A16); "int8" quantizes the activations per block of 32 (llama.cpp's Q8_0: W4A8), and
+# a GGUF file's Q6_K tensors run W6A8 on their own 6-bit codes (layers/quantized_method.py).
 ACTIVATION_DTYPES = ("auto", "int8")
 _DEVICES = ("auto", "cpu", "cuda")
 # A sensible CPU default: 1 GiB of KV. A float32 model with hidden 512 and 8 layers

@@ -39,8 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                         "symmetric 4-bit with one scale per group of 128 columns (a pre-quantized checkpoint needs no flag)")
     g.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
                    help="what int4 projections multiply: auto (the model dtype, W4A16) or int8 (W4A8: activations "
-                        "quantized per block of 32 as llama.cpp's Q8_0, integer dot products; CPU float32 only, "
-                        "logits move by more than W4A16's rounding, docs/quantization.md)")
+                        "quantized per block of 32 as llama.cpp's Q8_0, integer dot products, a GGUF file's Q6_K "
+                        "tensors W6A8 in their own 6-bit codes; CPU float32 only, logits move by more than W4A16's "
+                        "rounding, docs/quantization.md)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', \'{"method": "suffix", ...}\', or '

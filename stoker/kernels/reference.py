@@ -569,6 +569,47 @@ def linear_packed_q4_a8(
     return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
+def linear_packed_q6_a8(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K / 16, 13 NR) uint8 (kernels/cpu/linear_q6.pack_q6_weight)
+    super_scales: torch.Tensor,  # (K / 256, P * NR) float32
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:
+    """Twin of kernels/cpu/linear_q6.linear_q6_a8 (W6A8), bit for bit: x quantized per block of
+    32 (quantize_q8_blocks), exact integer dot products per chunk of 16 times the chunk's
+    sub-scale, summed per block, then the float sums in linear_q6_a8.h's order, each one IEEE
+    mul or add: A_s = sum_b float(I_b) * d_b, y = sum_s A_s * D_s, + bias."""
+    from stoker.kernels.cpu.linear_q4 import Q8_BLOCK
+    from stoker.kernels.cpu.linear_q6 import CHUNK, SUPER, unpack_q6_panels
+
+    codes, sc = unpack_q6_panels(packed)  # (P, K, NR) q - 32, (P, K / 16, NR)
+    num_panels, k, nr = codes.shape
+    cols = num_panels * nr
+    codes = codes.permute(1, 0, 2).reshape(k, cols)
+    sc = sc.permute(1, 0, 2).reshape(k // CHUNK, cols)
+    rows = x.reshape(-1, k).float()
+    a, d = quantize_q8_blocks(rows, Q8_BLOCK)  # (M, K), (M, B)
+    num_chunks = k // CHUNK
+    # |T| <= 16 * 32 * 127 and |I| < 2^25: exact in float64; I rounded once to float32, as C's cvt
+    t = torch.einsum("mck,ckn->mcn", a.double().view(-1, num_chunks, CHUNK), codes.double().view(num_chunks, CHUNK, -1))
+    ints = (t * sc.double()).view(rows.shape[0], -1, 2, cols).sum(dim=2).float()  # (M, B, P * NR)
+    blocks_per_super = SUPER // Q8_BLOCK
+    out = torch.zeros(rows.shape[0], cols)
+    for s in range(k // SUPER):
+        acc = torch.zeros_like(out)
+        for b in range(s * blocks_per_super, (s + 1) * blocks_per_super):
+            acc = acc + ints[:, b] * d[:, b : b + 1]
+        out = out + acc * super_scales[s]
+    if bias is not None:
+        out = out + bias
+    if silu_and_mul:
+        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
+        return (F.silu(gate) * up).reshape(*x.shape[:-1], cols // 2)[..., : out_features // 2]
+    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+
+
 def int4_linear(
     x: torch.Tensor,  # (..., K)
     q: torch.Tensor,  # (N, K) uint8 codes in [0, 15]

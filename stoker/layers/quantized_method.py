@@ -5,6 +5,11 @@ at build (`models/method_chooser.py`):
 
   cpu_q8     CPU float32 activations with the C kernels: one-byte panels (linear.c,
              stoker_linear_q8), dequantized in registers: a quarter of float32's bytes.
+             With `activations="int8"` (--activation-dtype int8) a weight that is GGUF's Q6_K
+             (int8 codes in [-32, 31], groups of 16 whose scales factor exactly into an int8
+             sub-scale times a super-scale per 256: kernels/cpu/linear_q6.py) is held in 6-bit
+             panels instead and runs W6A8 (linear_q6_a8.h): Q6_K's 6.6 bits a weight where the
+             one-byte panels hold 10. Any other int8 weight keeps the one-byte panels, weight-only.
   int8pack   CPU without the C kernels, INT8 with one scale per row: torch's
              `_weight_int8pack_mm` (measured far slower than cpu_q8: docs/benchmarks.md).
   scaled_mm  CUDA with FP8 matrix units (compute capability 8.9+), FP8 with per-row
@@ -64,9 +69,15 @@ def scale_groups(scheme: WeightScheme, in_features: int) -> tuple[int, int]:
     return 1, in_features
 
 class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
-    def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False) -> None:
+    def __init__(self, scheme: WeightScheme, online: bool, backend: str, fuse_silu_and_mul: bool = False,
+                 activations: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown quantized backend {backend!r}")
+        if activations not in ("auto", "int8"):
+            raise ValueError(f"quantized activations {activations!r}: 'auto' or 'int8'")
+        # "int8": a Q6_K weight runs W6A8 on cpu_q8 (process_after_loading decides, once)
+        self.activations = activations
+        self.held = "one-byte"  # or "q6" (6-bit panels, W6A8)
         self.scheme = scheme
         self.online = online
         self.backend = backend
@@ -80,7 +91,8 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
         self._forward = self._not_loaded
 
     def describe(self) -> str:
-        return f"{self.scheme.dtype} {self.scheme.strategy} via {self.backend}"
+        w6a8 = " held 6-bit (Q6_K), W6A8 (int8 activations)" if self.held == "q6" else ""
+        return f"{self.scheme.dtype} {self.scheme.strategy}{w6a8} via {self.backend}"
 
     def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a quantized projection runs only after models.loader.load_weights")
@@ -181,6 +193,8 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
     # ---------------------------------------------------------------- layout for the backend
     def process_after_loading(self, layer: Linear) -> None:
         """Re-lay the weights for the backend and bind the forward once (apply only calls it)."""
+        if self.backend == "cpu_q8" and self._hold_q6(layer):
+            return
         if self.backend == "cpu_q8":
             from stoker.kernels.cpu import linear as cpu_linear
 
@@ -214,21 +228,57 @@ class QuantizedLinearMethod(FusedGateUpMixin, LinearMethod):
             self.kernel = reference.w8_linear
             self._forward = self._weight_only
 
+    def _hold_q6(self, layer: Linear) -> bool:
+        """W6A8 (--activation-dtype int8): re-lay a Q6_K weight (codes in [-32, 31], groups of 16
+        whose scales factor into sub-scale x super-scale, K a multiple of 256) as 6-bit panels and
+        bind linear_q6_a8; False (the one-byte panels follow) for any other weight."""
+        if self.activations != "int8" or self.scheme.dtype != "int8" or self.group_k != 16:
+            return False
+        from stoker.kernels.cpu import linear as cpu_linear
+        from stoker.kernels.cpu import linear_q6
+
+        q = layer.weight.data
+        if q.shape[1] % linear_q6.SUPER or bool((q < -32).any()) or bool((q > 31).any()):
+            return False
+        factors = linear_q6.factor_q6_scales(layer.weight_scale.data)
+        if factors is None:
+            return False
+        sc, d = factors
+        gate_up = self.fuse_silu_and_mul
+        layer.weight = nn.Parameter(linear_q6.pack_q6_weight(q, sc, gate_up), requires_grad=False)
+        layer.weight_scale = nn.Parameter(linear_q6.pack_q6_super_scales(d, gate_up), requires_grad=False)
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
+        self.held = "q6"
+        self.kernel = linear_q6.linear_q6_a8
+        self._forward = self._cpu_q6_a8
+        return True
+
     # ---------------------------------------------------------------- forward
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self._forward(layer, x)
+
+    def _cpu_q6_a8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, layer.out_features, layer.bias, self.fuse_silu_and_mul)
 
     def _cpu_q8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, self.fuse_silu_and_mul)
 
     def apply_pre_activation(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """A fused [gate; up] layer's output before SiLU-and-mul, in panel order (LoRA adds to it)."""
+        if self.held == "q6":
+            return self.kernel(x, layer.weight, layer.weight_scale, layer.out_features, layer.bias, False)
         return self.kernel(x, layer.weight, layer.weight_scale, self.group_k, layer.out_features, layer.bias, False)
 
     def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
         from stoker.kernels.cpu import decoder_layer
         from stoker.kernels.cpu import linear as cpu_linear
 
+        from stoker.kernels.cpu import linear_q6
+
+        if self.backend == "cpu_q8" and self.kernel is linear_q6.linear_q6_a8:
+            return decoder_layer.linear_slots_q6_a8(layer.weight, layer.weight_scale, layer.bias, layer.out_features,
+                                                    self.fuse_silu_and_mul)
         if self.backend != "cpu_q8" or self.kernel is not cpu_linear.linear_q8:
             return None
         return decoder_layer.linear_slots_q8(layer.weight, layer.weight_scale, self.group_k, layer.bias, layer.out_features,

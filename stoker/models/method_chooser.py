@@ -154,7 +154,10 @@ class LinearMethodChooser:
                 logger.info("the %s scheme quantizes activations too; on %s (%s) Stoker runs it weight-only, "
                             "activations in %s", self.quant.method, self.device, backend, str(self.dtype).removeprefix("torch."))
                 self.weight_only_said = True
-            return QuantizedLinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend))
+            # --activation-dtype int8: a Q6_K weight on cpu_q8 runs W6A8 (layers/quantized_method.py)
+            activations = self.quant.activation_dtype if backend == "cpu_q8" else "auto"
+            return QuantizedLinearMethod(scheme, self.quant.online, backend, self._fuse_silu(name, layer, backend),
+                                         activations)
         return self._float(name, layer)
 
     def _float(self, name: str, layer: Linear) -> LinearMethod:

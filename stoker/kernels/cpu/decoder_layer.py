@@ -17,7 +17,7 @@ import torch
 from stoker.kernels.cpu.common import _checked_library
 
 # decoder_layer.c's kinds of projection
-KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8 = 0, 1, 2, 3
+KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8, KIND_Q6_A8 = 0, 1, 2, 3, 4
 Q8_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 # decoder_layer.c's status codes -> what refused
@@ -123,6 +123,18 @@ def linear_slots_q4(activations_int8: bool, packed: torch.Tensor, scales: torch.
     return LinearSlots(((KIND_Q4_A8 if activations_int8 else KIND_Q4, packed.data_ptr(), k * nr // 2, 0,
                          int(scales.dtype == torch.float16), scales.data_ptr(), _ptr(offsets), num_panels * nr, group_k,
                          _ptr(bias), out_features, k, int(silu)),), (packed, scales, offsets, bias))
+
+
+def linear_slots_q6_a8(packed: torch.Tensor, super_scales: torch.Tensor, bias: torch.Tensor | None,
+                       out_features: int, silu: bool) -> LinearSlots:
+    """A 6-bit W6A8 projection (linear_q6.py's panels and super-scales: GGUF's Q6_K)."""
+    from stoker.kernels.cpu.linear_q6 import CHUNK, check_q6_panels
+
+    num_panels, k, nr = check_q6_panels(packed, super_scales)
+    _check_panels(packed.view(num_panels, k, -1), out_features, nr, silu)
+    _check_bias(bias, num_panels * nr)
+    return LinearSlots(((KIND_Q6_A8, packed.data_ptr(), k // CHUNK * packed.shape[2], 0, 0, super_scales.data_ptr(), 0,
+                         num_panels * nr, 0, _ptr(bias), out_features, k, int(silu)),), (packed, super_scales, bias))
 
 
 @dataclass
