@@ -105,7 +105,14 @@ static void q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, 
 
 /* y[0:mr, 0:NR] (or NR / 2 with silu) for quantized rows xq[0:mr] (ldq bytes apart; d and s
  * ldd apart; xg: X[g] per row, ldxg apart, or NULL without offsets) against one whole 4-bit
- * panel wt; sc / off / ldsc as in tile_q4. ahead / num_ahead: lines of the next panel. */
+ * panel wt; sc / off / ldsc as in tile_q4.
+ * No software prefetch: the panel is read front to back, which the hardware prefetchers follow.
+ * Prefetching the next panel into L1 while this one streams, 4 lines per 8 rows (a 32 KB panel
+ * at K = 1024, L1's size), evicted the lines being read: batch-1 decode of the 4-bit benchmark's
+ * Q4_0 file, W4A8, one call a step, went from 71.2 to 82.2 tokens/s at 1 thread without it, and
+ * from 103.7 to 112.8 at 2 (medians of 5 interleaved runs, 2-vCPU Zen 4 VM; docs/benchmarks.md,
+ * "4-bit weights beside llama.cpp"). Nor within the panel: tile_q4's 12 prefetches per 8 rows
+ * cost a quarter of this kernel's time. */
 static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const int silu, const int8_t *restrict xq,
                                                              int64_t ldq, const float *restrict d,
                                                              const int32_t *restrict s, int64_t ldd,
@@ -113,8 +120,7 @@ static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const
                                                              const void *restrict wt, const void *restrict sc,
                                                              int sc_f16, const float *restrict off, int64_t ldsc,
                                                              int64_t group_k, const float *restrict bias,
-                                                             float *restrict y, int64_t ldy, int64_t K,
-                                                             const char *ahead, int64_t num_ahead) {
+                                                             float *restrict y, int64_t ldy, int64_t K) {
     const vi low_nibbles = (vi){0} + 0x0F0F0F0F, flip = (vi){0} + (int32_t)0x88888888;
     vf tot[A8_MR][NV];
     for (int m = 0; m < mr; m++)
@@ -129,13 +135,6 @@ static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const
                 for (int j = 0; j < NV; j++) isum[m][j] = (vi){0};
             for (int64_t kb = k1; kb < k1 + Q8_BLOCK; kb += 8) {
                 const int32_t *w = (const int32_t *)wt + kb / 8 * NR;
-                /* the next panel, 4 lines per 8 rows: spread over the whole panel (K / 2 lines
-                 * at NR = 64). No prefetch within the panel: with 6 integer ops per 64 bytes,
-                 * tile_q4's 12 prefetches per 8 rows cost a quarter of the kernel's time from
-                 * memory (all 112 projections of the benchmark's model: 19.0 -> 14.3 ms a pass,
-                 * 1 thread, against W4A16's 21.0 and 21.6 in the same runs). */
-                for (int64_t i = kb / 2; i < kb / 2 + 4; i++)
-                    if (i < num_ahead) __builtin_prefetch(ahead + 64 * i, 0, 3);
                 vi even[A8_MR], odd[A8_MR];
                 for (int m = 0; m < mr; m++) {
                     int32_t e, o;
@@ -173,11 +172,11 @@ static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const
     store_tile(mr, NV, silu, out, bias, y, ldy);
 }
 
-#define Q4A8_TILE_ARGS xq, ldq, d, s, ldd, xg, ldxg, wt, sc, sc_f16, off, ldsc, group_k, bias, y, ldy, K, ahead, num_ahead
+#define Q4A8_TILE_ARGS xq, ldq, d, s, ldd, xg, ldxg, wt, sc, sc_f16, off, ldsc, group_k, bias, y, ldy, K
 static void tile_q4_a8_dispatch(int mr, int silu, const int8_t *xq, int64_t ldq, const float *d, const int32_t *s,
                                 int64_t ldd, const float *xg, int64_t ldxg, const void *wt, const void *sc, int sc_f16,
                                 const float *off, int64_t ldsc, int64_t group_k, const float *bias, float *y,
-                                int64_t ldy, int64_t K, const char *ahead, int64_t num_ahead) {
+                                int64_t ldy, int64_t K) {
     if (mr == 1) {
         if (silu) tile_q4_a8(1, 1, Q4A8_TILE_ARGS); else tile_q4_a8(1, 0, Q4A8_TILE_ARGS);
     } else {
@@ -187,7 +186,7 @@ static void tile_q4_a8_dispatch(int mr, int silu, const int8_t *xq, int64_t ldq,
 
 /* Quantized rows [m_begin, m_end) against 4-bit panel p (one task of stoker_linear_q4_a8). */
 static void panel_rows_q4_a8(const int8_t *xq, const float *d, const int32_t *s, const float *xg, int64_t G,
-                             const void *wt, int64_t panel_bytes, int64_t num_panels, int64_t p, const void *scale,
+                             const void *wt, int64_t panel_bytes, int64_t p, const void *scale,
                              int sc_f16, const float *offset, int64_t ldsc, int64_t group_k, const float *bias,
                              float *y, int64_t ldy, int64_t m_begin, int64_t m_end, int64_t N, int64_t K, int silu) {
     const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR, B = K / Q8_BLOCK;
@@ -195,25 +194,19 @@ static void panel_rows_q4_a8(const int8_t *xq, const float *d, const int32_t *s,
     const void *sc = (const char *)scale + n0 * (sc_f16 ? 2 : 4);
     const float *off = offset != NULL ? offset + n0 : NULL;
     const float *bs = bias != NULL ? bias + n0 : NULL;
-    const int64_t num_tiles = (m_end - m_begin + A8_MR - 1) / A8_MR;
-    const char *next = p + 1 < num_panels ? w + panel_bytes : NULL;
-    const int64_t next_lines = next != NULL ? panel_bytes / 64 : 0;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += A8_MR) {
         const int mr = (int)(m_end - m0 < A8_MR ? m_end - m0 : A8_MR);
-        const int64_t t = (m0 - m_begin) / A8_MR;
-        const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
-        const int64_t num_ahead = last - first < K ? last - first : K;
         const float *xgm = xg != NULL ? xg + m0 * G : NULL;
         if (cols == NR) {
             tile_q4_a8_dispatch(mr, silu, xq + m0 * K, K, d + m0 * B, s + m0 * B, B, xgm, G, w, sc, sc_f16, off, ldsc,
-                                group_k, bs, y + m0 * ldy + (silu ? n0 / 2 : n0), ldy, K, next + 64 * first, num_ahead);
+                                group_k, bs, y + m0 * ldy + (silu ? n0 / 2 : n0), ldy, K);
             continue;
         }
         /* the last, partial panel (never with silu): computed whole (zero-padded columns), the
          * first `cols` copied out, as in panel_rows_q4 */
         float part[A8_MR * NR];
         tile_q4_a8_dispatch(mr, 0, xq + m0 * K, K, d + m0 * B, s + m0 * B, B, xgm, G, w, sc, sc_f16, off, ldsc,
-                            group_k, bs, part, NR, K, NULL, 0);
+                            group_k, bs, part, NR, K);
         for (int m = 0; m < mr; m++) memcpy(y + (m0 + m) * ldy + n0, part + m * NR, sizeof(float) * cols);
     }
 }
@@ -251,7 +244,7 @@ int stoker_linear_q4_a8(const float *x, int64_t ldx, const void *wt, int64_t pan
             const int64_t m_begin = chunk * chunk_rows;
             const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
             if (m_begin < m_end)
-                panel_rows_q4_a8(xq, d, s, xg, G, wt, panel_bytes, num_panels, p, scale, scale_f16, offset, ldsc,
+                panel_rows_q4_a8(xq, d, s, xg, G, wt, panel_bytes, p, scale, scale_f16, offset, ldsc,
                                  group_k, bias, y, ldy, m_begin, m_end, N, K, silu_and_mul);
         }
     free(xq), free(d), free(s), free(xg);
