@@ -101,14 +101,17 @@ static inline vf load_scale(const void *sc, int f16, int64_t i) {
 /* y[0:mr, 0:NR] (or NR / 2 with silu) for rows x[0:mr] against one whole 4-bit panel: codes at
  * wt (panel layout above), or, codes_f32, already converted to floats at wt, (K, NR) row-major.
  * sc / off: the panel's scale and offset rows (ldsc apart; off NULL: all zero); xsum: X[g] of
- * each row, ldxs apart. ahead / num_ahead: lines of the next panel to prefetch meanwhile. */
+ * each row, ldxs apart. Rows Q4_PREFETCH_BLOCKS ahead within the panel are prefetched; the next
+ * panel is not (as tile_q4_a8, which says why): batch-1 decode of the 4-bit benchmark's Q4_0
+ * file, W4A16, 52.9 -> 58.2 tokens/s at 1 thread and 83.4 -> 95.9 at 2 without it; at batch 8
+ * it made no difference (25.0 / 25.2 steps/s). */
 static inline __attribute__((always_inline)) void tile_q4(const int mr, const int silu, const int codes_f32,
                                                           const float *restrict x, int64_t ldx, const void *restrict wt,
                                                           const void *restrict sc, int sc_f16,
                                                           const float *restrict off, int64_t ldsc, int64_t group_k,
                                                           const float *restrict xsum, int64_t ldxs,
                                                           const float *restrict bias, float *restrict y, int64_t ldy,
-                                                          int64_t K, const char *ahead, int64_t num_ahead) {
+                                                          int64_t K) {
     vf tot[MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < NV; j++) tot[m][j] = (vf){0};
@@ -129,8 +132,6 @@ static inline __attribute__((always_inline)) void tile_q4(const int mr, const in
             const int32_t *w = (const int32_t *)wt + kb / 8 * NR;
             for (int ofs = 0; ofs < NR * 4; ofs += 64)
                 __builtin_prefetch((const char *)(w + Q4_PREFETCH_BLOCKS * NR) + ofs, 0, 3);
-            for (int i = 0; i < 8; i++)
-                if (kb + i < num_ahead) __builtin_prefetch(ahead + 64 * (kb + i), 0, 3);
             vi v[NV];
             for (int j = 0; j < NV; j++) v[j] = *(const viu *)(w + j * VL);
             for (int i = 0; i < 8; i++)
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void tile_q4(const int mr, const in
     store_tile(mr, NV, silu, tot, bias, y, ldy);
 }
 
-#define Q4_TILE_ARGS x, ldx, wt, sc, sc_f16, off, ldsc, group_k, xsum, ldxs, bias, y, ldy, K, ahead, num_ahead
+#define Q4_TILE_ARGS x, ldx, wt, sc, sc_f16, off, ldsc, group_k, xsum, ldxs, bias, y, ldy, K
 #define Q4_TILE_CASES(SILU, F32)                                             \
     switch (mr) {                                                            \
     case 1: tile_q4(1, SILU, F32, Q4_TILE_ARGS); break;                      \
@@ -165,8 +166,7 @@ static inline __attribute__((always_inline)) void tile_q4(const int mr, const in
 
 static void tile_q4_dispatch(int mr, int silu, int codes_f32, const float *x, int64_t ldx, const void *wt,
                              const void *sc, int sc_f16, const float *off, int64_t ldsc, int64_t group_k,
-                             const float *xsum, int64_t ldxs, const float *bias, float *y, int64_t ldy, int64_t K,
-                             const char *ahead, int64_t num_ahead) {
+                             const float *xsum, int64_t ldxs, const float *bias, float *y, int64_t ldy, int64_t K) {
     if (codes_f32) {
         if (silu) Q4_TILE_CASES(1, 1) else Q4_TILE_CASES(0, 1)
     } else {
@@ -176,7 +176,7 @@ static void tile_q4_dispatch(int mr, int silu, int codes_f32, const float *x, in
 
 /* Rows [m_begin, m_end) of x against 4-bit panel p (one task of stoker_linear_q4). Returns 1
  * when the per-thread buffer could not be allocated, else 0. */
-static int panel_rows_q4(const float *x, int64_t ldx, const void *wt, int64_t panel_bytes, int64_t num_panels, int64_t p,
+static int panel_rows_q4(const float *x, int64_t ldx, const void *wt, int64_t panel_bytes, int64_t p,
                          const void *scale, int sc_f16, const float *offset, int64_t ldsc, int64_t group_k,
                          const float *xsum, int64_t ldxs, const float *bias, float *y, int64_t ldy, int64_t m_begin,
                          int64_t m_end, int64_t N, int64_t K, int silu) {
@@ -186,8 +186,6 @@ static int panel_rows_q4(const float *x, int64_t ldx, const void *wt, int64_t pa
     const float *off = offset != NULL ? offset + n0 : NULL;
     const float *b = bias != NULL ? bias + n0 : NULL;
     const int64_t num_tiles = (m_end - m_begin + MR - 1) / MR;
-    const char *next = p + 1 < num_panels ? w + panel_bytes : NULL;
-    const int64_t next_lines = next != NULL ? panel_bytes / 64 : 0;
     const void *tile_w = w;
     const int codes_f32 = num_tiles >= DEQUANT_MIN_TILES;
     if (codes_f32) { /* convert the codes once: buf (K, NR) floats in [-8, 7], the values the tiles make */
@@ -202,20 +200,17 @@ static int panel_rows_q4(const float *x, int64_t ldx, const void *wt, int64_t pa
     }
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MR) {
         const int mr = (int)(m_end - m0 < MR ? m_end - m0 : MR);
-        const int64_t t = (m0 - m_begin) / MR;
-        const int64_t first = next_lines * t / num_tiles, last = next_lines * (t + 1) / num_tiles;
-        const int64_t num_ahead = last - first < K ? last - first : K;
         const float *xs = xsum != NULL ? xsum + m0 * ldxs : NULL;
         if (cols == NR) {
             tile_q4_dispatch(mr, silu, codes_f32, x + m0 * ldx, ldx, tile_w, sc, sc_f16, off, ldsc, group_k, xs, ldxs, b,
-                             y + m0 * ldy + (silu ? n0 / 2 : n0), ldy, K, next + 64 * first, num_ahead);
+                             y + m0 * ldy + (silu ? n0 / 2 : n0), ldy, K);
             continue;
         }
         /* the last, partial panel (never with silu): zero-padded columns, computed whole into
          * a scratch tile, the first `cols` copied out: each column's arithmetic is the same */
         float part[MR * NR];
         tile_q4_dispatch(mr, 0, codes_f32, x + m0 * ldx, ldx, tile_w, sc, sc_f16, off, ldsc, group_k, xs, ldxs, b, part,
-                         NR, K, NULL, 0);
+                         NR, K);
         for (int m = 0; m < mr; m++) memcpy(y + (m0 + m) * ldy + n0, part + m * NR, sizeof(float) * cols);
     }
     return 0;
@@ -256,7 +251,7 @@ int stoker_linear_q4(const float *x, int64_t ldx, const void *wt, int64_t panel_
         for (int64_t p = 0; p < num_panels; p++) {
             const int64_t m_begin = chunk * chunk_rows;
             const int64_t m_end = (chunk + 1) * chunk_rows < M ? (chunk + 1) * chunk_rows : M;
-            failed |= panel_rows_q4(x, ldx, wt, panel_bytes, num_panels, p, scale, scale_f16, offset, ldsc, group_k,
+            failed |= panel_rows_q4(x, ldx, wt, panel_bytes, p, scale, scale_f16, offset, ldsc, group_k,
                                     xsum, G, bias, y, ldy, m_begin, m_end, N, K, silu_and_mul);
         }
     free(xsum);
