@@ -15,8 +15,10 @@ imports before it looks for a tokenizer.model, is stubbed when not installed.
 
 Peers, all in this process or spawned from it, interleaved: per repeat and thread count, every
 Stoker configuration (the median engine step of 32 batch-1 decode steps after a 64-token
-prompt: quantized_cpu.decode_steps) and then `llama-bench -p 0 -n 64 -r 1` on every file
-(tokens/s of 64 generated tokens). Reported: the median over repeats, and for Stoker the median
+prompt: quantized_cpu.decode_steps, contexts 65 to 96) and then, on every file,
+`llama-bench -d 64 -n 32 -r 1` (tokens/s of 32 tokens generated after a 64-token context: the
+same contexts, the ratios' peer) and `llama-bench -p 0 -n 64 -r 1` (64 tokens from an empty
+context, llama-bench's usual test, shown beside it). Reported: the median over repeats, and for Stoker the median
 process CPU time of a step (on a shared machine the wall time also holds the waits for a core;
 the CPU time does not, though memory contention still inflates it). Stoker runs:
 float32 and --quantization int8 on the HF checkpoint, int4 W4A16 groups of 32 (a
@@ -24,7 +26,8 @@ compressed-tensors checkpoint written from it: float32 scales), and the Q4_0 and
 files themselves (Stoker's GGUF loader: Q4_0 is int4 groups of 32 with float16 scales, the LM
 head is the file's Q6_K, int8 groups of 16), the Q4_0 file again with `--activation-dtype int8`
 (W4A8: the int4 projections take int8 activations per block of 32, as llama.cpp's Q4_0 x Q8_0
-does; the Q6_K head and the rest are unchanged), and that W4A8 engine once more with
+does, and the Q6_K head runs W6A8 in Q6_K's own 6-bit codes), the Q4_K_M file with it too (its
+Q6_K v and down W6A8 as well), and the Q4_0 W4A8 engine once more with
 `enforce_eager=True`, whose decode steps run module by module instead of as one C call
 (runner/cpu_decode.py): the fused step's gain, measured in the same run.
 
@@ -106,10 +109,15 @@ def make_files(work: Path, build: Path, src: Path) -> dict[str, Path]:
     return files
 
 
-def llama_bench(build: Path, model: Path, threads: int) -> float:
-    """tokens/s of one llama-bench run generating 64 tokens at batch 1."""
-    out = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-t", str(threads),
-                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
+# llama-bench's tests: (depth, tokens generated). (64, 32) decodes at Stoker's contexts (65-96).
+LLAMA_TESTS = {"d64 n32": ("64", "32"), "n64": ("0", "64")}
+
+
+def llama_bench(build: Path, model: Path, threads: int, test: str = "d64 n32") -> float:
+    """tokens/s of one llama-bench run generating tokens at batch 1 (LLAMA_TESTS[test])."""
+    depth, n = LLAMA_TESTS[test]
+    out = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-d", depth, "-n", n,
+                          "-t", str(threads), "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -133,6 +141,7 @@ def main() -> None:
                    "int4 GGUF Q4_0 file": (files["Q4_0"], None, "auto", False),
                    "int4 GGUF Q4_0 file, W4A8 (--activation-dtype int8)": (files["Q4_0"], None, "int8", False),
                    "int4 GGUF Q4_0 file, W4A8, module by module (--enforce-eager)": (files["Q4_0"], None, "int8", True),
+                   "int4 GGUF Q4_K_M file, W4A8 (--activation-dtype int8)": (files["Q4_K_M"], None, "int8", False),
                    "int8 GGUF Q8_0 file": (files["Q8_0"], None, "auto", False)}
         llms = {name: LLM(str(p), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4, quantization=q,
                           activation_dtype=a, enforce_eager=e) for name, (p, q, a, e) in configs.items()}
@@ -147,12 +156,15 @@ def main() -> None:
                     cpu = stoker_cpu.setdefault((name, t), [])
                     stoker.setdefault((name, t), []).append(1 / decode_steps(llm, 1, input_len=64, steps=32, cpu_times=cpu))
                 for g in GGUF_TYPES:
-                    llama.setdefault((g, t), []).append(llama_bench(args.llama_cpp, files[g], t))
+                    for test in LLAMA_TESTS:
+                        name = g if test == "d64 n32" else f"{g}, {test}"
+                        llama.setdefault((name, t), []).append(llama_bench(args.llama_cpp, files[g], t, test))
                 done = {n: round(v[(n, t)][-1], 1) for v in (stoker, llama) for n, tt in v if tt == t}
                 print(f"# repeat {len(llama[(GGUF_TYPES[0], t)])}, {t} thread(s): {done}", flush=True)
         del llms
         gc.collect()
         sizes = {g: files[g].stat().st_size for g in GGUF_TYPES}
+        sizes.update({f"{g}, {test}": sizes[g] for g in GGUF_TYPES for test in LLAMA_TESTS})
     rows = [{"engine": "Stoker", "weights": n, "threads": t, "tokens_per_s": statistics.median(v), "runs": [round(x, 1) for x in v],
              "weight_MB": held[n] / 1e6, "cpu_ms_per_step": 1e3 * statistics.median(stoker_cpu[(n, t)])}
             for (n, t), v in stoker.items()]
@@ -164,7 +176,7 @@ def main() -> None:
     for t in threads:
         base = next(r["tokens_per_s"] for r in rows if r["weights"] == "float32" and r["threads"] == t)
         q4_0 = next(r["tokens_per_s"] for r in rows if r["weights"] == "Q4_0" and r["threads"] == t)
-        print(f"\n## {t} thread(s)\n\n| engine | weights | MB held / file | tokens/s | vs Stoker float32 | vs llama.cpp Q4_0 "
+        print(f"\n## {t} thread(s)\n\n| engine | weights | MB held / file | tokens/s | vs Stoker float32 | vs llama.cpp Q4_0 (d64 n32) "
               "| CPU ms a step | runs |\n|---|---|---|---|---|---|---|---|")
         for r in (r for r in rows if r["threads"] == t):
             cpu = f"{r['cpu_ms_per_step']:.1f}" if "cpu_ms_per_step" in r else ""
