@@ -610,6 +610,53 @@ def linear_packed_q6_a8(
     return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
+def linear_packed_q4k_a8(
+    x: torch.Tensor,  # (..., K)
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 (kernels/cpu/linear_q4.pack_q4_weight)
+    sub: torch.Tensor,  # (2, K / 32, P * NR) uint8 [sc; m]
+    sup: torch.Tensor,  # (2, K / 256, P * NR) float32 [d; dmin]
+    group_k: int,  # 32
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:
+    """Twin of kernels/cpu/linear_q4.linear_q4k_a8 (Q4_K's own bytes, W4A8), bit for bit: x
+    quantized per block of 32 (quantize_q8_blocks), exact integer dot products per group times
+    its sc, then linear_q4k_a8.h's float order, each one IEEE mul or add:
+    A_s = sum_g float(I_g sc_g) * d_g, B_s = sum_g float(m_g) * X_g (X_g = d_g * float(S_g)),
+    y = y + A_s * D_s, y = y - B_s * Dmin_s, + bias."""
+    from stoker.kernels.cpu.linear_q4 import Q4K_SUPER, Q8_BLOCK, unpack_q4_panels
+
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    cols = num_panels * nr
+    codes = unpack_q4_panels(packed).permute(1, 0, 2).reshape(k, cols) + 8  # (K, P * NR) q in [0, 15]
+    rows = x.reshape(-1, k).float()
+    a, d = quantize_q8_blocks(rows, Q8_BLOCK)  # (M, K), (M, G)
+    groups = k // Q8_BLOCK
+    # |I sc| <= 32 * 15 * 127 * 63 < 2^22: exact in float64, and in float32 after
+    ints = torch.einsum("mgk,gkn->mgn", a.double().view(-1, groups, Q8_BLOCK), codes.double().view(groups, Q8_BLOCK, -1))
+    ints = (ints * sub[0].double()).float()  # (M, G, P * NR)
+    sums = a.view(-1, groups, Q8_BLOCK).sum(dim=2, dtype=torch.int32).float()  # (M, G)
+    xg = d * sums  # X_g
+    mins = sub[1].float()
+    per = Q4K_SUPER // Q8_BLOCK
+    out = torch.zeros(rows.shape[0], cols)
+    for s in range(k // Q4K_SUPER):
+        acc_a, acc_b = torch.zeros_like(out), torch.zeros_like(out)
+        for g in range(s * per, (s + 1) * per):
+            acc_a = acc_a + ints[:, g] * d[:, g : g + 1]
+            acc_b = acc_b + mins[g] * xg[:, g : g + 1]
+        out = out + acc_a * sup[0, s]
+        out = out - acc_b * sup[1, s]
+    if bias is not None:
+        out = out + bias
+    if silu_and_mul:
+        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
+        return (F.silu(gate) * up).reshape(*x.shape[:-1], cols // 2)[..., : out_features // 2]
+    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+
+
 def int4_linear(
     x: torch.Tensor,  # (..., K)
     q: torch.Tensor,  # (N, K) uint8 codes in [0, 15]

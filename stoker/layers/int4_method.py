@@ -16,6 +16,11 @@ Backends, chosen once at build (models/method_chooser.py):
            With `activations="int8"` (--activation-dtype int8, W4A8) the same panels go
            through linear_q4_a8.h instead: x quantized to int8 per block of 32 (llama.cpp's
            Q8_0), integer dot products, one float multiply per block (groups a multiple of 32).
+           A GGUF Q4_K weight (scales d sc and offsets -dmin m that factor exactly into 6-bit
+           integers per 32 and a float pair per 256: linear_q4.factor_q4_k) is held in Q4_K's
+           own bytes for W4A8 (held "q4k", linear_q4k_a8.h: 4.6 bits a weight against the
+           float32 scales and offsets' 6): weight_scale then holds the (2, G, P NR) uint8
+           sub-scales [sc; m], weight_offset the (2, K / 256, P NR) float32 [d; dmin].
   triton_w4a16  CUDA with Triton (group sizes that are multiples of 32, or per channel):
            the packed codes as loaded, scales in float16 where exact, offsets o' = o + 8 s
            dropped where zero, as cpu_q4; one of two paths by the rows M of the call
@@ -113,7 +118,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         self.group_k = 0  # set by create_weights
         self.kernel = None
         self.dtype = dtype  # the model's (activations'): the tinygemm form is held for bfloat16 only
-        self.held = "codes"  # or "tinygemm" (triton_w4a16, chosen per layer in process_after_loading)
+        # or "tinygemm" (triton_w4a16), or "q4k" (cpu_q4 W4A8, a Q4_K weight): chosen per layer in process_after_loading
+        self.held = "codes"
         self.tinygemm = None
         self.tinygemm_rows = 0
         self._forward = self._not_loaded
@@ -121,7 +127,7 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     def describe(self) -> str:
         group = f"group {self.scheme.group_size}" if self.scheme.strategy == "group" else "per channel"
         w4a8 = " W4A8 (int8 activations)" if self.activations == "int8" else ""
-        held = " (tinygemm layout)" if self.held == "tinygemm" else ""
+        held = {"tinygemm": " (tinygemm layout)", "q4k": " held as Q4_K (6-bit sub-scales)"}.get(self.held, "")
         return f"int4 {group}{'' if self.scheme.symmetric else ' asymmetric'}{w4a8} via {self.backend}{held}"
 
     def _not_loaded(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -295,6 +301,8 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
         if self.offset_is_zero_point:  # w = (q - z) * s = q * s + (-z * s)
             layer.weight_offset.data = (-layer.weight_offset.data * layer.weight_scale.data).contiguous()
             self.offset_is_zero_point = False
+        if self.backend == "cpu_q4" and self._hold_q4k(layer):
+            return
         if self.backend == "cpu_q4":
             from stoker.kernels.cpu import linear as cpu_linear
             from stoker.kernels.cpu import linear_q4
@@ -344,6 +352,34 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self._forward(layer, x)
 
+    def _hold_q4k(self, layer: Linear) -> bool:
+        """W4A8 on a Q4_K weight: its codes in the usual 4-bit panels, its scales and offsets as
+        Q4_K's 6-bit sub-scales and float pairs per 256 (linear_q4k_a8.h); False (the float32
+        scales and offsets follow) for any other weight."""
+        from stoker.kernels.cpu import linear as cpu_linear
+        from stoker.kernels.cpu import linear_q4
+
+        if self.activations != "int8" or self.group_k != linear_q4.Q8_BLOCK or layer.in_features % linear_q4.Q4K_SUPER:
+            return False
+        factors = linear_q4.factor_q4_k(layer.weight_scale.data, layer.weight_offset.data)
+        if factors is None:
+            return False
+        gate_up = self.fuse_silu_and_mul
+        sub, sup = linear_q4.pack_q4k_scales(*factors, gate_up)
+        layer.weight = nn.Parameter(linear_q4.pack_q4_weight(int4.unpack(layer.weight.data), gate_up), requires_grad=False)
+        layer.weight_scale = nn.Parameter(sub, requires_grad=False)
+        layer.weight_offset = nn.Parameter(sup, requires_grad=False)
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(cpu_linear.pack_linear_weight(layer.bias.data.float(), gate_up=gate_up), requires_grad=False)
+        self.held = "q4k"
+        self.kernel = linear_q4.linear_q4k_a8
+        self._forward = self._cpu_q4k
+        return True
+
+    def _cpu_q4k(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, layer.weight, layer.weight_scale, layer.weight_offset, self.group_k, layer.out_features,
+                           layer.bias, self.fuse_silu_and_mul)
+
     def _cpu_q4(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         bound = self.bound
         if bound.entry is self.kernel:  # not when a test swapped the kernel for its twin
@@ -359,7 +395,12 @@ class Int4LinearMethod(FusedGateUpMixin, LinearMethod):
     def c_linear_slots(self, layer: Linear) -> LinearSlots | None:
         from stoker.kernels.cpu import decoder_layer
 
-        if self.backend != "cpu_q4" or self.bound.entry is not self.kernel:
+        from stoker.kernels.cpu import linear_q4
+
+        if self.backend == "cpu_q4" and self.held == "q4k" and self.kernel is linear_q4.linear_q4k_a8:
+            return decoder_layer.linear_slots_q4k_a8(layer.weight, layer.weight_scale, layer.weight_offset, layer.bias,
+                                                     layer.out_features, self.fuse_silu_and_mul)
+        if self.backend != "cpu_q4" or self.held == "q4k" or self.bound.entry is not self.kernel:
             return None
         return decoder_layer.linear_slots_q4(self.activations == "int8", layer.weight, layer.weight_scale, layer.weight_offset,
                                              self.group_k, layer.bias, layer.out_features, self.fuse_silu_and_mul)

@@ -6,8 +6,9 @@ SSE2-only builds run them too, on an AVX2 machine the SSE2 build. The linear ker
 its fused multiply-adds, so every FMA build (AVX2, AVX-512, and -march=native whatever its
 tuning) computes each output with the same operations in the same order: their results must be
 equal bit for bit, and the SSE2 build (mul + add, two roundings) within float32 rounding.
-The W4A8 and W6A8 kernels (linear_q4_a8.h, linear_q6_a8.h: exact integer dot products, then only
-separately rounded multiplies and adds) give the same bits in every build, SSE2 included.
+The W4A8, Q4_K W4A8 and W6A8 kernels (linear_q4_a8.h, linear_q4k_a8.h, linear_q6_a8.h: exact integer
+dot products, then only separately rounded multiplies and adds) give the same bits in every build,
+SSE2 included.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_linear_q4.py",
     "tests/kernels/test_cpu_linear_q4_a8.py",
     "tests/kernels/test_cpu_linear_q6_a8.py",
+    "tests/kernels/test_cpu_linear_q4k_a8.py",
     "tests/kernels/test_kv_fp8.py",
     "tests/kernels/test_cpu_paged_decode_attention.py",
     "tests/kernels/test_cpu_prefill_attention.py",
@@ -144,6 +146,13 @@ q6a8 = {}
 for rows in (1, 37):  # W6A8: row tiles of one and of two (AVX-512)
     x6 = torch.cat([x, x, x], dim=1)[:rows, :512].contiguous()
     q6a8[rows] = cpu_q6.linear_q6_a8(x6, cpu_q6.pack_q6_weight(q6, sc6), cpu_q6.pack_q6_super_scales(d6), 300)
+q4k = {}  # Q4_K's own bytes, W4A8: 6-bit sub-scales, float pairs per 256
+codes4 = torch.randint(0, 16, (300, 512), generator=gen, dtype=torch.uint8)
+sub4 = torch.randint(0, 64, (2, 300, 16), generator=gen, dtype=torch.uint8)
+sup4 = torch.rand(2, 300, 2, generator=gen) * 1e-2
+for rows in (1, 37):
+    x4 = torch.cat([x, x, x], dim=1)[:rows, :512].contiguous()
+    q4k[rows] = cpu_q4.linear_q4k_a8(x4, cpu_q4.pack_q4_weight(codes4), *cpu_q4.pack_q4k_scales(sub4, sup4), 32, 300)
 from stoker.kernels.cpu import moe as cpu_moe
 moe = {}
 for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and unfused with odd I
@@ -151,7 +160,7 @@ for inter in (64, 17):  # SiLU fused into the gate/up tiles (NR 32 and 64), and 
     xm, ids = torch.randn(21, 72, generator=gen), torch.randn(21, 8, generator=gen).topk(3).indices
     p13, p2 = cpu_moe.pack_experts(w13, w2, inter == 64)
     moe[inter] = cpu_moe.fused_moe(xm, p13, p2, torch.rand(21, 3, generator=gen), ids, inter, inter == 64)
-torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8, "q4": q4, "q4a8": q4a8, "q6a8": q6a8, "moe": moe}, sys.argv[1])
+torch.save({"target": cpu_linear.target(), "linear": y, "silu": h, "q8": q8, "q4": q4, "q4a8": q4a8, "q6a8": q6a8, "q4k": q4k, "moe": moe}, sys.argv[1])
 """
 
 
@@ -190,6 +199,8 @@ def test_fma_builds_agree_bit_for_bit(tmp_path: Path) -> None:
             assert torch.equal(y, outs["native"]["q4a8"][key]), f"{isa} and native builds differ on W4A8 {key}"
         for key, y in out["q6a8"].items():
             assert torch.equal(y, outs["native"]["q6a8"][key]), f"{isa} and native builds differ on W6A8 {key}"
+        for key, y in out["q4k"].items():
+            assert torch.equal(y, outs["native"]["q4k"][key]), f"{isa} and native builds differ on Q4_K W4A8 {key}"
     for out in outs.values():
         torch.testing.assert_close(out["linear"], outs["native"]["linear"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["silu"], outs["native"]["silu"], rtol=1e-5, atol=1e-5)

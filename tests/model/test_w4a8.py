@@ -10,11 +10,12 @@ int4 groups of 128, seed 0; AVX-512 build, every build gives the same bits): KL 
 model, gives KL 0.28 and top-1 0.40, outside both. W4A8 must differ from W4A16 (KL > 0).
 
 A GGUF Q4_K_M file's Q6_K tensors (the LM head, a "more bits" layer's v and down) run W6A8 with
-the flag (linear_q6_a8.h: Q6_K's own 6-bit codes against the same int8 activations), the rest of
-the file W4A8: measured on the tiny llama (hidden 256, intermediate 256, 2 layers, the tests'
-llama-quantize rules), against the file with float activations, KL 2.0e-3 / top-1 0.938 with
-W4A8 alone and 2.1e-3 / 0.949 with W6A8 as well; bounds KL < 0.006, top-1 >= 0.9; one planted
-fault (the head's first super-scales doubled) gives KL 1.9, top-1 0.12.
+the flag (linear_q6_a8.h: Q6_K's own 6-bit codes against the same int8 activations) and its Q4_K
+tensors W4A8 in Q4_K's own bytes (linear_q4k_a8.h: 6-bit sub-scales, a float pair per 256):
+measured on the tiny llama (hidden 256, intermediate 256, 2 layers, the tests' llama-quantize
+rules), against the file with float activations, KL 2.1e-3 / top-1 0.949 (W4A8 on float32
+scales alone: 2.0e-3 / 0.938); bounds KL < 0.006, top-1 >= 0.9; one planted fault (the head's
+first super-scales doubled) gives KL 1.9, top-1 0.12.
 
 Also: every int4 projection, and only those, reports W4A8; refusals, each naming the problem:
 a float model, weights that are not int4, a model the CPU kernels do not run (bfloat16 here,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from stoker import LLM
 from stoker.kernels.cpu import linear as cpu_linear
@@ -90,6 +92,12 @@ def test_a_gguf_files_q6_k_tensors_run_w6a8_in_q6_ks_bytes(tiny_checkpoints, pos
         assert m.weight.numel() == padded * m.in_features * 13 // 16  # 6.5 bits a weight, Q6_K's codes and sub-scales
         assert m.weight_scale.numel() == padded * m.in_features // linear_q6.SUPER  # a float32 d per 256
     assert "v: int8 group held 6-bit (Q6_K), W6A8" in model.model.layers[1].self_attn.qkv_proj.method.describe()
+    q4k = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.method, Int4LinearMethod)]
+    assert len(q4k) == 6 and all(m.method.held == "q4k" for m in q4k)  # Q4_K: gate_up x 2, o x 2, qkv, down
+    for m in q4k:  # the codes' panels, one byte of sc and of m per 32, a float32 d and dmin per 256
+        padded = -(-m.out_features // nr) * nr
+        assert m.weight_scale.dtype == torch.uint8 and m.weight_scale.numel() == 2 * padded * m.in_features // 32
+        assert m.weight_offset.numel() == 2 * padded * m.in_features // 256
     kl, top1 = kl_and_top1(ref, engine_logits(llm, positions))
     assert 0 < kl < 0.006 and top1 >= MIN_TOP1, f"KL {kl:.5f}, top-1 {top1:.3f}"
     held["lm_head"].weight_scale.data[0, :64] *= 2

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c", "store_kvcache.c", "lora.c", "encoder_layer.c", "decoder_layer.c", "moe.c", "mla_decode_attention.c"))
 # Included by the sources: part of the cache key, so an edit rebuilds.
 _HEADERS = (Path(__file__).with_name("fp8.h"), Path(__file__).with_name("linear_q4.h"),
-            Path(__file__).with_name("linear_q4_a8.h"), Path(__file__).with_name("linear_q6_a8.h"), Path(__file__).with_name("rows.h"))
+            Path(__file__).with_name("linear_q4_a8.h"), Path(__file__).with_name("linear_q6_a8.h"),
+            Path(__file__).with_name("linear_q4k_a8.h"), Path(__file__).with_name("rows.h"))
 # -ffast-math lets gcc vectorize expf (through glibc's libmvec) and reassociate the dot
 # products' sums; the kernel never sees inf/NaN (it reads only positions it attends). It is
 # given to the compile step only: linked in, it would add crtfastmath.o, whose constructor
@@ -200,6 +201,7 @@ def library() -> ctypes.CDLL | None:
         "stoker_linear_q4": ([p, i64, p, i64, p, i32, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
         "stoker_linear_q4_a8": ([p, i64, p, i64, p, i32, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
         "stoker_linear_q6_a8": ([p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
+        "stoker_linear_q4k_a8": ([p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64, i32, i32], i32),
         "stoker_linear_nr": ([], i32),
         "stoker_linear_vl": ([], i32),
         "stoker_cpu_target": ([], ctypes.c_char_p),

@@ -27,7 +27,8 @@
  *
  * Each run of a projection is described by LINEAR_SLOTS int64s (decoder_layer.py builds them from
  * the layer's weight method): kind (0 float32 panels, 1 one-byte panels, 2 4-bit W4A16, 3 4-bit
- * W4A8, 4 6-bit W6A8: its scales are the super-scales), the panels, their ldw (float32 / one-byte: NR; 4-bit: bytes a panel), the panel stride
+ * W4A8, 4 6-bit W6A8: its scales are the super-scales, 5 Q4_K W4A8: its scales the sub-scales, its
+ * offsets the super-scales), the panels, their ldw (float32 / one-byte: NR; 4-bit: bytes a panel), the panel stride
  * (float32 / one-byte), fmt (one-byte: 1 int8, 2 FP8; 4-bit: scales are float16), scales, 4-bit
  * offsets, ldsc, group_k, bias, N, K, whether the kernel writes silu(gate) * up itself, and
  * where its columns go in the projection's output (first column, row stride). A layer is
@@ -71,10 +72,13 @@ int stoker_linear_q4_a8(const float *x, int64_t ldx, const void *wt, int64_t pan
 int stoker_linear_q6_a8(const float *x, int64_t ldx, const void *wt, int64_t panel_bytes, const float *super_scale,
                         int64_t ldsc, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                         int silu_and_mul, int num_threads);
+int stoker_linear_q4k_a8(const float *x, int64_t ldx, const void *wt, int64_t panel_bytes, const uint8_t *sub,
+                         const float *sup, int64_t ldsc, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                         int64_t K, int silu_and_mul, int num_threads);
 
 enum { LIN_KIND, LIN_W, LIN_LDW, LIN_PANEL_STRIDE, LIN_FMT, LIN_SCALE, LIN_OFFSET, LIN_LDSC, LIN_GROUP_K, LIN_BIAS,
        LIN_N, LIN_K, LIN_SILU, LIN_Y_OFFSET, LIN_LDY, LINEAR_SLOTS };
-enum { KIND_NONE = -1, KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8, KIND_Q6_A8 };
+enum { KIND_NONE = -1, KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8, KIND_Q6_A8, KIND_Q4K_A8 };
 /* A projection is up to MAX_PARTS runs side by side (a GGUF k-quant mix's q/k beside a wider v:
  * layers/composite_method.py), each writing its columns of the output at LIN_Y_OFFSET; unused
  * runs are KIND_NONE. */
@@ -122,6 +126,11 @@ static int run_part(const int64_t *d, const float *x, int64_t ldx, float *y, int
     case KIND_Q6_A8:
         status = stoker_linear_q6_a8(x, ldx, PTR(const void *, d[LIN_W]), d[LIN_LDW], PTR(const float *, d[LIN_SCALE]),
                                      d[LIN_LDSC], bias, out, ldy, M, N, K, silu, num_threads);
+        break;
+    case KIND_Q4K_A8:
+        status = stoker_linear_q4k_a8(x, ldx, PTR(const void *, d[LIN_W]), d[LIN_LDW], PTR(const uint8_t *, d[LIN_SCALE]),
+                                      PTR(const float *, d[LIN_OFFSET]), d[LIN_LDSC], bias, out, ldy, M, N, K, silu,
+                                      num_threads);
         break;
     default:
         status = 1;

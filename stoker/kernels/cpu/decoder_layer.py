@@ -17,7 +17,7 @@ import torch
 from stoker.kernels.cpu.common import _checked_library
 
 # decoder_layer.c's kinds of projection
-KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8, KIND_Q6_A8 = 0, 1, 2, 3, 4
+KIND_F32, KIND_Q8, KIND_Q4, KIND_Q4_A8, KIND_Q6_A8, KIND_Q4K_A8 = 0, 1, 2, 3, 4, 5
 Q8_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 # decoder_layer.c's status codes -> what refused
@@ -135,6 +135,18 @@ def linear_slots_q6_a8(packed: torch.Tensor, super_scales: torch.Tensor, bias: t
     _check_bias(bias, num_panels * nr)
     return LinearSlots(((KIND_Q6_A8, packed.data_ptr(), k // CHUNK * packed.shape[2], 0, 0, super_scales.data_ptr(), 0,
                          num_panels * nr, 0, _ptr(bias), out_features, k, int(silu)),), (packed, super_scales, bias))
+
+
+def linear_slots_q4k_a8(packed: torch.Tensor, sub: torch.Tensor, sup: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int, silu: bool) -> LinearSlots:
+    """A Q4_K projection in its own bytes, W4A8 (linear_q4.py's panels, sub- and super-scales)."""
+    from stoker.kernels.cpu.linear_q4 import check_q4k
+
+    num_panels, k, nr = check_q4k(packed, sub, sup)
+    _check_panels(packed, out_features, nr, silu)
+    _check_bias(bias, num_panels * nr)
+    return LinearSlots(((KIND_Q4K_A8, packed.data_ptr(), k * nr // 2, 0, 0, sub.data_ptr(), sup.data_ptr(),
+                         num_panels * nr, 0, _ptr(bias), out_features, k, int(silu)),), (packed, sub, sup, bias))
 
 
 @dataclass

@@ -39,7 +39,8 @@
  *
  * 4-bit weights (stoker_linear_q4): linear_q4.h, included at the end of this file; with int8
  * activations (stoker_linear_q4_a8, W4A8): linear_q4_a8.h, after it; GGUF's Q6_K with int8
- * activations (stoker_linear_q6_a8, W6A8): linear_q6_a8.h, last.
+ * activations (stoker_linear_q6_a8, W6A8): linear_q6_a8.h; GGUF's Q4_K in its own bytes with
+ * int8 activations (stoker_linear_q4k_a8): linear_q4k_a8.h, last.
  *
  * Tiles: NR = NV vectors of VL floats (GCC vector extensions, lowered to AVX-512, AVX2 or
  * SSE by -march=native). MR * NV accumulators + NV weight vectors must fit the register file:
@@ -399,6 +400,7 @@ int stoker_linear_q8(const float *x, int64_t ldx, const void *wt, int64_t ldw, i
 #include "linear_q4.h"
 #include "linear_q4_a8.h"
 #include "linear_q6_a8.h"
+#include "linear_q4k_a8.h"
 
 int stoker_linear_nr(void) { return NR; }
 

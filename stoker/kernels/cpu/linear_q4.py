@@ -178,3 +178,104 @@ class BoundQ4Linear:
 
 
 _ENTRY_POINTS = {linear_q4: ("stoker_linear_q4", ROWS_PER_BLOCK), linear_q4_a8: ("stoker_linear_q4_a8", Q8_BLOCK)}
+
+
+# -- GGUF's Q4_K in its own bytes, W4A8 (linear_q4k_a8.h) ---------------------------------------
+Q4K_SUPER = 256  # columns of K per super-block: one d and one dmin
+Q4K_SUB_MAX = 63  # sc and m are 6-bit
+
+
+def _factor_unsigned(v: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(N, G) float32 values -> (ints (N, G) uint8 in [0, 63], D (N, G / per) float32) with
+    D * ints == v exactly for every value, or None when some run of `per` has no such factoring.
+    D is the run's value of largest magnitude over the integer it was quantized to: tried from
+    63 down (llama.cpp's Q4_K quantizer gives the largest sub-scale 63; most runs resolve there)."""
+    n, g = v.shape
+    if g % per or v.dtype != torch.float32:
+        return None
+    runs = v.reshape(-1, per)  # (N * S, per)
+    top = runs.gather(1, runs.abs().argmax(dim=1, keepdim=True))  # (N * S, 1), signed
+    ints = torch.zeros_like(runs)
+    scale = torch.zeros_like(top)
+    todo = (top != 0).squeeze(1).nonzero().squeeze(1)  # an all-zero run: D = 0, ints 0
+    for c in range(Q4K_SUB_MAX, 0, -1):
+        if todo.numel() == 0:
+            break
+        cand = top[todo] / c
+        q = torch.round(runs[todo] / cand)
+        ok = ((q >= 0) & (q <= Q4K_SUB_MAX) & (cand * q == runs[todo])).all(dim=1)
+        ints[todo[ok]], scale[todo[ok]] = q[ok], cand[ok]
+        todo = todo[~ok]
+    if todo.numel():
+        return None
+    return ints.to(torch.uint8).reshape(n, g), scale.reshape(n, g // per)
+
+
+def factor_q4_k(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The 4-bit method's (N, K / 32) scales and offsets of a Q4_K weight (scale = d sc, offset
+    = -(dmin m)) -> (sub (2, N, K / 32) uint8 [sc; m], sup (2, N, K / 256) float32 [d; dmin]),
+    every product exact, or None (not Q4_K's form: other groups, offsets of either sign ...)."""
+    per = Q4K_SUPER // Q8_BLOCK
+    s = _factor_unsigned(scale.float().contiguous(), per)
+    o = _factor_unsigned((-offset.float()).contiguous(), per)
+    if s is None or o is None:
+        return None
+    return torch.stack([s[0], o[0]]), torch.stack([s[1], o[1]])
+
+
+def pack_q4k_scales(sub: torch.Tensor, sup: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """factor_q4_k's (2, N, G) uint8 and (2, N, S) float32 -> (2, G, P * NR) uint8 and (2, S, P *
+    NR) float32, columns in the panels' order (zero past N): what `linear_q4k_a8` takes."""
+    def columns(t: torch.Tensor) -> torch.Tensor:  # (N, R) -> (R, P * NR)
+        return torch.stack([pack_linear_weight(t[:, r].contiguous(), gate_up=gate_up) for r in range(t.shape[1])])
+
+    return (torch.stack([columns(sub[0]), columns(sub[1])]).contiguous(),
+            torch.stack([columns(sup[0]), columns(sup[1])]).contiguous())
+
+
+def check_q4k(packed: torch.Tensor, sub: torch.Tensor, sup: torch.Tensor) -> tuple[int, int, int]:
+    """The panels and sub- / super-scales of a Q4_K W4A8 call fit together -> (num_panels, K, NR)."""
+    num_panels, k, half = packed.shape
+    nr = 2 * half
+    if packed.dtype != torch.uint8 or not packed.is_contiguous() or nr != panel_width():
+        raise ValueError(f"linear_q4k_a8 needs contiguous uint8 panels of {panel_width() // 2} bytes a row, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    k_groups = k // Q8_BLOCK
+    if k % Q4K_SUPER:
+        raise ValueError(f"linear_q4k_a8: K = {k} is not a multiple of {Q4K_SUPER}")
+    if sub.shape != (2, k_groups, num_panels * nr) or sub.dtype != torch.uint8 or not sub.is_contiguous():
+        raise ValueError(f"sub-scales {tuple(sub.shape)} {sub.dtype}, expected contiguous (2, {k_groups}, {num_panels * nr}) uint8")
+    if sup.shape != (2, k // Q4K_SUPER, num_panels * nr) or sup.dtype != torch.float32 or not sup.is_contiguous():
+        raise ValueError(f"super-scales {tuple(sup.shape)} {sup.dtype}, expected contiguous "
+                         f"(2, {k // Q4K_SUPER}, {num_panels * nr}) float32")
+    return num_panels, k, nr
+
+
+def linear_q4k_a8(
+    x: torch.Tensor,  # (..., K) float32
+    packed: torch.Tensor,  # (P, K, NR / 2) uint8 panels (pack_q4_weight)
+    sub: torch.Tensor,  # (2, K / 32, P * NR) uint8 [sc; m] (pack_q4k_scales)
+    sup: torch.Tensor,  # (2, K / 256, P * NR) float32 [d; dmin]
+    group_k: int,  # 32: the 4-bit method's call shape (Q4_K's groups)
+    out_features: int,
+    bias: torch.Tensor | None = None,  # (P * NR,) in panel order
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (..., N), or (..., N / 2) with silu_and_mul
+    """W4A8 on Q4_K's own bytes: the 4-bit panels with integer sub-scales sc and m per 32 and
+    float32 d, dmin per 256 (linear_q4k_a8.h, stoker_linear_q4k_a8; twin
+    reference.linear_packed_q4k_a8)."""
+    if group_k != Q8_BLOCK:
+        raise ValueError(f"linear_q4k_a8 holds Q4_K's groups of {Q8_BLOCK}, not {group_k}")
+    lib = _checked_library()
+    num_panels, k, nr = check_q4k(packed, sub, sup)
+
+    def call(rows: torch.Tensor, stride: int, out: torch.Tensor, width: int) -> None:
+        status = lib.stoker_linear_q4k_a8(
+            rows.data_ptr(), stride, packed.data_ptr(), k * nr // 2, sub.data_ptr(), sup.data_ptr(), num_panels * nr,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], out_features, k,
+            int(silu_and_mul), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("linear_q4k_a8: could not allocate its buffers")
+
+    return _run_linear(x, packed, out_features, bias, silu_and_mul, call, nr)
