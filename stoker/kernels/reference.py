@@ -504,12 +504,7 @@ def linear_packed_q4(
     out = (per_group * scales.float()).sum(dim=1)  # (M, P * NR)
     if offsets is not None:
         out = out + rows.view(-1, groups, group_k).sum(dim=2) @ offsets
-    if bias is not None:
-        out = out + bias
-    if silu_and_mul:
-        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
-        return (F.silu(gate) * up).reshape(*x.shape[:-1], num_panels * nr // 2)[..., : out_features // 2]
-    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+    return _packed_output(out, bias, silu_and_mul, nr, out_features, x.shape[:-1])
 
 
 def quantize_q8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -522,6 +517,19 @@ def quantize_q8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, 
     inv = torch.where(d > 0, 1.0 / d.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(d))
     a = torch.round(blocks * inv.unsqueeze(2)).clamp(-127, 127)
     return a.to(torch.int8).reshape(x.shape), d
+
+
+def _packed_output(out: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool, nr: int, out_features: int,
+                   lead: torch.Size) -> torch.Tensor:
+    """The end of the packed-panel twins: (M, P * NR) sums in panel column order, + bias, then
+    silu(gate) * up per panel (its NR / 2 gate then NR / 2 up columns) or the first out_features
+    columns, shaped (*lead, N) or (*lead, N / 2)."""
+    if bias is not None:
+        out = out + bias
+    if silu_and_mul:
+        gate, up = out.view(out.shape[0], -1, 2, nr // 2).unbind(dim=2)
+        return (F.silu(gate) * up).reshape(*lead, out.shape[1] // 2)[..., : out_features // 2]
+    return out[:, :out_features].reshape(*lead, out_features)
 
 
 def linear_packed_q4_a8(
@@ -561,12 +569,7 @@ def linear_packed_q4_a8(
         out = out + acc * scales[g].float()
         if offsets is not None:
             out = out + offsets[g] * xg
-    if bias is not None:
-        out = out + bias
-    if silu_and_mul:
-        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
-        return (F.silu(gate) * up).reshape(*x.shape[:-1], num_panels * nr // 2)[..., : out_features // 2]
-    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+    return _packed_output(out, bias, silu_and_mul, nr, out_features, x.shape[:-1])
 
 
 def linear_packed_q6_a8(
@@ -602,12 +605,7 @@ def linear_packed_q6_a8(
         for b in range(s * blocks_per_super, (s + 1) * blocks_per_super):
             acc = acc + ints[:, b] * d[:, b : b + 1]
         out = out + acc * super_scales[s]
-    if bias is not None:
-        out = out + bias
-    if silu_and_mul:
-        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
-        return (F.silu(gate) * up).reshape(*x.shape[:-1], cols // 2)[..., : out_features // 2]
-    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+    return _packed_output(out, bias, silu_and_mul, nr, out_features, x.shape[:-1])
 
 
 def linear_packed_q4k_a8(
@@ -649,12 +647,7 @@ def linear_packed_q4k_a8(
             acc_b = acc_b + mins[g] * xg[:, g : g + 1]
         out = out + acc_a * sup[0, s]
         out = out - acc_b * sup[1, s]
-    if bias is not None:
-        out = out + bias
-    if silu_and_mul:
-        gate, up = out.view(-1, num_panels, 2, nr // 2).unbind(dim=2)
-        return (F.silu(gate) * up).reshape(*x.shape[:-1], cols // 2)[..., : out_features // 2]
-    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+    return _packed_output(out, bias, silu_and_mul, nr, out_features, x.shape[:-1])
 
 
 def int4_linear(

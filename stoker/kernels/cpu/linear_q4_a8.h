@@ -55,6 +55,45 @@ static inline vi dot4_u8s8(vi acc, vi w, vi a) {
 #endif
 }
 
+/* VL bytes at p widened to int32 lanes: sign-extended (is_signed, a constant at each call) or
+ * zero-extended; one vpmovsxbd / vpmovzxbd (gcc's generic conversion of a byte vector went
+ * through scalar registers). The W6A8 and Q4_K kernels' per-column sub-scales. */
+static inline vi byte_lanes(const void *p, const int is_signed) {
+#if defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return (vi)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return (vi)(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+    vi out;
+    for (int l = 0; l < VL; l++) out[l] = is_signed ? ((const int8_t *)p)[l] : ((const uint8_t *)p)[l];
+    return out;
+#endif
+}
+
+/* isum[m][j] += the int8 rows xq[m] (ldq apart) . the 4-bit codes q of 8 rows of K from kb (one
+ * block of a panel at w: NR int32 lanes of nibbles, q ^ 8), per column lane: two 4-byte dot
+ * products per vector, the even rows' nibbles against the even activations, then the odd. */
+static inline __attribute__((always_inline)) void q4_a8_rows8(const int mr, vi isum[A8_MR][NV],
+                                                               const int8_t *restrict xq, int64_t ldq,
+                                                               const int32_t *restrict w, int64_t kb) {
+    const vi low_nibbles = (vi){0} + 0x0F0F0F0F, flip = (vi){0} + (int32_t)0x88888888;
+    vi even[A8_MR], odd[A8_MR];
+    for (int m = 0; m < mr; m++) {
+        int32_t e, o;
+        memcpy(&e, xq + m * ldq + kb, 4);
+        memcpy(&o, xq + m * ldq + kb + 4, 4);
+        even[m] = (vi){0} + e;
+        odd[m] = (vi){0} + o;
+    }
+    for (int j = 0; j < NV; j++) {
+        const vi u = *(const viu *)(w + j * VL) ^ flip; /* nibbles q in [0, 15] */
+        const vi lo = u & low_nibbles, hi = (vi)((vu)u >> 4) & low_nibbles;
+        for (int m = 0; m < mr; m++) isum[m][j] = dot4_u8s8(dot4_u8s8(isum[m][j], lo, even[m]), hi, odd[m]);
+    }
+}
+
 /* Rows x[0:M] -> xq (M, K) int8 in the per-8 interleaved order above, d (M, K / 32) and
  * S (M, K / 32). One fixed sequence of IEEE operations per value (no sums of floats): the
  * block's amax (exact in any order), scale = amax * (1 / 127), inv = 1 / scale, and per value
@@ -121,7 +160,6 @@ static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const
                                                              int sc_f16, const float *restrict off, int64_t ldsc,
                                                              int64_t group_k, const float *restrict bias,
                                                              float *restrict y, int64_t ldy, int64_t K) {
-    const vi low_nibbles = (vi){0} + 0x0F0F0F0F, flip = (vi){0} + (int32_t)0x88888888;
     vf tot[A8_MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < NV; j++) tot[m][j] = (vf){0};
@@ -133,22 +171,8 @@ static inline __attribute__((always_inline)) void tile_q4_a8(const int mr, const
             vi isum[A8_MR][NV];
             for (int m = 0; m < mr; m++)
                 for (int j = 0; j < NV; j++) isum[m][j] = (vi){0};
-            for (int64_t kb = k1; kb < k1 + Q8_BLOCK; kb += 8) {
-                const int32_t *w = (const int32_t *)wt + kb / 8 * NR;
-                vi even[A8_MR], odd[A8_MR];
-                for (int m = 0; m < mr; m++) {
-                    int32_t e, o;
-                    memcpy(&e, xq + m * ldq + kb, 4);
-                    memcpy(&o, xq + m * ldq + kb + 4, 4);
-                    even[m] = (vi){0} + e;
-                    odd[m] = (vi){0} + o;
-                }
-                for (int j = 0; j < NV; j++) {
-                    const vi u = *(const viu *)(w + j * VL) ^ flip; /* nibbles q in [0, 15] */
-                    const vi lo = u & low_nibbles, hi = (vi)((vu)u >> 4) & low_nibbles;
-                    for (int m = 0; m < mr; m++) isum[m][j] = dot4_u8s8(dot4_u8s8(isum[m][j], lo, even[m]), hi, odd[m]);
-                }
-            }
+            for (int64_t kb = k1; kb < k1 + Q8_BLOCK; kb += 8)
+                q4_a8_rows8(mr, isum, xq, ldq, (const int32_t *)wt + kb / 8 * NR, kb);
             const int64_t b = k1 / Q8_BLOCK;
             for (int m = 0; m < mr; m++) {
                 const int32_t corr = 8 * s[m * ldd + b];

@@ -27,19 +27,6 @@
 
 #define Q4K_SUPER 256
 
-/* VL unsigned bytes, zero-extended to int32 lanes. */
-static inline vi load_u8_lanes(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    vi out;
-    for (int l = 0; l < VL; l++) out[l] = p[l];
-    return out;
-#endif
-}
-
 /* y[0:mr, 0:NR] (or NR / 2 with silu) for quantized rows xq[0:mr] (ldq bytes apart; d and X ldd
  * apart) against one whole 4-bit panel wt; sub: the panel's sc bytes, sub + G * ldsc its m bytes
  * (G = K / 32 rows each, ldsc apart); sup: its D, sup + (K / 256) * ldsc its Dmin. */
@@ -50,7 +37,6 @@ static inline __attribute__((always_inline)) void tile_q4k_a8(const int mr, cons
                                                               const float *restrict sup, int64_t ldsc,
                                                               const float *restrict bias, float *restrict y,
                                                               int64_t ldy, int64_t K) {
-    const vi low_nibbles = (vi){0} + 0x0F0F0F0F, flip = (vi){0} + (int32_t)0x88888888;
     const int64_t G = K / Q8_BLOCK, S = K / Q4K_SUPER;
     vf tot[A8_MR][NV];
     for (int m = 0; m < mr; m++)
@@ -63,25 +49,11 @@ static inline __attribute__((always_inline)) void tile_q4k_a8(const int mr, cons
             vi isum[A8_MR][NV];
             for (int m = 0; m < mr; m++)
                 for (int j = 0; j < NV; j++) isum[m][j] = (vi){0};
-            for (int64_t kb = g * Q8_BLOCK; kb < (g + 1) * Q8_BLOCK; kb += 8) {
-                const int32_t *w = (const int32_t *)wt + kb / 8 * NR;
-                vi even[A8_MR], odd[A8_MR];
-                for (int m = 0; m < mr; m++) {
-                    int32_t e, o;
-                    memcpy(&e, xq + m * ldq + kb, 4);
-                    memcpy(&o, xq + m * ldq + kb + 4, 4);
-                    even[m] = (vi){0} + e;
-                    odd[m] = (vi){0} + o;
-                }
-                for (int j = 0; j < NV; j++) {
-                    const vi u = *(const viu *)(w + j * VL) ^ flip; /* nibbles q in [0, 15] */
-                    const vi lo = u & low_nibbles, hi = (vi)((vu)u >> 4) & low_nibbles;
-                    for (int m = 0; m < mr; m++) isum[m][j] = dot4_u8s8(dot4_u8s8(isum[m][j], lo, even[m]), hi, odd[m]);
-                }
-            }
+            for (int64_t kb = g * Q8_BLOCK; kb < (g + 1) * Q8_BLOCK; kb += 8)
+                q4_a8_rows8(mr, isum, xq, ldq, (const int32_t *)wt + kb / 8 * NR, kb);
             for (int j = 0; j < NV; j++) {
-                const vi sc = load_u8_lanes(sub + g * ldsc + j * VL);
-                const vf mn = __builtin_convertvector(load_u8_lanes(sub + (G + g) * ldsc + j * VL), vf);
+                const vi sc = byte_lanes(sub + g * ldsc + j * VL, 0);
+                const vf mn = __builtin_convertvector(byte_lanes(sub + (G + g) * ldsc + j * VL, 0), vf);
                 for (int m = 0; m < mr; m++) {
                     acc_a[m][j] = acc_a[m][j] + __builtin_convertvector(isum[m][j] * sc, vf) * d[m * ldd + g];
                     acc_b[m][j] = acc_b[m][j] + mn * X[m * ldd + g];

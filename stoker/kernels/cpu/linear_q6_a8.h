@@ -44,19 +44,6 @@
 #define Q6_SUPER 256  /* rows of K per super-scale D */
 #define Q6_CHUNK_BYTES (13 * NR)
 
-/* VL int8 sub-scales, sign-extended to int32 lanes (one vpmovsxbd; gcc's generic conversion of
- * a byte vector went through scalar registers, a third of the kernel's time). */
-static inline vi load_i8_lanes(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    vi out;
-    for (int l = 0; l < VL; l++) out[l] = p[l];
-    return out;
-#endif
-}
 
 /* S16: the activations' sums per chunk of 16 (M, K / 16), exact, from xq (a chunk is two whole
  * groups of 8, so the interleaved order within them does not change the sum). */
@@ -105,7 +92,7 @@ static inline __attribute__((always_inline)) void tile_q6_a8(const int mr, const
                 for (int j = 0; j < NV; j++) {
                     const vi u0 = *(const viu *)(chunk + 4 * j * VL), u1 = *(const viu *)(chunk + 4 * (NR + j * VL));
                     const vi h = *(const viu *)(chunk + 4 * (2 * NR + j * VL));
-                    const vi sc = load_i8_lanes((const int8_t *)(chunk + 12 * NR + j * VL));
+                    const vi sc = byte_lanes(chunk + 12 * NR + j * VL, 1); /* signed sub-scales */
                     const vi q_e0 = (u0 & low_nibbles) | ((vi)((vu)h << 4) & top_bits);
                     const vi q_o0 = ((vi)((vu)u0 >> 4) & low_nibbles) | ((vi)((vu)h << 2) & top_bits);
                     const vi q_e1 = (u1 & low_nibbles) | (h & top_bits);
