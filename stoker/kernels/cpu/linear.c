@@ -71,9 +71,9 @@
  * it from memory, and at small M nothing else hides that latency (M = 8-16 over 8 layers'
  * weights: ~15% faster with it; no change at prefill sizes). */
 #define PREFETCH_ROWS 8
-/* Row tiles of a task from which it prefetches the next panel meanwhile (panel_rows says why). */
+/* Row tiles of a task from which one-byte panels prefetch the next panel meanwhile (panel_rows
+ * says why). */
 #define NEXT_PANEL_MIN_TILES_Q8 2
-#define NEXT_PANEL_MIN_TILES_F32 8
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
@@ -294,18 +294,20 @@ static int panel_rows(int fmt, const float *x, int64_t ldx, const void *wt, int6
     const int64_t vec_cols = (int64_t)nv * VL;
     const void *w = (const char *)wt + p * panel_stride * esize;
     const float *sc = scale != NULL ? scale + n0 : NULL;
-    /* From NEXT_PANEL_MIN_TILES row tiles up, while this panel's tiles run (from L2 after the
-     * first), the next panel is prefetched, a share per tile, one cache line per k step, so the
-     * next panel's first tile does not wait on memory. Below that the prefetched lines crowd
-     * out the ones being read (batch-1 decode: the whole next panel pulled into L1 while this
-     * one streams through it). Measured on the 4-bit benchmark's ~0.4B Llama (1 thread, steps/s,
-     * medians of 4 interleaved runs): int8 batch 1 38.3 with it, 40.7 without; batch 8 (2
-     * tiles) 25.2 with, 24.5 without; a 512-token int8 prefill 1.76 s with, 1.79 without;
-     * float32 batch 1 15.5 with, 17.0 without, batch 8 15.5 with, 17.2 without; and moe.c's
-     * float32 experts (benchmarks/moe_cpu.py, the layer part, 1 thread, CPU ms): 88 with, 93
-     * without at 512 tokens (~128 rows an expert), 14.0 and 13.8 at 64 (~16). */
+    /* While this panel's tiles run (from L2 after the first), the next panel is prefetched, a
+     * share per tile, one cache line per k step, so the next panel's first tile does not wait on
+     * memory. Not for one-byte panels below NEXT_PANEL_MIN_TILES_Q8 row tiles: at batch-1 decode
+     * the whole next panel (K lines: all of it) pulled into L1 while this one streams through it
+     * evicts the lines being read. Measured on the 4-bit benchmark's ~0.4B Llama (1 thread,
+     * steps/s, medians of 4 interleaved runs): int8 batch 1 38.3 with it, 40.7 without; batch 8
+     * (2 tiles) 25.2 with, 24.5 without; a 512-token int8 prefill 1.76 s with, 1.79 without.
+     * Float32 panels always prefetch (K lines: a quarter of the next panel): without it that
+     * model's float32 batch-1 decode was faster (15.5 -> 17.0 steps/s) but the cost model's
+     * small Llama (benchmarks/predict_cpu.py, hidden 512) was ~8% slower at batch 1 on 2 threads
+     * (4.09 -> 4.42 ms a step, medians of 5 alternating runs), and moe.c's float32 experts at
+     * 512 tokens 88 -> 93 ms of CPU. */
     const int64_t num_tiles = (m_end - m_begin + MR - 1) / MR;
-    const int64_t min_tiles = fmt == W_F32 ? NEXT_PANEL_MIN_TILES_F32 : NEXT_PANEL_MIN_TILES_Q8;
+    const int64_t min_tiles = fmt == W_F32 ? 1 : NEXT_PANEL_MIN_TILES_Q8;
     const char *next = num_tiles >= min_tiles && p + 1 < num_panels
                            ? (const char *)wt + (p + 1) * panel_stride * esize : NULL;
     const int64_t next_lines = next != NULL ? K * ldw * esize / 64 : 0;
